@@ -1,0 +1,28 @@
+"""Token-block hashing and a radix tree with LRU subtree eviction.
+
+Shared by the gateway and the worker; pure Python (stdlib + xxhash), no torch, no I/O.
+
+* `BlockHasher` (hashing.py): chained, salted u64 hashes of full token blocks, with a
+  byte-level spec so other languages can reproduce them.
+* `RadixTree[V]` (tree.py): longest-prefix match over whole blocks, insert, ref-counted
+  locks, LRU leaf eviction in O(log n) per block, subtree removal, snapshots. Each block
+  carries one V (the worker: a KV block id).
+* `OwnerIndex` (owners.py): a `RadixTree` keyed by block hashes whose blocks carry the
+  set of workers holding them (the gateway), with per-owner updates that never scan.
+"""
+
+from prefixgate.radix.hashing import HASH_VERSION, BlockHasher
+from prefixgate.radix.owners import OwnerIndex, OwnerMatch
+from prefixgate.radix.tree import InsertResult, LockedError, MatchResult, Node, RadixTree
+
+__all__ = [
+    "HASH_VERSION",
+    "BlockHasher",
+    "InsertResult",
+    "LockedError",
+    "MatchResult",
+    "Node",
+    "OwnerIndex",
+    "OwnerMatch",
+    "RadixTree",
+]

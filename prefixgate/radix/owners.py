@@ -1,0 +1,188 @@
+"""The gateway's view: which owners (workers) hold each block of a prefix tree.
+
+`OwnerIndex` is a `RadixTree[frozenset[O]]` with block_size=1 whose "tokens" are chained
+block hashes (see hashing.py): each hash is one block, and since a chained hash names
+its whole prefix, it also names the block's position in the tree. Two side indexes make
+per-block updates cheap without scanning the tree:
+
+* hash -> node holding that block (kept right across splits and drops by tree hooks);
+* owner -> hashes of the blocks it holds (for `remove_owner` of a dead worker).
+
+Owner sets are interned frozensets, so the many blocks held by the same workers share
+one set object (a pointer per block instead of a set per block).
+
+Invariants: every resident block is either on the path to an owned block or has at
+least one owner; a leaf block with no owner is dropped at once (its parent may then be
+dropped in turn). Block hashes must be unique per block, which chained hashes are.
+Locks are not used by the index; its `evict` still works for bounding memory (the
+side indexes follow).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from prefixgate.radix.tree import Node, RadixTree
+
+__all__ = ["OwnerIndex", "OwnerMatch"]
+
+O = TypeVar("O", bound=Hashable)  # noqa: E741
+
+
+@dataclass(frozen=True, slots=True)
+class OwnerMatch(Generic[O]):
+    """Result of `OwnerIndex.match_owners`."""
+
+    num_blocks: int  # leading blocks present in the index (owned or on an owned path)
+    owners: list[frozenset[O]]  # one owner set per matched block
+    # owner -> its longest run of leading blocks it holds (only owners of block 0)
+    run_blocks: dict[O, int]
+
+
+class OwnerIndex(RadixTree[frozenset]):
+    """Blocks (chained hashes) -> the set of owners holding them."""
+
+    def __init__(self) -> None:
+        self._where: dict[int, Node[frozenset]] = {}
+        self._by_owner: dict[Hashable, set[int]] = {}
+        self._interned: dict[frozenset, frozenset] = {}
+        super().__init__(block_size=1)
+
+    # ------------------------------------------------------------------ queries
+
+    def owners_of(self, block_hash: int) -> frozenset:
+        """Owners of one block (empty if unknown)."""
+        node = self._where.get(block_hash)
+        if node is None:
+            return frozenset()
+        return node.values[node.key.index(block_hash)]
+
+    def num_owned_blocks(self, owner: Hashable) -> int:
+        """How many blocks list `owner`."""
+        return len(self._by_owner.get(owner, ()))
+
+    def match_owners(self, block_hashes: Sequence[int], *, touch: bool = True) -> OwnerMatch:
+        """Per-block owner sets of the longest cached prefix of `block_hashes`, and for
+        each owner of the first block the number of leading blocks it holds."""
+        res = self.match(block_hashes, touch=touch)
+        owners = res.values
+        runs: dict[Hashable, int] = {}
+        if owners:
+            alive = set(owners[0])
+            prev = owners[0]
+            for i, s in enumerate(owners):
+                if s is prev:  # interned: runs of equal sets are the common case
+                    continue
+                prev = s
+                for o in alive - s:
+                    runs[o] = i
+                alive &= s
+                if not alive:
+                    break
+            for o in alive:
+                runs[o] = len(owners)
+        return OwnerMatch(res.num_blocks, owners, runs)
+
+    # ------------------------------------------------------------------ updates
+
+    def add(self, block_hashes: Sequence[int], owner: Hashable) -> int:
+        """Record that `owner` holds every block of the path `block_hashes` (from the
+        root). Creates missing blocks; returns how many blocks were created."""
+        single = self._intern(frozenset((owner,)))
+        res = self.insert(block_hashes, [single] * len(block_hashes))
+        # Blocks that were already present are the ancestors of the new leaf (or the
+        # handle itself if nothing was new): merge the owner into them.
+        node = res.node if res.num_new_blocks == 0 else res.node.parent
+        root = self._root
+        while node is not None and node is not root:
+            vals = node.values
+            for i, s in enumerate(vals):
+                if owner not in s:
+                    vals[i] = self._intern(s | single)
+            node = node.parent
+        self._by_owner.setdefault(owner, set()).update(block_hashes)
+        return res.num_new_blocks
+
+    def discard(self, block_hashes: Iterable[int], owner: Hashable) -> int:
+        """Remove `owner` from the given blocks (wherever they are); drop blocks left
+        with no owner and no children. Returns how many blocks were dropped."""
+        held = self._by_owner.get(owner)
+        if not held:
+            return 0
+        # Group by node so each node's keys are scanned once, however many of its
+        # blocks are listed (a dead worker may hold thousands of blocks of one node).
+        by_node: dict[Node[frozenset], set[int]] = {}
+        where = self._where
+        for h in block_hashes:
+            if h in held:
+                by_node.setdefault(where[h], set()).add(h)
+        for node, hs in by_node.items():
+            vals = node.values
+            positions = (
+                [node.key.index(next(iter(hs)))]
+                if len(hs) == 1
+                else [i for i, h in enumerate(node.key) if h in hs]
+            )
+            for i in positions:
+                vals[i] = self._intern(vals[i] - {owner})
+            held -= hs
+        if not held:
+            del self._by_owner[owner]
+        before = self._num_blocks
+        for node in by_node:
+            self._prune(node)
+        return before - self._num_blocks
+
+    def remove_owner(self, owner: Hashable) -> int:
+        """Remove `owner` from every block (a dead worker). Returns blocks dropped.
+        Cost is linear in the blocks `owner` held, not in the tree."""
+        return self.discard(list(self._by_owner.get(owner, ())), owner)
+
+    # ------------------------------------------------------------------ internals
+
+    def _intern(self, s: frozenset) -> frozenset:
+        return self._interned.setdefault(s, s)
+
+    def _prune(self, node: Node[frozenset]) -> None:
+        """Drop ownerless blocks from the tail of leaf `node`, then up its ancestors."""
+        root = self._root
+        while node is not root and node.parent is not None and not node.children:
+            if node.lock_ref:
+                return
+            vals = node.values
+            k = 0
+            while k < len(vals) and not vals[len(vals) - 1 - k]:
+                k += 1
+            if k == 0:
+                return
+            parent = node.parent
+            self._drop_tail(node, k)
+            if node.parent is not None:  # partially trimmed: still has owned blocks
+                return
+            node = parent
+
+    def _on_attach(self, node: Node[frozenset]) -> None:
+        where = self._where
+        for h in node.key:
+            where[h] = node
+
+    def _on_split(self, head: Node[frozenset]) -> None:
+        self._on_attach(head)
+
+    def _on_drop(self, node: Node[frozenset], start: int) -> None:
+        where, by_owner = self._where, self._by_owner
+        for h, s in zip(node.key[start:], node.values[start:], strict=True):
+            where.pop(h, None)
+            for o in s:
+                held = by_owner.get(o)
+                if held is not None:
+                    held.discard(h)
+                    if not held:
+                        del by_owner[o]
+
+    def _on_clear(self) -> None:
+        self._where.clear()
+        self._by_owner.clear()
+        self._interned.clear()
