@@ -48,6 +48,8 @@ class OwnerIndex(RadixTree[frozenset]):
         self._where: dict[int, Node[frozenset]] = {}
         self._by_owner: dict[Hashable, set[int]] = {}
         self._interned: dict[frozenset, frozenset] = {}
+        # Parents of fully dropped nodes: they may now be ownerless leaves to prune.
+        self._orphans: list[Node[frozenset]] = []
         super().__init__(block_size=1)
 
     # ------------------------------------------------------------------ queries
@@ -133,7 +135,21 @@ class OwnerIndex(RadixTree[frozenset]):
         before = self._num_blocks
         for node in by_node:
             self._prune(node)
+        self._prune_orphans()
         return before - self._num_blocks
+
+    def evict(self, num_blocks: int) -> list[frozenset]:
+        """`RadixTree.evict`, then drop ancestors left as ownerless leaves (not counted
+        in `num_blocks`, not returned: they held nothing)."""
+        out = super().evict(num_blocks)
+        self._prune_orphans()
+        return out
+
+    def remove(self, tokens: Sequence[int]) -> list[frozenset]:
+        """`RadixTree.remove`, then drop ancestors left as ownerless leaves (not returned)."""
+        out = super().remove(tokens)
+        self._prune_orphans()
+        return out
 
     def remove_owner(self, owner: Hashable) -> int:
         """Remove `owner` from every block (a dead worker). Returns blocks dropped.
@@ -163,6 +179,10 @@ class OwnerIndex(RadixTree[frozenset]):
                 return
             node = parent
 
+    def _prune_orphans(self) -> None:
+        while self._orphans:
+            self._prune(self._orphans.pop())
+
     def _on_attach(self, node: Node[frozenset]) -> None:
         where = self._where
         for h in node.key:
@@ -173,6 +193,8 @@ class OwnerIndex(RadixTree[frozenset]):
 
     def _on_drop(self, node: Node[frozenset], start: int) -> None:
         where, by_owner = self._where, self._by_owner
+        if start == 0 and node.parent is not None:
+            self._orphans.append(node.parent)
         for h, s in zip(node.key[start:], node.values[start:], strict=True):
             where.pop(h, None)
             for o in s:
@@ -186,3 +208,4 @@ class OwnerIndex(RadixTree[frozenset]):
         self._where.clear()
         self._by_owner.clear()
         self._interned.clear()
+        self._orphans.clear()
