@@ -1,0 +1,1 @@
+"""Gateway: Chat gRPC service, tokenizer/template, worker pool, routing. Never imports torch."""

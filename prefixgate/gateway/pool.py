@@ -1,0 +1,97 @@
+"""The gateway's view of its workers: connections, identity checks, load counters.
+
+Contract: `WorkerPool.refresh()` reads the registry, connects to new workers (GetInfo
+within `connect_timeout_s`) and closes channels of workers that left it. A worker whose
+model fingerprint differs from the gateway's is refused: logged, listed in `refused`,
+never routed to. `healthy()` lists the workers a turn may be routed to, sorted by id; a
+worker that failed a call is marked down until a refresh reaches it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+
+from prefixgate.registry import Registry, WorkerRecord
+from prefixgate.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerHandle:
+    record: WorkerRecord
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.WorkerServiceStub
+    info: worker_pb2.WorkerInfo | None = None
+    up: bool = False
+    # Turns routed here and not finished yet, and their prompt tokens (the load signal).
+    in_flight: int = 0
+    in_flight_prompt_tokens: int = 0
+
+    @property
+    def worker_id(self) -> str:
+        """The id the worker reports (static workers are listed under their address)."""
+        return self.info.worker_id if self.info is not None else self.record.worker_id
+
+
+@dataclass
+class WorkerPool:
+    registry: Registry
+    model_fingerprint: str
+    connect_timeout_s: float = 2.0
+    workers: dict[str, WorkerHandle] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)  # worker id -> reason
+
+    def healthy(self) -> list[WorkerHandle]:
+        return [w for _, w in sorted(self.workers.items()) if w.up]
+
+    def mark_down(self, worker: WorkerHandle, reason: str) -> None:
+        if worker.up:
+            log.warning("worker %s at %s is down: %s", worker.worker_id, worker.record.address,
+                        reason)
+        worker.up = False
+
+    async def refresh(self) -> None:
+        records = {r.worker_id: r for r in await self.registry.list_workers()}
+        for wid in list(self.workers):
+            w = self.workers[wid]
+            if wid not in records or records[wid].epoch != w.record.epoch \
+                    or records[wid].address != w.record.address:
+                await w.channel.close()
+                del self.workers[wid]
+        for wid, record in records.items():
+            if wid not in self.workers:
+                channel = grpc.aio.insecure_channel(record.address)
+                self.workers[wid] = WorkerHandle(record, channel,
+                                                 worker_pb2_grpc.WorkerServiceStub(channel))
+        await asyncio.gather(*(self._probe(w) for w in self.workers.values()))
+
+    async def _probe(self, w: WorkerHandle) -> None:
+        try:
+            info = await w.stub.GetInfo(worker_pb2.GetInfoRequest(),
+                                        timeout=self.connect_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            self.mark_down(w, f"{exc.code().name}: {exc.details()}")
+            return
+        if info.model_fingerprint != self.model_fingerprint:
+            reason = (f"model fingerprint {info.model_fingerprint} ({info.model_name}) differs "
+                      f"from the gateway's {self.model_fingerprint}: start it with the same model")
+            if self.refused.get(w.worker_id) != reason:
+                log.error("refusing worker %s at %s: %s", w.worker_id, w.record.address, reason)
+            self.refused[w.worker_id] = reason
+            w.up = False
+            return
+        self.refused.pop(w.worker_id, None)
+        if not w.up:
+            log.info("worker %s at %s is up (%s)", info.worker_id, w.record.address,
+                     info.model_name)
+        w.info, w.up = info, True
+
+    async def close(self) -> None:
+        for w in self.workers.values():
+            await w.channel.close()
+        self.workers.clear()

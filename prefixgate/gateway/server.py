@@ -1,0 +1,198 @@
+"""Chat gRPC service of the gateway: validate, tokenize, route, relay.
+
+Contract
+--------
+Chat turns a ChatRequest into token ids (chat template, or raw ids), validates it with
+prefixgate.protocol (INVALID_ARGUMENT, before any worker is called), ranks the healthy
+workers with the Router and streams the first one's reply as ChatDelta events, then one
+ChatFinal with usage, finish reason, serving worker and gateway-side timings.
+
+Failure handling, by what the client has already seen:
+  - nothing yet: a worker that is unreachable or fails is marked down and the turn goes
+    to the next ranked worker, within the client's deadline; invisible to the client;
+  - some text: the stream ends with UNAVAILABLE saying how many tokens were sent and that
+    a retry is safe (no text is ever duplicated or silently cut);
+  - no worker at all: UNAVAILABLE, at once.
+The deadline is the client's: DEADLINE_EXCEEDED when it passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from prefixgate import rpc
+from prefixgate.gateway.pool import WorkerHandle, WorkerPool
+from prefixgate.gateway.routing import Router, RoutingConfig, Turn
+from prefixgate.models import ModelSpec
+from prefixgate.protocol import InvalidRequest, check_token_ids, sampling_from_proto
+from prefixgate.registry import Registry, WorkerRecord
+from prefixgate.tokenizer import ChatTokenizer
+from prefixgate.v1 import chat_pb2, common_pb2, worker_pb2
+
+log = logging.getLogger(__name__)
+
+SERVICE = chat_pb2.DESCRIPTOR.services_by_name["ChatService"]
+# Worker statuses that mean "this worker cannot serve now; another may".
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+              grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    block_size: int = 16
+    routing: RoutingConfig = RoutingConfig()
+    # Workers given by address (embedded registry); with Redis, workers register themselves.
+    static_workers: tuple[str, ...] = ()
+    refresh_interval_s: float = 2.0
+    drain_seconds: float = 30.0
+
+
+class ChatService:
+    def __init__(self, spec: ModelSpec, tokenizer: ChatTokenizer, pool: WorkerPool,
+                 config: GatewayConfig) -> None:
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.router = Router(config.routing)
+        self.config = config
+
+    def _prompt(self, request: chat_pb2.ChatRequest) -> list[int]:
+        if request.model and request.model != self.spec.name:
+            raise InvalidRequest(f"model {request.model!r} is not served here: this gateway "
+                                 f"serves {self.spec.name!r} (or leave model empty)")
+        which = request.WhichOneof("input")
+        if which == "messages":
+            return self.tokenizer.encode_messages(
+                [(m.role, m.content) for m in request.messages.messages])
+        if which == "prompt_token_ids":
+            ids = list(request.prompt_token_ids.token_ids)
+            check_token_ids(ids, self.tokenizer.vocab_size)
+            return ids
+        raise InvalidRequest("the request has no input: set messages or prompt_token_ids")
+
+    async def Chat(self, request: chat_pb2.ChatRequest, context: grpc.aio.ServicerContext):
+        arrival = time.monotonic()
+        try:
+            prompt = self._prompt(request)
+            sampling_from_proto(request.sampling, len(prompt), self.spec.max_context_tokens)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        turn = Turn(len(prompt), request.conversation_id)
+        candidates = self.router.rank(self.pool.healthy(), turn)
+        if not candidates:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "no worker is available: start a worker (prefixgate worker) or "
+                                "check that the workers' model matches the gateway's")
+        gen = worker_pb2.GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt,
+                                         sampling=request.sampling, namespace=request.namespace)
+        failures = []
+        for worker in candidates:
+            remaining = context.time_remaining()
+            if remaining is not None and remaining <= 0:
+                break
+            sent_tokens = 0
+            worker.in_flight += 1
+            worker.in_flight_prompt_tokens += len(prompt)
+            try:
+                ttft_ms = 0.0
+                async for ev in worker.stub.Generate(gen, timeout=remaining):
+                    if ev.HasField("chunk"):
+                        if not ttft_ms and ev.chunk.token_ids:
+                            ttft_ms = (time.monotonic() - arrival) * 1e3
+                        sent_tokens += len(ev.chunk.token_ids)
+                        yield chat_pb2.ChatEvent(delta=chat_pb2.ChatDelta(
+                            text=ev.chunk.text, token_ids=ev.chunk.token_ids))
+                        continue
+                    final = ev.final
+                    # Gateway-side timings: worker queue plus what happened before it.
+                    handoff_ms = max(0.0, (time.monotonic() - arrival) * 1e3 - final.timings.total_ms)
+                    log.info("turn conv=%s worker=%s prompt=%d cached=%d completion=%d ttft=%.1fms",
+                             request.conversation_id or "-", worker.worker_id,
+                             final.usage.prompt_tokens, final.usage.cached_tokens,
+                             final.usage.completion_tokens, ttft_ms)
+                    yield chat_pb2.ChatEvent(final=chat_pb2.ChatFinal(
+                        usage=final.usage, finish_reason=final.finish_reason,
+                        worker_id=worker.worker_id,
+                        timings=common_pb2.Timings(
+                            queue_ms=handoff_ms + final.timings.queue_ms,
+                            ttft_ms=ttft_ms or (time.monotonic() - arrival) * 1e3,
+                            total_ms=(time.monotonic() - arrival) * 1e3)))
+                    return
+                # A stream that ends without its final event is a lost worker.
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                           grpc.aio.Metadata(), "stream ended without a final event")
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    await context.abort(code, exc.details() or "invalid request")
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    await context.abort(code, "the deadline passed before the reply was complete; "
+                                              "retry with a longer deadline")
+                if sent_tokens:
+                    self.pool.mark_down(worker, f"{code.name}: {exc.details()}")
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"worker {worker.worker_id} was lost after {sent_tokens} tokens of the "
+                        "reply were sent; the reply is incomplete: discard it and retry the turn "
+                        "(retrying is safe)")
+                if code not in _RETRYABLE:
+                    raise
+                self.pool.mark_down(worker, f"{code.name}: {exc.details()}")
+                failures.append(f"{worker.worker_id}: {code.name}")
+            finally:
+                worker.in_flight -= 1
+                worker.in_flight_prompt_tokens -= len(prompt)
+        if context.time_remaining() is not None and context.time_remaining() <= 0:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                "the deadline passed before any worker answered")
+        await context.abort(grpc.StatusCode.UNAVAILABLE,
+                            "every worker failed before answering (" + "; ".join(failures) +
+                            "); retrying is safe")
+
+    async def ListModels(self, request, context) -> chat_pb2.ListModelsResponse:
+        return chat_pb2.ListModelsResponse(models=[chat_pb2.ModelInfo(
+            name=self.spec.name, fingerprint=self.spec.fingerprint,
+            max_context_tokens=self.spec.max_context_tokens,
+            max_completion_tokens=self.spec.max_context_tokens - 1,
+            block_size=self.config.block_size, num_workers=len(self.pool.healthy()))])
+
+
+async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop: asyncio.Event,
+                started: asyncio.Future[int] | None = None) -> None:
+    """Run the gateway until `stop` is set. `started` receives the bound port."""
+    tokenizer = ChatTokenizer(spec)
+    for address in config.static_workers:
+        # Static workers stay listed; the pool's probes decide whether they are up.
+        await registry.register(WorkerRecord(address, address), lease_ms=2**62)
+    pool = WorkerPool(registry, spec.fingerprint)
+    service = ChatService(spec, tokenizer, pool, config)
+    server = grpc.aio.server()
+    rpc.add_service(server, SERVICE, service)
+    health = rpc.add_health_and_reflection(server, [SERVICE.full_name])
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    log.info("gateway serving %s on %s:%d", spec.name, config.host, port)
+    if started is not None:
+        started.set_result(port)
+    while not stop.is_set():
+        try:
+            await pool.refresh()
+        except Exception as exc:  # a registry outage degrades service; it never stops it
+            log.warning("worker refresh failed: %s", exc)
+        await rpc.set_serving(health, [SERVICE.full_name], bool(pool.healthy()))
+        try:
+            await asyncio.wait_for(stop.wait(), config.refresh_interval_s)
+        except TimeoutError:
+            pass
+    await rpc.set_serving(health, [SERVICE.full_name], False)
+    await server.stop(config.drain_seconds)
+    await pool.close()
+    await registry.close()

@@ -1,0 +1,94 @@
+"""Validation and conversion between the v1 protobuf messages and internal types.
+
+Torch-free: the gateway and the worker validate with the same code, so a request the
+gateway accepts is one the worker accepts. Every check raises `InvalidRequest` with a
+message that tells the user what to change; servers map it to INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from prefixgate.v1 import common_pb2
+
+DEFAULT_MAX_TOKENS = 256
+ROLES = ("system", "user", "assistant")
+
+
+class InvalidRequest(ValueError):
+    """Bad input; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Validated sampling parameters of one request (units: tokens)."""
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams, num_prompt_tokens: int,
+                        max_context_tokens: int) -> SamplingConfig:
+    """Validate `msg` for a prompt of `num_prompt_tokens` tokens in a context window of
+    `max_context_tokens`. An unset max_tokens becomes min(256, what the context leaves)."""
+    if num_prompt_tokens >= max_context_tokens:
+        raise InvalidRequest(
+            f"the prompt is {num_prompt_tokens} tokens but the model's context window is "
+            f"{max_context_tokens} tokens (prompt and reply together): shorten the "
+            "conversation, e.g. drop its oldest turns")
+    room = max_context_tokens - num_prompt_tokens
+    if msg.HasField("max_tokens"):
+        if msg.max_tokens < 1:
+            raise InvalidRequest("sampling.max_tokens must be at least 1 (or unset for the default)")
+        if msg.max_tokens > room:
+            raise InvalidRequest(
+                f"sampling.max_tokens={msg.max_tokens} does not fit: the prompt is "
+                f"{num_prompt_tokens} tokens and the context window {max_context_tokens}, "
+                f"so at most {room} tokens can be generated; lower max_tokens or shorten the prompt")
+        max_tokens = msg.max_tokens
+    else:
+        max_tokens = min(DEFAULT_MAX_TOKENS, room)
+    if not math.isfinite(msg.temperature) or msg.temperature < 0:
+        raise InvalidRequest("sampling.temperature must be >= 0 (0 means greedy)")
+    if not math.isfinite(msg.top_p) or not 0 <= msg.top_p <= 1:
+        raise InvalidRequest("sampling.top_p must be in (0, 1] (0 or unset means 1)")
+    return SamplingConfig(
+        max_tokens=max_tokens,
+        temperature=float(msg.temperature),
+        top_p=float(msg.top_p) or 1.0,
+        top_k=int(msg.top_k),
+        seed=int(msg.seed) if msg.HasField("seed") else None,
+        stop=tuple(s for s in msg.stop if s),
+        stop_token_ids=tuple(msg.stop_token_ids),
+    )
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
+    """Raise unless `token_ids` is non-empty and every id is in [0, vocab_size)."""
+    if not token_ids:
+        raise InvalidRequest("prompt_token_ids is empty: send at least one token id")
+    bad = next((t for t in token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"prompt token id {bad} is out of range: the model's vocabulary has "
+                             f"{vocab_size} tokens (ids 0..{vocab_size - 1})")
+
+
+def check_messages(messages: list[tuple[str, str]]) -> None:
+    """Raise unless there is at least one message, every role is known, only assistant
+    messages are empty (a reply can be empty) and the last message is not from the
+    assistant."""
+    if not messages:
+        raise InvalidRequest("messages is empty: send at least one user message")
+    for i, (role, content) in enumerate(messages):
+        if role not in ROLES:
+            raise InvalidRequest(f"messages[{i}].role is {role!r}: use one of {', '.join(ROLES)}")
+        if not content and role != "assistant":
+            raise InvalidRequest(f"messages[{i}].content is empty: every message needs text")
+    if messages[-1][0] == "assistant":
+        raise InvalidRequest("the last message is from the assistant: end with a user message")

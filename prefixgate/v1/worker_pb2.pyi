@@ -1,0 +1,94 @@
+from prefixgate.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "namespace")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    namespace: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., namespace: _Optional[str] = ...) -> None: ...
+
+class GenerateChunk(_message.Message):
+    __slots__ = ("token_ids", "text")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class GenerateFinal(_message.Message):
+    __slots__ = ("usage", "finish_reason", "timings")
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    usage: _common_pb2.Usage
+    finish_reason: _common_pb2.FinishReason
+    timings: _common_pb2.Timings
+    def __init__(self, usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...
+
+class GenerateEvent(_message.Message):
+    __slots__ = ("chunk", "final")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    chunk: GenerateChunk
+    final: GenerateFinal
+    def __init__(self, chunk: _Optional[_Union[GenerateChunk, _Mapping]] = ..., final: _Optional[_Union[GenerateFinal, _Mapping]] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "model_name", "model_fingerprint", "block_size", "max_context_tokens", "kv_capacity_tokens")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    model_name: str
+    model_fingerprint: str
+    block_size: int
+    max_context_tokens: int
+    kv_capacity_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("num_running_requests", "num_waiting_requests", "num_queued_prefill_tokens", "kv_used_tokens", "kv_capacity_tokens")
+    NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_running_requests: int
+    num_waiting_requests: int
+    num_queued_prefill_tokens: int
+    kv_used_tokens: int
+    kv_capacity_tokens: int
+    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ...) -> None: ...
+
+class FlushCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FlushCacheResponse(_message.Message):
+    __slots__ = ("num_flushed_tokens",)
+    NUM_FLUSHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_flushed_tokens: int
+    def __init__(self, num_flushed_tokens: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""Worker: model runner and Worker gRPC service (torch)."""

@@ -1,0 +1,133 @@
+"""Worker gRPC service: prefixgate.v1.WorkerService over an `Engine`.
+
+Contract
+--------
+- Generate validates the request with `prefixgate.protocol` (INVALID_ARGUMENT on bad
+  input), submits it to the engine and streams one GenerateChunk per engine TokenEvent,
+  then one GenerateFinal. A client that goes away (or whose deadline passes) cancels the
+  request in the engine, which frees its resources.
+- GetInfo/GetStatus/FlushCache answer from the engine without waiting for it.
+- The health service reports SERVING once the model is loaded; on shutdown it turns
+  NOT_SERVING first, then in-flight streams get `drain_seconds` to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from prefixgate import rpc
+from prefixgate.models import ModelSpec
+from prefixgate.protocol import InvalidRequest, check_token_ids, sampling_from_proto
+from prefixgate.v1 import common_pb2, worker_pb2
+from prefixgate.worker.engine import Engine, FinalEvent, FinishReason, Request, TokenEvent
+
+log = logging.getLogger(__name__)
+
+SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"]
+
+FINISH_TO_PROTO = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
+}
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    worker_id: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    block_size: int = 16
+    drain_seconds: float = 30.0
+
+
+class WorkerService:
+    def __init__(self, engine: Engine, spec: ModelSpec, config: WorkerConfig,
+                 vocab_size: int) -> None:
+        self.engine = engine
+        self.spec = spec
+        self.config = config
+        self.vocab_size = vocab_size
+
+    async def Generate(self, request: worker_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext):
+        prompt = list(request.prompt_token_ids)
+        try:
+            check_token_ids(prompt, self.vocab_size)
+            sampling = sampling_from_proto(request.sampling, len(prompt),
+                                           self.spec.max_context_tokens)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        request_id = request.request_id or uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[TokenEvent | FinalEvent] = asyncio.Queue()
+        self.engine.submit(
+            Request(request_id, tuple(prompt), sampling, request.namespace),
+            lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        finished = False
+        try:
+            while True:
+                ev = await events.get()
+                if isinstance(ev, TokenEvent):
+                    yield worker_pb2.GenerateEvent(
+                        chunk=worker_pb2.GenerateChunk(token_ids=ev.token_ids, text=ev.text))
+                    continue
+                finished = True
+                if ev.finish_reason is FinishReason.ERROR:
+                    await context.abort(grpc.StatusCode.INTERNAL,
+                                        f"worker {self.config.worker_id} failed on this request "
+                                        "(see its log); retrying on another worker is safe")
+                yield worker_pb2.GenerateEvent(final=worker_pb2.GenerateFinal(
+                    usage=common_pb2.Usage(prompt_tokens=ev.prompt_tokens,
+                                           cached_tokens=ev.cached_tokens,
+                                           completion_tokens=ev.completion_tokens),
+                    finish_reason=FINISH_TO_PROTO[ev.finish_reason],
+                    timings=common_pb2.Timings(queue_ms=ev.queue_ms, ttft_ms=ev.ttft_ms,
+                                               total_ms=ev.total_ms)))
+                return
+        finally:
+            if not finished:  # client gone or deadline passed: free the engine's resources
+                self.engine.cancel(request_id)
+
+    async def GetInfo(self, request, context) -> worker_pb2.WorkerInfo:
+        status = self.engine.status()
+        return worker_pb2.WorkerInfo(
+            worker_id=self.config.worker_id, model_name=self.spec.name,
+            model_fingerprint=self.spec.fingerprint, block_size=self.config.block_size,
+            max_context_tokens=self.spec.max_context_tokens,
+            kv_capacity_tokens=status.kv_capacity_tokens)
+
+    async def GetStatus(self, request, context) -> worker_pb2.WorkerStatus:
+        s = self.engine.status()
+        return worker_pb2.WorkerStatus(
+            num_running_requests=s.num_running_requests,
+            num_waiting_requests=s.num_waiting_requests,
+            num_queued_prefill_tokens=s.num_queued_prefill_tokens,
+            kv_used_tokens=s.kv_used_tokens, kv_capacity_tokens=s.kv_capacity_tokens)
+
+    async def FlushCache(self, request, context) -> worker_pb2.FlushCacheResponse:
+        return worker_pb2.FlushCacheResponse(num_flushed_tokens=self.engine.flush_cache())
+
+
+async def serve(service: WorkerService, stop: asyncio.Event,
+                started: asyncio.Future[int] | None = None) -> None:
+    """Serve until `stop` is set, then drain. `started` receives the bound port."""
+    server = grpc.aio.server()
+    rpc.add_service(server, SERVICE, service)
+    health = rpc.add_health_and_reflection(server, [SERVICE.full_name])
+    cfg = service.config
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    await server.start()
+    await rpc.set_serving(health, [SERVICE.full_name], True)
+    log.info("worker %s serving %s on %s:%d", cfg.worker_id, service.spec.name, cfg.host, port)
+    if started is not None:
+        started.set_result(port)
+    await stop.wait()
+    await rpc.set_serving(health, [SERVICE.full_name], False)
+    await server.stop(cfg.drain_seconds)
+    service.engine.shutdown()

@@ -1,0 +1,171 @@
+"""Shared fixtures: models, a real redis-server, servers on loopback ports chosen at run time.
+
+Servers run on an asyncio loop in a background thread (`LoopThread`), so tests talk to
+them over real gRPC with ordinary synchronous stubs, as a separate client would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prefixgate.models import ModelSpec, resolve_model
+from prefixgate.rpc import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class LoopThread:
+    """An asyncio event loop running in a daemon thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Awaitable, timeout: float = 120) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def spawn(self, coro: Awaitable) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def loop_thread() -> Iterator[LoopThread]:
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_spec(tmp_path_factory: pytest.TempPathFactory) -> ModelSpec:
+    return resolve_model("tiny-random", tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_spec: ModelSpec):
+    from prefixgate.worker.model_loader import load_model
+
+    return load_model(tiny_spec)
+
+
+@pytest.fixture(scope="session")
+def smollm2_spec() -> ModelSpec:
+    """SmolLM2 in the default cache (materialised once per machine, by GGUF digest)."""
+    return resolve_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_spec: ModelSpec):
+    """SmolLM2-135M-Instruct, loaded once per test session."""
+    from prefixgate.worker.model_loader import load_model
+
+    return load_model(smollm2_spec)
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server on a free loopback port, for the whole session."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(workdir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis
+
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0"
+    client.close()
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture
+def redis_flush(redis_url: str) -> str:
+    import redis
+
+    redis.Redis.from_url(redis_url).flushall()
+    return redis_url
+
+
+def start_worker(loop_thread: LoopThread, spec: ModelSpec, model, worker_id: str,
+                 **engine_kwargs) -> tuple[str, asyncio.Event]:
+    """Start a WorkerService on a free loopback port; returns (address, stop event)."""
+    from prefixgate.tokenizer import ChatTokenizer
+    from prefixgate.worker.engine import SimpleEngine, SimpleEngineConfig
+    from prefixgate.worker.server import WorkerConfig, WorkerService, serve
+
+    tokenizer = ChatTokenizer(spec)
+    engine = SimpleEngine(model, tokenizer, SimpleEngineConfig(
+        eos_token_ids=tokenizer.eos_token_ids, max_context_tokens=spec.max_context_tokens,
+        **engine_kwargs))
+    service = WorkerService(engine, spec, WorkerConfig(worker_id=worker_id, drain_seconds=1),
+                            vocab_size=tokenizer.vocab_size)
+
+    async def start() -> tuple[int, asyncio.Event]:
+        stop = asyncio.Event()
+        started = asyncio.get_running_loop().create_future()
+        asyncio.create_task(serve(service, stop, started))
+        return await started, stop
+
+    port, stop = loop_thread.run(start())
+    return f"127.0.0.1:{port}", stop
+
+
+def start_gateway(loop_thread: LoopThread, spec: ModelSpec, workers: list[str],
+                  registry=None, **config_kwargs) -> tuple[str, asyncio.Event]:
+    """Start a gateway on a free loopback port; returns (address, stop event). It is
+    ready when it has probed its workers once."""
+    from prefixgate.gateway.server import GatewayConfig, serve
+    from prefixgate.registry import EmbeddedRegistry
+
+    config = GatewayConfig(static_workers=tuple(workers), drain_seconds=1, **config_kwargs)
+
+    async def start() -> tuple[int, asyncio.Event]:
+        stop = asyncio.Event()
+        started = asyncio.get_running_loop().create_future()
+        asyncio.create_task(serve(spec, registry or EmbeddedRegistry(), config, stop, started))
+        return await started, stop
+
+    port, stop = loop_thread.run(start())
+    return f"127.0.0.1:{port}", stop
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 20, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXGATE_")}
+    env.update(extra)
+    return env
