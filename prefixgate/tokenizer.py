@@ -1,33 +1,75 @@
-"""Chat tokenization shared by gateway and worker: the model's tokenizer and chat template, no torch.
+"""Chat tokenization shared by gateway and worker: tokenizer.json + chat template.
 
 Contract: `ChatTokenizer(spec).encode_messages(messages)` renders `messages` (role,
 content pairs, validated by prefixgate.protocol.check_messages) with the model's chat
-template plus the assistant generation prompt and returns the token ids, exactly as the
-model's own tokenizer would (tests compare with transformers' GGUF tokenizer).
+template plus the assistant generation prompt and returns the token ids exactly as
+transformers' `apply_chat_template(..., tokenize=True)` would (a test compares them on
+SmolLM2). It uses only `tokenizers` and jinja2, so the gateway needs neither transformers
+nor torch.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from datetime import datetime
 
-from transformers import AutoTokenizer
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
 
 from prefixgate.models import ModelSpec
 from prefixgate.protocol import check_messages
 
 
+def _raise_exception(message: str) -> None:
+    raise ValueError(f"chat template error: {message}")
+
+
+def _template_env() -> ImmutableSandboxedEnvironment:
+    # The same environment transformers renders chat templates in.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii)
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
 class ChatTokenizer:
     def __init__(self, spec: ModelSpec) -> None:
-        self.tokenizer = AutoTokenizer.from_pretrained(str(spec.model_dir))
-        self.vocab_size: int = len(self.tokenizer)
-        eos = self.tokenizer.convert_tokens_to_ids(self.tokenizer.eos_token)
-        self.eos_token_ids: tuple[int, ...] = (eos,)
+        self.tokenizer = Tokenizer.from_file(str(spec.model_dir / "tokenizer.json"))
+        config = json.loads((spec.model_dir / "tokenizer_config.json").read_text())
+        template = config.get("chat_template")
+        template_file = spec.model_dir / "chat_template.jinja"
+        if template is None and template_file.is_file():
+            template = template_file.read_text()
+        if not isinstance(template, str):
+            raise ValueError(f"{spec.model_dir} has no chat template (tokenizer_config.json "
+                             "chat_template or chat_template.jinja)")
+        self.template = _template_env().from_string(template)
+        self.special_tokens = {k: _token_text(config.get(k)) for k in
+                               ("bos_token", "eos_token", "pad_token", "unk_token")}
+        self.vocab_size: int = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        eos = self.tokenizer.token_to_id(self.special_tokens["eos_token"] or "")
+        self.eos_token_ids: tuple[int, ...] = (eos,) if eos is not None else ()
+
+    def render(self, messages: Sequence[tuple[str, str]]) -> str:
+        check_messages(list(messages))
+        return self.template.render(
+            messages=[{"role": r, "content": c} for r, c in messages],
+            add_generation_prompt=True, **self.special_tokens)
 
     def encode_messages(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        check_messages(list(messages))
-        return list(self.tokenizer.apply_chat_template(
-            [{"role": r, "content": c} for r, c in messages],
-            add_generation_prompt=True, tokenize=True, return_dict=False))
+        return self.tokenizer.encode(self.render(messages), add_special_tokens=False).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+
+def _token_text(value: object) -> str | None:
+    # tokenizer_config.json stores a special token as a string or as {"content": ...}.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None

@@ -34,7 +34,7 @@ def test_top_p_keeps_only_the_nucleus() -> None:
 def _stream(tok: ChatTokenizer, text: str, stop=()) -> tuple[list[str], StreamDecoder]:
     d = StreamDecoder(tok, stop)
     pieces = []
-    for t in tok.tokenizer.encode(text, add_special_tokens=False):
+    for t in tok.tokenizer.encode(text, add_special_tokens=False).ids:
         pieces.append(d.push(t))
         if d.stopped:
             break

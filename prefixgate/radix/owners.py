@@ -48,7 +48,7 @@ class OwnerIndex(RadixTree[frozenset]):
         self._where: dict[int, Node[frozenset]] = {}
         self._by_owner: dict[Hashable, set[int]] = {}
         self._interned: dict[frozenset, frozenset] = {}
-        # Parents of fully dropped nodes: they may now be ownerless leaves to prune.
+        # Nodes that may have become leaves ending in ownerless blocks: prune them.
         self._orphans: list[Node[frozenset]] = []
         super().__init__(block_size=1)
 
@@ -193,8 +193,11 @@ class OwnerIndex(RadixTree[frozenset]):
 
     def _on_drop(self, node: Node[frozenset], start: int) -> None:
         where, by_owner = self._where, self._by_owner
-        if start == 0 and node.parent is not None:
-            self._orphans.append(node.parent)
+        # What may now end in ownerless blocks: the node itself if only its tail goes,
+        # else its parent (which may have become a leaf).
+        pending = node if start else node.parent
+        if pending is not None:
+            self._orphans.append(pending)
         for h, s in zip(node.key[start:], node.values[start:], strict=True):
             where.pop(h, None)
             for o in s:

@@ -15,14 +15,22 @@ from prefixgate.radix import BlockHasher
 # These pin spec version 1; if they change, every cache and every other-language
 # gateway breaks. Do not update them without bumping the version.
 VECTORS = [
-    ((16, "", "", list(range(40))),
-     (12068666088880749107, [8325511188454026647, 2530147490003843695])),
-    ((4, "smollm2-135m", "tenant-a", [0, 1, 2**32 - 1, 7, 5, 5, 5, 5, 9]),
-     (10144594955154075467, [1456867550292728548, 11260328032782221985])),
-    ((1, "", "", [3, 1, 4]),
-     (3350391159689632182, [7956898436975381149, 4962434818734960089, 13561955406425634079])),
-    ((16, "", "tenant-b", list(range(40))),
-     (12753254530760938219, [13809764109765419393, 1783318459551090451])),
+    (
+        (16, "", "", list(range(40))),
+        (12068666088880749107, [8325511188454026647, 2530147490003843695]),
+    ),
+    (
+        (4, "smollm2-135m", "tenant-a", [0, 1, 2**32 - 1, 7, 5, 5, 5, 5, 9]),
+        (10144594955154075467, [1456867550292728548, 11260328032782221985]),
+    ),
+    (
+        (1, "", "", [3, 1, 4]),
+        (3350391159689632182, [7956898436975381149, 4962434818734960089, 13561955406425634079]),
+    ),
+    (
+        (16, "", "tenant-b", list(range(40))),
+        (12753254530760938219, [13809764109765419393, 1783318459551090451]),
+    ),
 ]
 
 
@@ -39,8 +47,10 @@ def spec_hashes(block_size: int, fingerprint: str, namespace: str, tokens: list[
     material = (
         b"prefixgate.block.v1\x00"
         + struct.pack("<I", block_size)
-        + struct.pack("<I", len(fp)) + fp
-        + struct.pack("<I", len(ns)) + ns
+        + struct.pack("<I", len(fp))
+        + fp
+        + struct.pack("<I", len(ns))
+        + ns
     )
     salt = xxhash.xxh3_64_intdigest(material, seed=0)
     out, parent = [], salt

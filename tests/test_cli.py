@@ -1,0 +1,109 @@
+"""The CLI end to end: subprocesses talking real gRPC on loopback ports."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from prefixgate.rpc import free_port
+from tests.conftest import REPO, cli_env
+
+PG = [sys.executable, "-m", "prefixgate"]
+
+
+@pytest.mark.parametrize("command", ["worker", "gateway", "up", "chat", "bench radix"])
+def test_help_is_complete(command: str) -> None:
+    out = subprocess.run([*PG, *command.split(), "--help"], capture_output=True, text=True,
+                         check=True, env=cli_env()).stdout
+    assert "usage: prefixgate" in out
+    if command != "bench radix":
+        assert "[env PREFIXGATE_" in out
+
+
+def test_flags_have_environment_equivalents() -> None:
+    from prefixgate.cli import build_parser
+
+    os.environ["PREFIXGATE_POLICY"] = "round-robin"
+    try:
+        args = build_parser().parse_args(["gateway"])
+        assert args.policy == "round-robin"
+        assert build_parser().parse_args(["gateway", "--policy", "random"]).policy == "random"
+    finally:
+        del os.environ["PREFIXGATE_POLICY"]
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
+                         text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for our purposes.
+    stat = open(f"/proc/{pid}/stat").read().split()[2] if os.path.exists(f"/proc/{pid}/stat") else "X"
+    return stat != "Z"
+
+
+def test_up_chat_and_ctrl_c(tmp_path) -> None:
+    """`prefixgate up` (tiny-random, 2 workers) serves `prefixgate chat`; turn 2 reports
+    cached tokens; Ctrl-C stops every process `up` started."""
+    port = free_port()
+    env = cli_env(PREFIXGATE_CACHE_DIR=str(tmp_path))
+    up = subprocess.Popen([*PG, "up", "--model", "tiny-random", "--workers", "2",
+                           "--port", str(port)], env=env, cwd=REPO,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        lines = []
+        while time.monotonic() < deadline:
+            line = up.stdout.readline()
+            lines.append(line)
+            if "prefixgate is up" in line or up.poll() is not None:
+                break
+        assert "prefixgate is up" in lines[-1], "".join(lines)
+        chat = subprocess.run(
+            [*PG, "chat", "--address", f"127.0.0.1:{port}", "--message", "hello there",
+             "--message", "and again", "--max-tokens", "8"],
+            capture_output=True, text=True, timeout=120, env=env)
+        assert chat.returncode == 0, chat.stderr
+        figures = re.findall(r"\[worker (\S+) \| prompt (\d+) tok \| cached (\d+) tok", chat.stdout)
+        assert len(figures) == 2, chat.stdout
+        (w1, p1, _), (w2, p2, c2) = figures
+        assert w1 == w2 and int(c2) >= int(p1)  # same worker, turn 1's prompt reused
+        workers = _children(up.pid)
+        assert len(workers) == 2
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) in (0, 130)
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in workers), "workers outlived `prefixgate up`"
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+def test_chat_against_nothing_says_so() -> None:
+    r = subprocess.run([*PG, "chat", "--address", f"127.0.0.1:{free_port()}", "--message", "hi"],
+                       capture_output=True, text=True, timeout=60, env=cli_env())
+    assert r.returncode != 0 and "no gateway answers" in r.stderr
+
+
+@pytest.mark.slow
+def test_demo_with_smollm2_answers_paris() -> None:
+    """The README's run command: the scripted chat on the real model."""
+    r = subprocess.run([*PG, "up", "--workers", "2", "--port", "0", "--demo"],
+                       capture_output=True, text=True, timeout=600, env=cli_env())
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "Paris" in r.stdout
+    assert len(re.findall(r"\[worker ", r.stdout)) == 3
