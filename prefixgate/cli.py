@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     flag(w, "--torch-threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     flag(w, "--drain-seconds", type=float, default=30.0,
          help="on SIGTERM, how long in-flight requests may finish")
+    flag(w, "--metrics-port", type=int, default=0,
+         help="serve Prometheus metrics on this port at /metrics (0: off)")
 
     g = sub.add_parser("gateway", help="run the Chat gateway",
                        description="Run the gateway serving prefixgate.v1.ChatService.")
@@ -111,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     _policy_flag(g)
     flag(g, "--drain-seconds", type=float, default=30.0,
          help="on SIGTERM, how long in-flight streams may finish")
+    flag(g, "--metrics-port", type=int, default=0,
+         help="serve Prometheus metrics on this port at /metrics (0: off)")
 
     u = sub.add_parser("up", help="run N workers and a gateway on this machine",
                        description="Start N workers and a gateway on this machine; Ctrl-C "
@@ -194,6 +198,7 @@ async def _run_worker(args: argparse.Namespace) -> None:
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
+    _start_metrics(args.metrics_port)
     stop = _stop_event()
     spec = resolve_model(args.model, _cache_dir(args))
     tokenizer = ChatTokenizer(spec)
@@ -233,6 +238,14 @@ async def _run_worker(args: argparse.Namespace) -> None:
     await registry.close()
 
 
+def _start_metrics(port: int) -> None:
+    if port:
+        from prometheus_client import start_http_server
+
+        start_http_server(port)
+        log.info("Prometheus metrics on :%d/metrics", port)
+
+
 def _cache_dir(args: argparse.Namespace):
     from pathlib import Path
 
@@ -257,6 +270,7 @@ async def _run_gateway(args: argparse.Namespace) -> None:
     from prefixgate.models import resolve_model
     from prefixgate.registry import make_registry
 
+    _start_metrics(args.metrics_port)
     workers = [a for item in _appended(args, "--worker") for a in item.split(",") if a]
     if not workers and not args.redis_url:
         raise SystemExit("prefixgate gateway: give workers with --worker HOST:PORT "
