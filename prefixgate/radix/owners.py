@@ -100,6 +100,9 @@ class OwnerIndex(RadixTree[frozenset]):
         root = self._root
         while node is not None and node is not root:
             vals = node.values
+            if vals.count(single) == len(vals):  # C-speed check: nothing to merge
+                node = node.parent
+                continue
             for i, s in enumerate(vals):
                 if owner not in s:
                     vals[i] = self._intern(s | single)

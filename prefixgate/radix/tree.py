@@ -43,8 +43,6 @@ __all__ = ["InsertResult", "LockedError", "MatchResult", "Node", "RadixTree"]
 
 V = TypeVar("V")
 
-_KEY_TYPECODE = "Q"  # unsigned 64-bit: token ids and chained block hashes both fit
-
 
 class LockedError(RuntimeError):
     """Raised when removing or clearing blocks that are locked."""
@@ -87,11 +85,16 @@ class InsertResult(Generic[V]):
 class RadixTree(Generic[V]):
     """Radix tree of token blocks, each carrying a value of type V (see module docstring)."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, *, key_typecode: str = "Q") -> None:
+        """`key_typecode` is the array type storing tokens: "Q" (any u64, the default)
+        or "I" (u32: token ids; half the key memory). Keys out of range: ValueError."""
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if key_typecode not in ("Q", "I"):
+            raise ValueError(f"key_typecode must be 'Q' or 'I', got {key_typecode!r}")
         self.block_size = block_size
-        self._root: Node[V] = Node(None, array(_KEY_TYPECODE), [], 0)
+        self._typecode = key_typecode
+        self._root: Node[V] = Node(None, array(key_typecode), [], 0)
         self._clock = 0
         self._num_blocks = 0
         self._num_locked_blocks = 0
@@ -310,12 +313,13 @@ class RadixTree(Generic[V]):
     def _as_keys(self, tokens: Sequence[int], n_blocks: int) -> array:
         """The first `n_blocks` blocks of `tokens` as an array('Q') (compared in C)."""
         size = n_blocks * self.block_size
-        if isinstance(tokens, array) and tokens.typecode == _KEY_TYPECODE:
+        if isinstance(tokens, array) and tokens.typecode == self._typecode:
             return tokens if len(tokens) == size else tokens[:size]
         try:
-            return array(_KEY_TYPECODE, tokens[:size])
+            return array(self._typecode, tokens[:size])
         except (OverflowError, TypeError) as exc:
-            raise ValueError(f"tokens must be ints in [0, 2**64): {exc}") from None
+            bound = "2**64" if self._typecode == "Q" else "2**32"
+            raise ValueError(f"tokens must be ints in [0, {bound}): {exc}") from None
 
     def _child_key(self, key: array, start: int) -> object:
         """Dict key of the block starting at token `start`: the int itself at block_size 1
@@ -409,7 +413,7 @@ class RadixTree(Generic[V]):
         assert parent is not None and parent.children is not None
         del parent.children[self._child_key(node.key, 0)]
         # Detached: free its memory now (a stale heap entry may still point at it).
-        node.parent, node.key, node.values = None, array(_KEY_TYPECODE), []
+        node.parent, node.key, node.values = None, array(self._typecode), []
         if not parent.children:
             parent.children = None
             if parent is not self._root and not parent.lock_ref:
