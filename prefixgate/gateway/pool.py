@@ -28,14 +28,30 @@ class WorkerHandle:
     stub: worker_pb2_grpc.WorkerServiceStub
     info: worker_pb2.WorkerInfo | None = None
     up: bool = False
-    # Turns routed here and not finished yet, and their prompt tokens (the load signal).
+    # Turns this gateway routed here and not finished yet, and the prompt tokens of those
+    # still waiting for their first token (prefill this gateway knows is queued).
     in_flight: int = 0
     in_flight_prompt_tokens: int = 0
+    # The worker's own figures from its last polled GetStatus (all gateways' requests).
+    status: worker_pb2.WorkerStatus | None = None
 
     @property
     def worker_id(self) -> str:
         """The id the worker reports (static workers are listed under their address)."""
         return self.info.worker_id if self.info is not None else self.record.worker_id
+
+    # The routing.WorkerLoad view. The polled status lags by up to a refresh interval and
+    # this gateway's counters miss other gateways' turns: take the larger of the two, so
+    # a burst routed here counts at once without counting it twice once polled.
+    @property
+    def num_queued_prefill_tokens(self) -> int:
+        polled = self.status.num_queued_prefill_tokens if self.status is not None else 0
+        return max(polled, self.in_flight_prompt_tokens)
+
+    @property
+    def num_running_requests(self) -> int:
+        polled = self.status.num_running_requests if self.status is not None else 0
+        return max(polled, self.in_flight)
 
 
 @dataclass

@@ -1,63 +1,227 @@
-"""Routing policies: rank the healthy workers for one turn, best first.
+"""Routing policies: rank the candidate workers for one turn, best first (no I/O, no gRPC).
 
-Contract: `Router(config).rank(workers, turn)` returns every given worker exactly once,
-best first; the gateway tries them in that order (failover before the first token).
-Policies:
-  session      rendezvous hash of conversation_id (turns of one conversation stay on
-               one worker while it is up; its cache holds their prefix); turns without
-               an id go to the least-loaded worker
-  least-loaded fewest queued prompt tokens in flight, then fewest turns, then id
+Interface (shared by the gateway and the replay simulator)
+----------------------------------------------------------
+* `WorkerLoad` (protocol): what the router needs of a worker: `worker_id`,
+  `num_queued_prefill_tokens` (prompt tokens admitted but not yet prefilled) and
+  `num_running_requests`. `gateway.pool.WorkerHandle` provides it from the worker's polled
+  status plus this gateway's own in-flight turns; a simulator passes `LoadSnapshot`s.
+* `Turn`: one request: its prompt length in tokens, the chained block hashes of its full
+  blocks (`make_turn` computes them with the same `BlockHasher` the workers use) and the
+  conversation id.
+* `PrefixIndex` (gateway/index.py): block hash -> owner workers, fed by worker events.
+* `Router(config, index).decide(workers, turn) -> Decision`: every given worker exactly
+  once, best first (the gateway tries them in that order: failover before the first token),
+  with the expected cached tokens per worker. `Router.record(turn, worker_id)` tells the
+  router where a turn was served (the conversation tie-breaker). `rank` = decide().ranked.
+  The router never calls Redis or the network; its only state is the conversation map
+  (bounded LRU) and the round-robin counter.
+
+Policies (RoutingConfig.policy)
+-------------------------------
+  prefix       (default) score = prefix_weight * credited cached tokens
+                                 - load_weight * (queued prefill tokens
+                                                  + running_weight * running sequences)
+               highest first. Cached tokens of a worker = the leading blocks it holds ×
+               block size, capped at prompt length - 1 (one token is always computed).
+               Shared-prefix spread: when the longest match ends at a block from which
+               `spread_fanout` or more different continuations are already indexed (a
+               system prompt other conversations share), those cached tokens are credited
+               at `shared_prefix_weight` (default 0): holding a popular prefix is no
+               reason to attract a new conversation; load and cache occupancy place it,
+               and the chosen worker computes the shared prefix once.
+               Ties, in order: the worker of the conversation's previous turn, the worker
+               with fewer indexed blocks (emptier cache), a rendezvous hash of the
+               conversation id (or of the first block), the worker id.
+  session      rendezvous hash of conversation_id (turns of one conversation stay on one
+               worker while it is up); turns without an id go to the least-loaded worker
+  least-loaded fewest queued prefill tokens, then fewest running sequences, then id
   round-robin  rotate through the workers
-  random       uniform shuffle
+  random       uniform shuffle (seeded by RoutingConfig.seed)
+Every policy reports the expected cached tokens of its choice when an index is given.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 import xxhash
 
-from prefixgate.gateway.pool import WorkerHandle
+from prefixgate.gateway.index import PrefixIndex, PrefixMatch
+from prefixgate.radix import BlockHasher
 
-POLICIES = ("session", "least-loaded", "round-robin", "random")
+__all__ = ["POLICIES", "Decision", "LoadSnapshot", "Router", "RoutingConfig", "Turn",
+           "WorkerLoad", "make_turn"]
+
+POLICIES = ("prefix", "session", "least-loaded", "round-robin", "random")
+
+
+class WorkerLoad(Protocol):
+    """The load view of one worker the router ranks."""
+
+    @property
+    def worker_id(self) -> str: ...
+
+    @property
+    def num_queued_prefill_tokens(self) -> int: ...
+
+    @property
+    def num_running_requests(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """A plain `WorkerLoad` (simulators, tests)."""
+
+    worker_id: str
+    num_queued_prefill_tokens: int = 0
+    num_running_requests: int = 0
+
+
+W = TypeVar("W", bound=WorkerLoad)
 
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    policy: str = "session"
+    """Policy and scoring weights (see the module docstring for the rule)."""
+
+    policy: str = "prefix"
     seed: int | None = None
+    prefix_weight: float = 1.0  # score per cached prompt token
+    load_weight: float = 1.0  # score per queued prefill token (and per running-weight unit)
+    running_weight: float = 64.0  # token-equivalents of work per running sequence
+    shared_prefix_weight: float = 0.0  # credit per cached token of a shared prefix
+    spread_fanout: int = 2  # continuations after which a prefix counts as shared
+    max_conversations: int = 100_000  # conversations remembered for the tie-breaker
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
-            raise ValueError(f"unknown routing policy {self.policy!r}: use one of {', '.join(POLICIES)}")
+            raise ValueError(f"unknown routing policy {self.policy!r}: use one of "
+                             f"{', '.join(POLICIES)}")
+        for name in ("prefix_weight", "load_weight", "running_weight", "shared_prefix_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.spread_fanout < 1:
+            raise ValueError(f"spread_fanout must be >= 1, got {self.spread_fanout}")
 
 
 @dataclass(frozen=True)
 class Turn:
+    """One request to route. `block_hashes` are the chained hashes of the prompt's full
+    blocks (`BlockHasher.hash_blocks`); empty when routing without an index."""
+
     num_prompt_tokens: int
     conversation_id: str = ""
+    block_hashes: Sequence[int] = ()
+    block_size: int = 16
 
 
-def _load_key(w: WorkerHandle) -> tuple[int, int, str]:
-    return (w.in_flight_prompt_tokens, w.in_flight, w.worker_id)
+def make_turn(token_ids: Sequence[int], hasher: BlockHasher, conversation_id: str = "") -> Turn:
+    """A Turn for `token_ids`, hashed by `hasher` (the workers' block size, model
+    fingerprint and the request's namespace)."""
+    return Turn(len(token_ids), conversation_id, hasher.hash_blocks(token_ids),
+                hasher.block_size)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A ranking and what the router expected of it."""
+
+    ranked: list  # the candidate workers, best first
+    policy: str
+    cached_tokens: dict[str, int] = field(default_factory=dict)  # worker id -> cached tokens
+    shared: bool = False  # the prompt's match ended at a shared prefix
+
+    @property
+    def expected_cached_tokens(self) -> int:
+        """Cached tokens of the first choice (0 when nothing is ranked)."""
+        if not self.ranked:
+            return 0
+        return self.cached_tokens.get(self.ranked[0].worker_id, 0)
+
+    def cached_tokens_of(self, worker_id: str) -> int:
+        return self.cached_tokens.get(worker_id, 0)
+
+
+def _rendezvous(key: str, worker_id: str) -> int:
+    return xxhash.xxh3_64_intdigest(f"{key}\0{worker_id}".encode())
+
+
+def _load(w: WorkerLoad) -> tuple[int, int, str]:
+    return (w.num_queued_prefill_tokens, w.num_running_requests, w.worker_id)
 
 
 class Router:
-    def __init__(self, config: RoutingConfig) -> None:
+    """Ranks workers for turns (see the module docstring)."""
+
+    def __init__(self, config: RoutingConfig, index: PrefixIndex | None = None) -> None:
         self.config = config
+        self.index = index
         self._counter = itertools.count()
         self._rng = random.Random(config.seed)
+        self._last_worker: OrderedDict[str, str] = OrderedDict()
 
-    def rank(self, workers: list[WorkerHandle], turn: Turn) -> list[WorkerHandle]:
-        policy = self.config.policy
-        if policy == "round-robin" and workers:
-            start = next(self._counter) % len(workers)
-            return workers[start:] + workers[:start]
-        if policy == "random":
-            return self._rng.sample(workers, len(workers))
-        if policy == "session" and turn.conversation_id:
-            return sorted(workers, key=lambda w: xxhash.xxh3_64_intdigest(
-                f"{turn.conversation_id}\0{w.worker_id}".encode()), reverse=True)
-        return sorted(workers, key=_load_key)
+    def record(self, turn: Turn, worker_id: str) -> None:
+        """`turn` was served by `worker_id` (the next turn's tie-breaker)."""
+        if not turn.conversation_id:
+            return
+        last = self._last_worker
+        last[turn.conversation_id] = worker_id
+        last.move_to_end(turn.conversation_id)
+        while len(last) > self.config.max_conversations:
+            last.popitem(last=False)
+
+    def previous_worker(self, conversation_id: str) -> str | None:
+        return self._last_worker.get(conversation_id) if conversation_id else None
+
+    def rank(self, workers: Sequence[W], turn: Turn) -> list[W]:
+        return self.decide(workers, turn).ranked
+
+    def decide(self, workers: Sequence[W], turn: Turn) -> Decision:
+        cfg = self.config
+        policy = cfg.policy
+        match = (self.index.match(turn.block_hashes)
+                 if self.index is not None and turn.block_hashes else None)
+        cached: dict[str, int] = {}
+        if match is not None:
+            cap = max(0, turn.num_prompt_tokens - 1)
+            bs = turn.block_size
+            cached = {w: min(cap, n * bs) for w, n in match.cached_blocks.items()}
+        shared = bool(match and match.shared)
+        workers = list(workers)
+        if policy == "prefix":
+            ranked = self._rank_prefix(workers, turn, cached, match)
+        elif policy == "round-robin":
+            start = next(self._counter) % len(workers) if workers else 0
+            ranked = workers[start:] + workers[:start]
+        elif policy == "random":
+            ranked = self._rng.sample(workers, len(workers))
+        elif policy == "session" and turn.conversation_id:
+            ranked = sorted(workers, key=lambda w: _rendezvous(turn.conversation_id, w.worker_id),
+                            reverse=True)
+        else:  # least-loaded, and session without a conversation id
+            ranked = sorted(workers, key=_load)
+        return Decision(ranked, policy, cached, shared)
+
+    def _rank_prefix(self, workers: list[W], turn: Turn, cached: dict[str, int],
+                     match: PrefixMatch | None) -> list[W]:
+        cfg = self.config
+        credit = cfg.shared_prefix_weight if match is not None and match.shared else 1.0
+        previous = self.previous_worker(turn.conversation_id)
+        index = self.index
+        key = turn.conversation_id or (str(turn.block_hashes[0]) if turn.block_hashes else "")
+
+        def sort_key(w: W) -> tuple:
+            wid = w.worker_id
+            load = w.num_queued_prefill_tokens + cfg.running_weight * w.num_running_requests
+            score = cfg.prefix_weight * credit * cached.get(wid, 0) - cfg.load_weight * load
+            return (-score, wid != previous,
+                    index.num_owned_blocks(wid) if index is not None else 0,
+                    -_rendezvous(key, wid) if key else 0, wid)
+
+        return sorted(workers, key=sort_key)

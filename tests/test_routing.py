@@ -1,0 +1,202 @@
+"""Routing policies and the event-fed prefix index, without gRPC (unit + property tests)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixgate.gateway.index import PrefixIndex
+from prefixgate.gateway.routing import LoadSnapshot, Router, RoutingConfig, make_turn
+from prefixgate.radix import BlockHasher
+
+BS = 4
+HASHER = BlockHasher(BS, model_fingerprint="fp")
+
+
+def tokens(*parts: range | list[int]) -> list[int]:
+    return [t for p in parts for t in p]
+
+
+def serve(index: PrefixIndex, worker: str, ids: list[int]) -> None:
+    """What a worker's events say after it cached `ids`."""
+    index.stored(worker, 1, None, HASHER.hash_blocks(ids))
+
+
+def workers(n: int, **loads: tuple[int, int]) -> list[LoadSnapshot]:
+    return [LoadSnapshot(f"w{i}", *loads.get(f"w{i}", (0, 0))) for i in range(n)]
+
+
+def test_prefix_policy_prefers_the_longest_cached_prefix() -> None:
+    index = PrefixIndex()
+    router = Router(RoutingConfig(), index)
+    serve(index, "w1", list(range(40)))
+    serve(index, "w2", list(range(20)))
+    turn = make_turn(list(range(44)), HASHER, "c")
+    d = router.decide(workers(3), turn)
+    assert [w.worker_id for w in d.ranked] == ["w1", "w2", "w0"]
+    assert d.expected_cached_tokens == 40 and d.cached_tokens_of("w2") == 20
+    # A hit never covers the last prompt token.
+    assert router.decide(workers(3), make_turn(list(range(40)), HASHER)).expected_cached_tokens == 39
+
+
+def test_load_outweighs_a_small_prefix_but_not_a_large_one() -> None:
+    index = PrefixIndex()
+    serve(index, "w0", list(range(400)))
+    router = Router(RoutingConfig(running_weight=0), index)
+    busy = workers(2, w0=(1000, 0))
+    assert router.rank(busy, make_turn(list(range(410)), HASHER))[0].worker_id == "w1"
+    light = workers(2, w0=(100, 0))
+    assert router.rank(light, make_turn(list(range(410)), HASHER))[0].worker_id == "w0"
+    # Running sequences count through running_weight.
+    router = Router(RoutingConfig(running_weight=64), index)
+    assert router.rank(workers(2, w0=(0, 8)), make_turn(list(range(410)), HASHER))[0].worker_id \
+        == "w1"
+
+
+def test_conversation_tie_breaker_and_no_index() -> None:
+    router = Router(RoutingConfig())  # no index: load, then the previous worker
+    ws = workers(4)
+    first = router.rank(ws, make_turn(list(range(8)), HASHER, "conv"))[0]
+    router.record(make_turn(list(range(8)), HASHER, "conv"), "w3")
+    assert router.rank(ws, make_turn(list(range(12)), HASHER, "conv"))[0].worker_id == "w3"
+    assert first.worker_id in {w.worker_id for w in ws}
+    # A loaded previous worker loses: the tie-breaker is only a tie-breaker.
+    assert router.rank(workers(4, w3=(50, 0)), make_turn(list(range(12)), HASHER, "conv")
+                       )[0].worker_id != "w3"
+
+
+def _shared_prompt_run(config: RoutingConfig, n_workers: int = 4, n_convs: int = 16):
+    """New conversations sharing a 64-token system prompt arrive one at a time; each
+    served turn is reported back as the worker's stored blocks. Returns (first-turn
+    placement, whether every second turn went back to its conversation's worker)."""
+    index = PrefixIndex(spread_fanout=config.spread_fanout)
+    router = Router(config, index)
+    system = list(range(1000, 1064))
+    placed: dict[str, str] = {}
+    for c in range(n_convs):
+        prompt = tokens(system, range(c * 100, c * 100 + 10))
+        turn = make_turn(prompt, HASHER, f"c{c}")
+        w = router.rank(workers(n_workers), turn)[0].worker_id
+        router.record(turn, w)
+        serve(index, w, prompt + [7, 7, 7, 7, 7])  # prompt and reply cached
+        placed[f"c{c}"] = w
+    sticky = True
+    for c in range(n_convs):
+        prompt = tokens(system, range(c * 100, c * 100 + 10), [7] * 5, range(50, 60))
+        d = router.decide(workers(n_workers), make_turn(prompt, HASHER, f"c{c}"))
+        sticky &= d.ranked[0].worker_id == placed[f"c{c}"] and d.expected_cached_tokens >= 72
+    return Counter(placed.values()), sticky
+
+
+def test_shared_system_prompt_spreads_new_conversations() -> None:
+    spread, sticky = _shared_prompt_run(RoutingConfig())
+    assert sorted(spread.values()) == [4, 4, 4, 4] and sticky
+    # Without the spread rule, the first holder of the system prompt takes every idle
+    # new conversation (the hot spot the rule exists to prevent).
+    hot, sticky = _shared_prompt_run(RoutingConfig(shared_prefix_weight=1.0))
+    assert max(hot.values()) == 16 and sticky
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "random", "least-loaded", "session", "prefix"])
+def test_every_policy_ranks_each_worker_once(policy: str) -> None:
+    router = Router(RoutingConfig(policy=policy, seed=1), PrefixIndex())
+    ws = workers(5, w2=(10, 1))
+    for i in range(6):
+        ranked = router.rank(ws, make_turn(list(range(i, i + 9)), HASHER, f"c{i % 2}"))
+        assert sorted(w.worker_id for w in ranked) == sorted(w.worker_id for w in ws)
+    assert router.rank([], make_turn([1, 2, 3, 4], HASHER)) == []
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        RoutingConfig(policy="best")
+    with pytest.raises(ValueError, match="load_weight"):
+        RoutingConfig(load_weight=-1)
+
+
+def test_epochs_fence_stale_events_and_orphans_are_counted() -> None:
+    index = PrefixIndex()
+    hs = HASHER.hash_blocks(list(range(16)))
+    index.stored("w", 1, None, hs)
+    index.reset_worker("w", 2)  # restarted: starts clean
+    assert index.match(hs).cached_blocks == {}
+    index.stored("w", 1, None, hs)  # a late event of the dead incarnation
+    assert index.num_blocks == 0
+    index.stored("w", 2, None, hs[:2])
+    index.stored("w", 2, hs[1], hs[2:])  # continuation of a known block
+    assert index.match(hs).cached_blocks == {"w": 4}
+    index.stored("w", 2, 12345, [1, 2])  # unknown parent: dropped, counted
+    assert index.num_orphan_events == 1 and index.num_blocks == 4
+    index.stored("w", 3, None, hs[:1])  # a newer epoch resets first
+    assert index.match(hs).cached_blocks == {"w": 1}
+    index.remove_worker("w")
+    assert index.num_blocks == 0 and index.workers() == {}
+
+
+def test_max_blocks_bounds_memory() -> None:
+    index = PrefixIndex(max_blocks=50)
+    for c in range(20):
+        serve(index, f"w{c % 3}", list(range(c * 1000, c * 1000 + 40)))
+    assert index.num_blocks <= 50
+
+
+# --- property test against a simple model --------------------------------------------------
+
+_paths = st.lists(st.integers(0, 2), min_size=1, max_size=6).map(tuple)
+_events = st.lists(st.tuples(st.sampled_from(["store", "remove", "clear", "restart"]),
+                             st.sampled_from(["a", "b", "c"]), _paths, st.integers(0, 5)),
+                   max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_events, st.lists(_paths, min_size=1, max_size=5))
+def test_index_matches_a_set_model(events, queries) -> None:
+    ids: dict[tuple, int] = {}
+
+    def h(path: tuple) -> int:  # a unique "chained hash" per path prefix
+        return ids.setdefault(path, len(ids) + 1)
+
+    index = PrefixIndex()
+    held: dict[str, set[int]] = {"a": set(), "b": set(), "c": set()}
+    epoch = {"a": 1, "b": 1, "c": 1}
+    for kind, w, path, k in events:
+        if kind == "store":
+            # The engine extends a chain it holds (or starts one at the root).
+            k = min(k, len(path) - 1)
+            while k and h(path[:k]) not in held[w]:
+                k -= 1
+            parent = h(path[:k]) if k else None
+            hs = [h(path[: i + 1]) for i in range(k, len(path))]
+            index.stored(w, epoch[w], parent, hs)
+            held[w].update(hs)
+        elif kind == "remove":
+            hs = [h(path[: i + 1]) for i in range(min(k, len(path) - 1), len(path))]
+            index.removed(w, epoch[w], hs)
+            held[w].difference_update(hs)
+        elif kind == "clear":
+            index.cleared(w, epoch[w])
+            held[w].clear()
+        else:
+            epoch[w] += 1
+            index.reset_worker(w, epoch[w])
+            held[w].clear()
+    for q in queries:
+        hs = [h(q[: i + 1]) for i in range(len(q))]
+        expected = {}
+        for w, s in held.items():
+            n = 0
+            while n < len(hs) and hs[n] in s:
+                n += 1
+            if n:
+                expected[w] = n
+        assert index.match(hs).cached_blocks == expected
+    # Resident blocks are exactly the held blocks and the paths leading to them.
+    path_of = {v: p for p, v in ids.items()}
+    on_paths = {h(path_of[b][:i]) for s in held.values() for b in s
+                for i in range(1, len(path_of[b]) + 1)}
+    assert index.num_blocks == len(on_paths)
+    for w, s in held.items():
+        assert index.num_owned_blocks(w) == len(s)
