@@ -93,8 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
          help="host:port gateways use to reach this worker (default: host:port)")
     flag(w, "--redis-url", default="", help="register in this Redis (redis://host:port/db)")
     flag(w, "--lease-ms", type=int, default=10000, help="registry lease, renewed every third of it")
-    flag(w, "--max-cached-sequences", type=int, default=8,
-         help="sequences whose KV is kept for prefix reuse")
+    flag(w, "--kv-cache-memory", type=int, default=1 << 30,
+         help="bytes of KV pool (ignored when --num-blocks is given)")
+    flag(w, "--num-blocks", type=int, default=0, help="KV pool size in blocks (0: from --kv-cache-memory)")
+    flag(w, "--max-num-seqs", type=int, default=32, help="most requests in the running batch")
+    flag(w, "--max-num-batched-tokens", type=int, default=512,
+         help="tokens per step (decodes plus prefill chunks)")
+    flag(w, "--disable-prefix-cache", action="store_true",
+         help="compute every prompt in full (for comparisons)")
     flag(w, "--torch-threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     flag(w, "--drain-seconds", type=float, default=30.0,
          help="on SIGTERM, how long in-flight requests may finish")
@@ -166,6 +172,15 @@ def build_parser() -> argparse.ArgumentParser:
         bp.add_argument("--json", action="store_true", help="print one JSON document on stdout")
         module.add_arguments(bp)
         bp.set_defaults(_bench_run=module.run)
+
+    # --- replay (prefixgate/replay/cli.py holds its flags and body) ---
+    from prefixgate.replay import cli as replay_cli
+
+    r = sub.add_parser("replay", help="replay a recorded trace against a gateway or an "
+                                      "OpenAI-compatible server, or simulate routing",
+                       description=replay_cli.__doc__)
+    _common(r)
+    replay_cli.add_arguments(r, flag)
     return parser
 
 
@@ -192,8 +207,11 @@ async def _run_worker(args: argparse.Namespace) -> None:
     from prefixgate.models import resolve_model
     from prefixgate.registry import RedisRegistry, WorkerRecord
     from prefixgate.tokenizer import ChatTokenizer
-    from prefixgate.worker.engine import SimpleEngine, SimpleEngineConfig
+    from prefixgate.worker.engine import EngineConfig, PagedEngine
+    from prefixgate.worker.kv_pool import num_blocks_for_memory
+    from prefixgate.worker.metrics import WorkerMetrics
     from prefixgate.worker.model_loader import load_model
+    from prefixgate.worker.model_runner import pool_config_for
     from prefixgate.worker.server import WorkerConfig, WorkerService, serve
 
     if args.torch_threads:
@@ -203,9 +221,18 @@ async def _run_worker(args: argparse.Namespace) -> None:
     spec = resolve_model(args.model, _cache_dir(args))
     tokenizer = ChatTokenizer(spec)
     model = await asyncio.to_thread(load_model, spec)
-    engine = SimpleEngine(model, tokenizer, SimpleEngineConfig(
-        max_cached_sequences=args.max_cached_sequences, eos_token_ids=tokenizer.eos_token_ids,
-        max_context_tokens=spec.max_context_tokens))
+    bytes_per_token = pool_config_for(model, args.block_size, 1).bytes_per_token
+    num_blocks = args.num_blocks or num_blocks_for_memory(
+        args.kv_cache_memory, bytes_per_token, args.block_size)
+    log.info("KV pool: %d bytes per token, %d blocks of %d tokens = %d tokens (%.1f MiB)",
+             bytes_per_token, num_blocks, args.block_size, num_blocks * args.block_size,
+             num_blocks * args.block_size * bytes_per_token / 2**20)
+    engine = PagedEngine(model, tokenizer, EngineConfig(
+        num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_cache=not args.disable_prefix_cache,
+        eos_token_ids=tokenizer.eos_token_ids, max_context_tokens=spec.max_context_tokens,
+        model_fingerprint=spec.fingerprint), metrics=WorkerMetrics())
     worker_id = args.worker_id or f"worker-{args.port}"
     config = WorkerConfig(worker_id=worker_id, host=args.host, port=args.port,
                           block_size=args.block_size, drain_seconds=args.drain_seconds)
@@ -486,6 +513,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = args._bench_run(args)
         print(json.dumps(result, indent=None if args.json else 2))
         return 0
+    if args.command == "replay":
+        from prefixgate.replay.cli import run as run_replay
+
+        return run_replay(args)
     runners = {"worker": _run_worker, "gateway": _run_gateway, "up": _run_up, "chat": _run_chat}
     try:
         return asyncio.run(runners[args.command](args)) or 0

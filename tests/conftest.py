@@ -62,6 +62,15 @@ def tiny_model(tiny_spec: ModelSpec):
     return load_model(tiny_spec)
 
 
+@pytest.fixture
+def tiny_reference_model(tiny_spec: ModelSpec):
+    """A private tiny-random model for plain transformers forwards (engines switch the
+    shared one to paged attention)."""
+    from prefixgate.worker.model_loader import load_model
+
+    return load_model(tiny_spec)
+
+
 @pytest.fixture(scope="session")
 def smollm2_spec() -> ModelSpec:
     """SmolLM2 in the default cache (materialised once per machine, by GGUF digest)."""
@@ -114,19 +123,26 @@ def redis_flush(redis_url: str) -> str:
     return redis_url
 
 
-def start_worker(loop_thread: LoopThread, spec: ModelSpec, model, worker_id: str,
-                 **engine_kwargs) -> tuple[str, asyncio.Event]:
-    """Start a WorkerService on a free loopback port; returns (address, stop event)."""
+def make_engine(spec: ModelSpec, model, **config):
+    """A PagedEngine for `spec` (EngineConfig fields as keyword arguments)."""
     from prefixgate.tokenizer import ChatTokenizer
-    from prefixgate.worker.engine import SimpleEngine, SimpleEngineConfig
-    from prefixgate.worker.server import WorkerConfig, WorkerService, serve
+    from prefixgate.worker.engine import EngineConfig, PagedEngine
 
     tokenizer = ChatTokenizer(spec)
-    engine = SimpleEngine(model, tokenizer, SimpleEngineConfig(
+    config.setdefault("num_blocks", 512)
+    return PagedEngine(model, tokenizer, EngineConfig(
         eos_token_ids=tokenizer.eos_token_ids, max_context_tokens=spec.max_context_tokens,
-        **engine_kwargs))
+        model_fingerprint=spec.fingerprint, **config))
+
+
+def start_worker(loop_thread: LoopThread, spec: ModelSpec, model, worker_id: str,
+                 **engine_config) -> tuple[str, asyncio.Event]:
+    """Start a WorkerService on a free loopback port; returns (address, stop event)."""
+    from prefixgate.worker.server import WorkerConfig, WorkerService, serve
+
+    engine = make_engine(spec, model, **engine_config)
     service = WorkerService(engine, spec, WorkerConfig(worker_id=worker_id, drain_seconds=1),
-                            vocab_size=tokenizer.vocab_size)
+                            vocab_size=engine.tokenizer.vocab_size)
 
     async def start() -> tuple[int, asyncio.Event]:
         stop = asyncio.Event()

@@ -1,31 +1,53 @@
-"""Worker engines: turn requests of token ids into streams of generated tokens.
+"""The worker engine: continuous batching over a paged KV pool with exact prefix reuse.
 
-`Engine` is the contract the Worker gRPC service is written against; `SimpleEngine` is
-the first implementation: one request at a time on a background thread, with a small
-LRU of contiguous transformers caches for prefix reuse. The paged engine (paged KV pool,
-radix-tree prefix cache, continuous batching, eviction events) replaces it behind the
-same contract.
+`Engine` is the contract the Worker gRPC service is written against. `PagedEngine` runs
+it on one background thread; every step:
+
+1. admits waiting requests (FIFO) while the pool can hold their prompt: the prompt's
+   full blocks are hashed and matched in the prefix cache; the matched blocks join the
+   request's block table (shared, reference counted, locked against eviction), so only
+   the uncached suffix is computed. The hit never covers the last prompt token: its
+   logits are needed to sample.
+2. schedules a flat batch under `max_num_batched_tokens`: one token for each decoding
+   request first, then prefill chunks, so a long prompt never stalls running decodes.
+   Blocks for the step's new tokens are allocated now; when the pool is short, unlocked
+   cached blocks are evicted (LRU leaves first), and only then is the most recently
+   admitted request preempted (blocks freed, re-queued at the front, recomputed later:
+   an accepted request never fails for memory it could get by waiting).
+3. runs the model once (ModelRunner: K/V written into the pool, attention through block
+   tables), samples where a request's last token was computed, streams text, stops.
+4. finishes requests: their computed full blocks (prompt and reply) go into the prefix
+   cache, so the next turn of the conversation (same history re-rendered plus a new user
+   message) hits them; their tail block and duplicates are freed.
+
+Each request owns only its block table, so the batch may change every step.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
-import os
 import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
-from transformers import DynamicCache
 
+from prefixgate.events import KVEventSink
+from prefixgate.protocol import SamplingConfig
+from prefixgate.radix import BlockHasher, Node
 from prefixgate.worker.detokenizer import Decoder, StreamDecoder
-from prefixgate.worker.sampling import Sampler, SamplingConfig
+from prefixgate.worker.kv_pool import KVPool
+from prefixgate.worker.metrics import WorkerMetrics
+from prefixgate.worker.model_runner import ModelRunner, pool_config_for
+from prefixgate.worker.paged_attention import StepMetadata
+from prefixgate.worker.prefix_cache import PrefixCache
+from prefixgate.worker.sampling import Sampler
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +98,7 @@ class EngineStatus:
     num_queued_prefill_tokens: int
     kv_used_tokens: int
     kv_capacity_tokens: int
+    kv_cached_tokens: int = 0
 
 
 class Engine(ABC):
@@ -84,11 +107,16 @@ class Engine(ABC):
     - `submit` is thread-safe and returns at once. `emit` is then called from the engine's
       thread with zero or more TokenEvents and exactly one FinalEvent, in order; it must
       not block (the gRPC service hands events to its event loop).
-    - `cancel` is idempotent; a cancelled request frees its resources at its next step
+    - `cancel` is idempotent; a cancelled request frees its resources at the next step
       and ends with FinalEvent(CANCELLED).
-    - `status`, `flush_cache` are thread-safe. `shutdown` finishes nothing new and returns
-      once the engine thread has stopped.
+    - `status` and `flush_cache` are thread-safe. `shutdown` returns once the engine
+      thread has stopped; requests still in flight end CANCELLED.
     """
+
+    @property
+    @abstractmethod
+    def capacity_tokens(self) -> int:
+        """Most tokens of KV one request can hold (prompt + max_tokens must fit)."""
 
     @abstractmethod
     def submit(self, request: Request, emit: EmitFn) -> None: ...
@@ -101,175 +129,317 @@ class Engine(ABC):
 
     @abstractmethod
     def flush_cache(self) -> int:
-        """Drop every cached prefix; returns the number of cached tokens dropped."""
+        """Drop every unlocked cached block; returns the number of cached tokens dropped."""
 
     @abstractmethod
     def shutdown(self) -> None: ...
 
 
 @dataclass(frozen=True)
-class SimpleEngineConfig:
-    # Contiguous caches kept for prefix reuse (each holds one sequence's full KV).
-    max_cached_sequences: int = 8
+class EngineConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 32
+    # Tokens per step (decodes + prefill chunks): bounds step latency for running decodes.
+    max_num_batched_tokens: int = 512
+    enable_prefix_cache: bool = True
     eos_token_ids: tuple[int, ...] = ()
     max_context_tokens: int = 2048
+    # Salts block hashes, so caches of different models never match.
+    model_fingerprint: str = ""
 
 
-@dataclass
-class _Pending:
+@dataclass(eq=False)
+class _Sequence:
     request: Request
     emit: EmitFn
+    sampler: Sampler
+    decoder: StreamDecoder
+    tokens: list[int]  # prompt + generated so far
     arrival: float = field(default_factory=time.monotonic)
+    block_hashes: list[int] = field(default_factory=list)  # of tokens' full blocks
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in block_table's blocks
+    num_cached_tokens: int = -1  # prompt tokens served from cache (set at first admission)
+    cache_handle: Node[int] | None = None
+    first_scheduled: float = 0.0
+    first_token: float = 0.0
+    last_token: float = 0.0
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.request.prompt_token_ids)
 
 
-class SimpleEngine(Engine):
-    """One request at a time; prefix reuse through an LRU of (tokens, DynamicCache).
-
-    A hit copies the cached KV of the longest matching sequence and crops it to the
-    common prefix (never the whole prompt: the last prompt token is always computed to
-    get logits). Correct and simple; its cost is a copy per hit and one sequence at a
-    time, which is what the paged engine removes.
-    """
-
-    def __init__(self, model: torch.nn.Module, tokenizer: Decoder,
-                 config: SimpleEngineConfig) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
+class PagedEngine(Engine):
+    def __init__(self, model: torch.nn.Module, tokenizer: Decoder, config: EngineConfig,
+                 event_sink: KVEventSink | None = None,
+                 metrics: WorkerMetrics | None = None) -> None:
         self.config = config
-        self._queue: queue.Queue[_Pending | None] = queue.Queue()
+        self.tokenizer = tokenizer
+        self.pool = KVPool(pool_config_for(model, config.block_size, config.num_blocks))
+        self.runner = ModelRunner(model, self.pool)
+        self.cache = PrefixCache(self.pool, event_sink)
+        self.metrics = metrics
+        self._hashers: dict[str, BlockHasher] = {}
+        self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
+        self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []
         self._cancelled: set[str] = set()
-        self._lock = threading.Lock()
-        # (namespace, tokens) -> cache holding exactly those tokens' KV
-        self._cache: OrderedDict[tuple[str, tuple[int, ...]], DynamicCache] = OrderedDict()
-        self._waiting_prefill_tokens = 0
-        self._running = 0
+        self._status = EngineStatus(0, 0, 0, 0, self.pool.config.num_tokens)
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
-    # --- contract -----------------------------------------------------------------------
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.config.num_tokens
+
+    # --- contract (any thread) ------------------------------------------------------------
 
     def submit(self, request: Request, emit: EmitFn) -> None:
-        with self._lock:
-            self._waiting_prefill_tokens += len(request.prompt_token_ids)
-        self._queue.put(_Pending(request, emit))
+        self._inbox.put(("submit", (request, emit, time.monotonic())))
 
     def cancel(self, request_id: str) -> None:
-        with self._lock:
-            self._cancelled.add(request_id)
+        self._inbox.put(("cancel", request_id))
 
     def status(self) -> EngineStatus:
-        with self._lock:
-            used = sum(len(k[1]) for k in self._cache)
-            return EngineStatus(
-                num_running_requests=self._running,
-                num_waiting_requests=self._queue.qsize(),
-                num_queued_prefill_tokens=self._waiting_prefill_tokens,
-                kv_used_tokens=used,
-                kv_capacity_tokens=self.config.max_cached_sequences * self.config.max_context_tokens,
-            )
+        return self._status
 
     def flush_cache(self) -> int:
-        with self._lock:
-            dropped = sum(len(k[1]) for k in self._cache)
-            self._cache.clear()
-        return dropped
+        done: Future[int] = Future()
+        self._inbox.put(("flush", done))
+        return done.result(timeout=60)
 
     def shutdown(self) -> None:
-        self._queue.put(None)
+        self._inbox.put(("shutdown", None))
         self._thread.join()
 
-    # --- engine thread --------------------------------------------------------------------
+    # --- engine thread ----------------------------------------------------------------------
 
     def _loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            with self._lock:
-                self._running = 1
-                self._waiting_prefill_tokens -= len(item.request.prompt_token_ids)
+        while True:
+            idle = not self._running and not self._waiting
             try:
-                self._run(item)
-            except Exception as exc:  # never let one request kill the engine thread
-                log.exception("request %s failed: %s", item.request.request_id, exc)
-                item.emit(FinalEvent(FinishReason.ERROR, len(item.request.prompt_token_ids),
-                                     0, 0, 0.0, 0.0, (time.monotonic() - item.arrival) * 1e3))
-            finally:
-                with self._lock:
-                    self._running = 0
-                    self._cancelled.discard(item.request.request_id)
+                kind, arg = self._inbox.get(block=idle)
+            except queue.Empty:
+                kind, arg = "", None
+            while kind:
+                if kind == "shutdown":
+                    for seq in [*self._running, *self._waiting]:
+                        self._finish(seq, FinishReason.CANCELLED)
+                    return
+                self._handle(kind, arg)
+                try:
+                    kind, arg = self._inbox.get_nowait()
+                except queue.Empty:
+                    kind = ""
+            try:
+                self._step()
+            except Exception:  # never let one bad step kill the engine: fail its requests
+                log.exception("engine step failed")
+                for seq in list(self._running):
+                    self._finish(seq, FinishReason.ERROR)
+            self._publish_status()
 
-    def _is_cancelled(self, request_id: str) -> bool:
-        with self._lock:
-            return request_id in self._cancelled
+    def _handle(self, kind: str, arg: object) -> None:
+        if kind == "submit":
+            request, emit, arrival = arg  # type: ignore[misc]
+            seq = _Sequence(request, emit, Sampler(request.sampling),
+                            StreamDecoder(self.tokenizer, request.sampling.stop),
+                            list(request.prompt_token_ids), arrival=arrival)
+            self._waiting.append(seq)
+        elif kind == "cancel":
+            self._cancelled.add(arg)  # type: ignore[arg-type]
+        elif kind == "flush":
+            arg.set_result(self.cache.flush() * self.config.block_size)  # type: ignore[union-attr]
 
-    def _lookup(self, namespace: str, prompt: tuple[int, ...]) -> tuple[int, DynamicCache | None]:
-        """Longest cached prefix of `prompt` (capped at len - 1) and a private cache copy."""
-        best_len, best_key = 0, None
-        with self._lock:
-            for key in self._cache:
-                if key[0] != namespace:
-                    continue
-                n = len(os.path.commonprefix([key[1], prompt]))
-                if n > best_len:
-                    best_len, best_key = n, key
-            best_len = min(best_len, len(prompt) - 1)
-            if best_key is None or best_len == 0:
-                return 0, None
-            self._cache.move_to_end(best_key)
-            cache = copy.deepcopy(self._cache[best_key])
-        # transformers' crop takes a negative count of tokens to drop from the end.
-        if cache.get_seq_length() > best_len:
-            cache.crop(best_len - cache.get_seq_length())
-        return best_len, cache
+    def _hasher(self, namespace: str) -> BlockHasher:
+        h = self._hashers.get(namespace)
+        if h is None:
+            h = self._hashers[namespace] = BlockHasher(
+                self.config.block_size, self.config.model_fingerprint, namespace)
+        return h
 
-    def _store(self, namespace: str, tokens: tuple[int, ...], cache: DynamicCache) -> None:
-        with self._lock:
-            self._cache[(namespace, tokens)] = cache
-            self._cache.move_to_end((namespace, tokens))
-            while len(self._cache) > self.config.max_cached_sequences:
-                self._cache.popitem(last=False)
+    def _update_hashes(self, seq: _Sequence) -> None:
+        bs = self.config.block_size
+        have = len(seq.block_hashes)
+        want = len(seq.tokens) // bs
+        if want > have:
+            parent = seq.block_hashes[-1] if have else None
+            seq.block_hashes += self._hasher(seq.request.namespace).hash_blocks(
+                seq.tokens[have * bs:want * bs], parent_hash=parent)
 
-    @torch.inference_mode()
-    def _run(self, item: _Pending) -> None:
-        req, emit = item.request, item.emit
-        start = time.monotonic()
-        queue_ms = (start - item.arrival) * 1e3
-        prompt = req.prompt_token_ids
-        cached, cache = self._lookup(req.namespace, prompt)
-        cache = cache if cache is not None else DynamicCache()
-        sampler = Sampler(req.sampling)
-        decoder = StreamDecoder(self.tokenizer, req.sampling.stop)
-        stop_ids = set(self.config.eos_token_ids) | set(req.sampling.stop_token_ids)
-        limit = min(req.sampling.max_tokens, self.config.max_context_tokens - len(prompt))
-        tokens = list(prompt)
-        generated: list[int] = []
-        ttft_ms = 0.0
-        finish = FinishReason.LENGTH
-        new_ids = torch.tensor([prompt[cached:]])
-        while len(generated) < limit:
-            if self._is_cancelled(req.request_id):
-                finish = FinishReason.CANCELLED
+    def _step(self) -> None:
+        if self._cancelled:
+            for seq in [s for s in (*self._running, *self._waiting)
+                        if s.request.request_id in self._cancelled]:
+                self._finish(seq, FinishReason.CANCELLED)
+            self._cancelled.clear()
+        self._admit()
+        batch = self._schedule()
+        if batch:
+            self._run(batch)
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.config.block_size - 1) // self.config.block_size
+
+    def _admit(self) -> None:
+        bs = self.config.block_size
+        while self._waiting and len(self._running) < self.config.max_num_seqs:
+            seq = self._waiting[0]
+            matched: list[int] = []
+            if self.config.enable_prefix_cache:
+                self._update_hashes(seq)
+                # Cap the hit so that at least the last token is computed.
+                usable = (len(seq.tokens) - 1) // bs
+                seq.cache_handle, matched = self.cache.match(seq.block_hashes[:usable])
+            need = self._blocks_for(len(seq.tokens)) - len(matched)
+            available = self.pool.num_free_blocks + self.cache.num_evictable_blocks
+            if need > available and self._running:
+                self._release_blocks(seq, matched)  # wait until running requests finish
                 break
-            out = self.model(input_ids=new_ids, past_key_values=cache, use_cache=True,
-                             logits_to_keep=1)
-            token = sampler.sample(out.logits[0, -1])
-            generated.append(token)
-            tokens.append(token)
-            if not ttft_ms:
-                ttft_ms = (time.monotonic() - item.arrival) * 1e3
-            if token in stop_ids:
-                finish = FinishReason.STOP
-                emit(TokenEvent((token,), decoder.flush()))
+            self._waiting.popleft()
+            seq.block_table = matched
+            seq.num_computed_tokens = len(matched) * bs
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+                if self.metrics:
+                    self.metrics.prefix_queries.inc(len(seq.tokens))
+                    self.metrics.prefix_hits.inc(seq.num_computed_tokens)
+            self._running.append(seq)
+
+    def _release_blocks(self, seq: _Sequence, blocks: list[int]) -> None:
+        self.pool.release(blocks)
+        if seq.cache_handle is not None:
+            self.cache.unlock(seq.cache_handle)
+            seq.cache_handle = None
+
+    def _allocate(self, seq: _Sequence, num_blocks: int) -> bool:
+        """Give `seq` `num_blocks` more blocks: evict cached blocks, then preempt others.
+        False when `seq` itself had to be preempted."""
+        while True:
+            blocks = self.pool.allocate(num_blocks)
+            if blocks is not None:
+                seq.block_table += blocks
+                return True
+            short = num_blocks - self.pool.num_free_blocks
+            if self.cache.evict(short) and self.metrics:
+                self.metrics.evictions.inc(short)
+            if self.pool.num_free_blocks >= num_blocks:
+                continue
+            victim = self._running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+
+    def _preempt(self, seq: _Sequence) -> None:
+        log.info("preempting %s (%d tokens) for memory", seq.request.request_id, len(seq.tokens))
+        self._running.remove(seq)
+        self._release_blocks(seq, seq.block_table)
+        seq.block_table, seq.num_computed_tokens = [], 0
+        self._waiting.appendleft(seq)
+        if self.metrics:
+            self.metrics.preemptions.inc()
+
+    def _schedule(self) -> list[tuple[_Sequence, int]]:
+        budget = self.config.max_num_batched_tokens
+        batch: list[tuple[_Sequence, int]] = []
+        # Decodes (one pending token) before prefill chunks.
+        order = sorted(self._running, key=lambda s: len(s.tokens) - s.num_computed_tokens > 1)
+        for seq in order:
+            if budget == 0:
                 break
-            text = decoder.push(token)
-            emit(TokenEvent((token,), text))
-            if decoder.stopped:
-                finish = FinishReason.STOP
-                break
-            new_ids = torch.tensor([[token]])
+            if seq not in self._running:  # preempted by an earlier allocation this step
+                continue
+            n = min(len(seq.tokens) - seq.num_computed_tokens, budget)
+            extra = self._blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
+            if extra > 0 and not self._allocate(seq, extra):
+                continue
+            batch.append((seq, n))
+            budget -= n
+        return [(s, n) for s, n in batch if s in self._running]
+
+    def _run(self, batch: list[tuple[_Sequence, int]]) -> None:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        sample_indices: list[int] = []
+        samplers: list[_Sequence] = []
+        now = time.monotonic()
+        for seq, n in batch:
+            start = seq.num_computed_tokens
+            input_ids += seq.tokens[start:start + n]
+            positions += range(start, start + n)
+            if not seq.first_scheduled:
+                seq.first_scheduled = now
+            if start + n == len(seq.tokens):
+                sample_indices.append(len(input_ids) - 1)
+                samplers.append(seq)
+        step = StepMetadata.build(self.pool, [s.block_table for s, _ in batch],
+                                  [s.num_computed_tokens + n for s, n in batch],
+                                  [n for _, n in batch])
+        logits = self.runner.forward(input_ids, positions, step, sample_indices)
+        for seq, n in batch:
+            seq.num_computed_tokens += n
+        for row, seq in zip(logits, samplers, strict=True):
+            self._append(seq, seq.sampler.sample(row))
+
+    def _append(self, seq: _Sequence, token: int) -> None:
+        now = time.monotonic()
+        if self.metrics:
+            if seq.first_token:
+                self.metrics.inter_token.observe(now - seq.last_token)
+            else:
+                self.metrics.ttft.observe(now - seq.arrival)
+        seq.first_token = seq.first_token or now
+        seq.last_token = now
+        seq.tokens.append(token)
+        sampling = seq.request.sampling
+        if token in self.config.eos_token_ids or token in sampling.stop_token_ids:
+            seq.emit(TokenEvent((token,), seq.decoder.flush()))
+            self._finish(seq, FinishReason.STOP)
+            return
+        text = seq.decoder.push(token)
+        if seq.decoder.stopped:
+            seq.emit(TokenEvent((token,), text))
+            self._finish(seq, FinishReason.STOP)
+        elif seq.num_generated >= sampling.max_tokens or \
+                len(seq.tokens) >= self.config.max_context_tokens:
+            seq.emit(TokenEvent((token,), text + seq.decoder.flush()))
+            self._finish(seq, FinishReason.LENGTH)
         else:
-            tail = decoder.flush()
-            if tail:
-                emit(TokenEvent((), tail))
-        # The cache holds KV for every token fed to the model: all but the last sampled.
-        self._store(req.namespace, tuple(tokens[:cache.get_seq_length()]), cache)
-        emit(FinalEvent(finish, len(prompt), cached, len(generated), queue_ms, ttft_ms,
-                        (time.monotonic() - item.arrival) * 1e3))
+            seq.emit(TokenEvent((token,), text))
+
+    def _finish(self, seq: _Sequence, reason: FinishReason) -> None:
+        if seq in self._running:
+            self._running.remove(seq)
+        elif seq in self._waiting:
+            self._waiting.remove(seq)
+        bs = self.config.block_size
+        full = seq.num_computed_tokens // bs
+        if self.config.enable_prefix_cache and full and reason is not FinishReason.ERROR:
+            # Cache what was computed (prompt and reply), so the next turn reuses it.
+            self._update_hashes(seq)
+            self.cache.insert(seq.block_hashes[:full], seq.block_table[:full])
+            self._release_blocks(seq, seq.block_table[full:])
+        else:
+            self._release_blocks(seq, seq.block_table)
+        seq.block_table = []
+        end = time.monotonic()
+        start = seq.first_scheduled or end
+        seq.emit(FinalEvent(reason, len(seq.request.prompt_token_ids), max(seq.num_cached_tokens, 0),
+                            seq.num_generated, (start - seq.arrival) * 1e3,
+                            ((seq.first_token or end) - seq.arrival) * 1e3,
+                            (end - seq.arrival) * 1e3))
+
+    def _publish_status(self) -> None:
+        queued = sum(len(s.tokens) - s.num_computed_tokens for s in self._waiting) + sum(
+            len(s.tokens) - s.num_computed_tokens for s in self._running
+            if len(s.tokens) - s.num_computed_tokens > 1)
+        bs = self.config.block_size
+        self._status = EngineStatus(
+            num_running_requests=len(self._running), num_waiting_requests=len(self._waiting),
+            num_queued_prefill_tokens=queued, kv_used_tokens=self.pool.num_used_blocks * bs,
+            kv_capacity_tokens=self.pool.config.num_tokens,
+            kv_cached_tokens=self.cache.num_blocks * bs)
+        if self.metrics:
+            self.metrics.update_status(self._status)

@@ -25,6 +25,7 @@ from prefixgate.models import ModelSpec
 from prefixgate.protocol import InvalidRequest, check_token_ids, sampling_from_proto
 from prefixgate.v1 import common_pb2, worker_pb2
 from prefixgate.worker.engine import Engine, FinalEvent, FinishReason, Request, TokenEvent
+from prefixgate.worker.events import EventLog, KVEvent
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +49,15 @@ class WorkerConfig:
 
 class WorkerService:
     def __init__(self, engine: Engine, spec: ModelSpec, config: WorkerConfig,
-                 vocab_size: int) -> None:
+                 vocab_size: int, events: EventLog | None = None) -> None:
         self.engine = engine
         self.spec = spec
         self.config = config
         self.vocab_size = vocab_size
+        # The sink the engine reports to (an empty log when the engine reports nothing).
+        self.events = events if events is not None else EventLog()
+        self._closing = False
+        self._watchers: set[asyncio.Event] = set()
 
     async def Generate(self, request: worker_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext):
@@ -63,6 +68,13 @@ class WorkerService:
                                            self.spec.max_context_tokens)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        need = len(prompt) + sampling.max_tokens
+        if need > self.engine.capacity_tokens:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the request needs KV for {need} tokens (prompt {len(prompt)} + max_tokens "
+                f"{sampling.max_tokens}) but worker {self.config.worker_id} holds "
+                f"{self.engine.capacity_tokens}: lower max_tokens or shorten the prompt")
         request_id = request.request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent | FinalEvent] = asyncio.Queue()
@@ -113,6 +125,71 @@ class WorkerService:
     async def FlushCache(self, request, context) -> worker_pb2.FlushCacheResponse:
         return worker_pb2.FlushCacheResponse(num_flushed_tokens=self.engine.flush_cache())
 
+    async def WatchEvents(self, request: worker_pb2.WatchEventsRequest,
+                          context: grpc.aio.ServicerContext):
+        """Stream the event log: a snapshot first unless the subscriber's cursor is of this
+        incarnation and still held, then live batches (see worker/events.py)."""
+        events = self.events
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        self._watchers.add(wake)
+        unsubscribe = events.subscribe(lambda: loop.call_soon_threadsafe(wake.set))
+        cursor: int | None = (request.after_seq if request.incarnation == events.incarnation
+                              else None)
+        try:
+            while not self._closing:
+                wake.clear()
+                got = events.read(cursor) if cursor is not None else None
+                if got is None:
+                    chains, cursor = events.snapshot()
+                    for i, batch in enumerate(_chunks(chains)):
+                        yield self._batch(batch, cursor, snapshot=i == 0)
+                    continue
+                batch, cursor = got
+                if batch:
+                    yield self._batch(batch, cursor, snapshot=False)
+                    continue
+                await wake.wait()
+        finally:
+            unsubscribe()
+            self._watchers.discard(wake)
+
+    def _batch(self, batch: list[KVEvent], last_seq: int, snapshot: bool
+               ) -> worker_pb2.KVEventBatch:
+        out = worker_pb2.KVEventBatch(worker_id=self.config.worker_id,
+                                      incarnation=self.events.incarnation, last_seq=last_seq,
+                                      snapshot=snapshot)
+        for ev in batch:
+            if ev.kind == "stored":
+                out.events.add(stored=worker_pb2.KVStored(
+                    has_parent=ev.parent_hash is not None, parent_hash=ev.parent_hash or 0,
+                    block_hashes=ev.block_hashes))
+            elif ev.kind == "removed":
+                out.events.add(removed=worker_pb2.KVRemoved(block_hashes=ev.block_hashes))
+            else:
+                out.events.add(cleared=worker_pb2.KVCleared())
+        return out
+
+    def close_watchers(self) -> None:
+        """End every WatchEvents stream (shutdown: they would otherwise hold the drain)."""
+        self._closing = True
+        for wake in self._watchers:
+            wake.set()
+
+
+def _chunks(chains: list[KVEvent], max_hashes: int = 65536) -> list[list[KVEvent]]:
+    """Split a snapshot into messages of at most about `max_hashes` hashes (one empty
+    batch for an empty cache: the subscriber must still learn that it is empty)."""
+    out: list[list[KVEvent]] = [[]]
+    size = 0
+    for ev in chains:
+        if size and size + len(ev.block_hashes) > max_hashes:
+            out.append([])
+            size = 0
+        out[-1].append(ev)
+        size += len(ev.block_hashes)
+    return out
+
 
 async def serve(service: WorkerService, stop: asyncio.Event,
                 started: asyncio.Future[int] | None = None) -> None:
@@ -129,5 +206,6 @@ async def serve(service: WorkerService, stop: asyncio.Event,
         started.set_result(port)
     await stop.wait()
     await rpc.set_serving(health, [SERVICE.full_name], False)
+    service.close_watchers()
     await server.stop(cfg.drain_seconds)
     service.engine.shutdown()
