@@ -92,3 +92,55 @@ class FlushCacheResponse(_message.Message):
     NUM_FLUSHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_flushed_tokens: int
     def __init__(self, num_flushed_tokens: _Optional[int] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("incarnation", "after_seq")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    incarnation: int
+    after_seq: int
+    def __init__(self, incarnation: _Optional[int] = ..., after_seq: _Optional[int] = ...) -> None: ...
+
+class KVStored(_message.Message):
+    __slots__ = ("has_parent", "parent_hash", "block_hashes")
+    HAS_PARENT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    has_parent: bool
+    parent_hash: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, has_parent: _Optional[bool] = ..., parent_hash: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KVRemoved(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KVCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("stored", "removed", "cleared")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    stored: KVStored
+    removed: KVRemoved
+    cleared: KVCleared
+    def __init__(self, stored: _Optional[_Union[KVStored, _Mapping]] = ..., removed: _Optional[_Union[KVRemoved, _Mapping]] = ..., cleared: _Optional[_Union[KVCleared, _Mapping]] = ...) -> None: ...
+
+class KVEventBatch(_message.Message):
+    __slots__ = ("worker_id", "incarnation", "last_seq", "snapshot", "events")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    incarnation: int
+    last_seq: int
+    snapshot: bool
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., last_seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...

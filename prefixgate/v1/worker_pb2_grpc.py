@@ -54,6 +54,11 @@ class WorkerServiceStub:
                 request_serializer=prefixgate_dot_v1_dot_worker__pb2.FlushCacheRequest.SerializeToString,
                 response_deserializer=prefixgate_dot_v1_dot_worker__pb2.FlushCacheResponse.FromString,
                 _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/prefixgate.v1.WorkerService/WatchEvents',
+                request_serializer=prefixgate_dot_v1_dot_worker__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=prefixgate_dot_v1_dot_worker__pb2.KVEventBatch.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -87,6 +92,17 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchEvents(self, request, context):
+        """The worker's KV cache events (blocks stored, removed, cleared), for gateways that
+        follow workers directly (no Redis). A subscriber that is new, from another
+        incarnation, or fell behind the worker's event log first gets a snapshot batch (the
+        whole cache as stored chains); then live batches in order. The stream never ends on
+        its own while the worker runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +125,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.FlushCache,
                     request_deserializer=prefixgate_dot_v1_dot_worker__pb2.FlushCacheRequest.FromString,
                     response_serializer=prefixgate_dot_v1_dot_worker__pb2.FlushCacheResponse.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=prefixgate_dot_v1_dot_worker__pb2.WatchEventsRequest.FromString,
+                    response_serializer=prefixgate_dot_v1_dot_worker__pb2.KVEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +240,33 @@ class WorkerService:
             '/prefixgate.v1.WorkerService/FlushCache',
             prefixgate_dot_v1_dot_worker__pb2.FlushCacheRequest.SerializeToString,
             prefixgate_dot_v1_dot_worker__pb2.FlushCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/prefixgate.v1.WorkerService/WatchEvents',
+            prefixgate_dot_v1_dot_worker__pb2.WatchEventsRequest.SerializeToString,
+            prefixgate_dot_v1_dot_worker__pb2.KVEventBatch.FromString,
             options,
             channel_credentials,
             insecure,
