@@ -1,0 +1,157 @@
+"""`prefixgate replay`: flags and the command's body (the CLI module only wires it in).
+
+Contract: `add_arguments(parser, flag)` adds the replay flags with prefixgate.cli's `flag`
+helper (every flag has a PREFIXGATE_<FLAG> variable); `run(args)` does one of
+
+  * a real replay of --trace against --target (a prefixgate gateway host:port, or an
+    OpenAI-compatible http(s):// base URL) under one arrival mode;
+  * --simulate: the routing simulator over --trace for every --policy and --workers count;
+  * --combine: one report from earlier reports' JSON files;
+
+then writes <out>/<name>.json, .md and plots, prints the Markdown (or, with --json, the JSON
+document) on stdout, and returns the exit code (1 when every turn failed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Callable
+
+
+def add_arguments(p: argparse.ArgumentParser, flag: Callable) -> None:
+    flag(p, "--trace", default="", help="trace file: ShareGPT JSON/JSONL(.gz), Mooncake JSONL, "
+                                        "or a gateway's --record-trace file")
+    flag(p, "--trace-format", default="auto",
+         choices=["auto", "sharegpt", "mooncake", "prefixgate"], help="trace format")
+    flag(p, "--skip-malformed", action="store_true",
+         help="skip malformed trace lines (counted) instead of stopping at the first")
+    flag(p, "--max-conversations", type=int, default=0,
+         help="use only the trace's first N conversations (0: all)")
+    flag(p, "--target", default="127.0.0.1:50051",
+         help="prefixgate gateway host:port, or an OpenAI-compatible server's http(s):// URL")
+    flag(p, "--openai-model", default="", help="model name sent to an OpenAI-compatible target")
+    flag(p, "--arrival", default="closed", choices=["open", "closed", "poisson"],
+         help="open: trace timestamps / --speedup; closed: --concurrency conversations at "
+              "a time; poisson: conversation starts at --rate per second")
+    flag(p, "--speedup", type=float, default=1.0, help="open loop: trace time divided by this")
+    flag(p, "--concurrency", type=int, default=8, help="closed loop: simultaneous conversations")
+    flag(p, "--rate", type=float, default=1.0, help="poisson: conversation starts per second")
+    flag(p, "--think-time", type=float, default=0.0,
+         help="closed/poisson: seconds between a reply and the conversation's next turn")
+    flag(p, "--seed", type=int, default=0, help="seed of Poisson arrivals and random routing")
+    flag(p, "--max-turns", type=int, default=0, help="send at most this many turns (0: all)")
+    flag(p, "--max-duration", type=float, default=0.0,
+         help="start no turn after this many seconds (0: no bound)")
+    flag(p, "--max-tokens", type=int, default=256,
+         help="reply cap per turn (a shorter recorded output length wins)")
+    flag(p, "--max-prompt-tokens", type=int, default=0,
+         help="token traces: cut synthesised prompts to this many tokens (0: never)")
+    flag(p, "--vocab-size", type=int, default=32000,
+         help="token traces: synthesised token ids lie below this (the target model's vocab)")
+    flag(p, "--timeout", type=float, default=300.0, help="deadline per turn in seconds")
+    flag(p, "--label", default="", help="this run's name in reports (default: the target)")
+    flag(p, "--out", default="replay-out", help="directory for the JSON, Markdown and plots")
+    flag(p, "--name", default="replay", help="file name stem of the report and plots")
+    flag(p, "--no-plots", action="store_true", help="skip the PNG plots")
+    flag(p, "--no-progress", action="store_true", help="no progress bar")
+    flag(p, "--json", action="store_true", help="print the JSON report on stdout, not Markdown")
+    flag(p, "--combine", action="append",
+         help="combine the runs of these earlier <name>.json reports into one report")
+    # Routing simulator.
+    flag(p, "--simulate", action="store_true",
+         help="no model: simulate workers (LRU block caches, service-time model) and compare "
+              "routing policies on the trace")
+    flag(p, "--policy", action="append",
+         help="simulated routing policies (default: all the gateway has); a policy may set "
+              "routing weights: prefix:shared_prefix_weight=1:load_weight=0.5")
+    flag(p, "--workers", action="append",
+         help="simulated worker counts, e.g. 8,32 (default: 8)")
+    flag(p, "--capacity-tokens", type=int, default=2_048_000,
+         help="simulated KV capacity per worker in tokens")
+    flag(p, "--block-size", type=int, default=0,
+         help="simulated cache block size in tokens (0: the trace's, 16 for chat traces)")
+    flag(p, "--prefill-tokens-per-s", type=float, default=20_000.0,
+         help="simulated prefill speed per worker (uncached prompt tokens per second)")
+    flag(p, "--decode-s-per-token", type=float, default=0.030,
+         help="simulated time per output token of one sequence (decoding is batched)")
+    flag(p, "--tokenizer-model", default="smollm2-135m",
+         help="simulating a chat trace: the model whose tokenizer and chat template count "
+              "its tokens")
+
+
+def _target(args: argparse.Namespace):
+    from prefixgate.replay.targets import GatewayTarget, OpenAITarget
+
+    if args.target.startswith(("http://", "https://")):
+        return OpenAITarget(args.target, model=args.openai_model, timeout_s=args.timeout)
+    return GatewayTarget(args.target.removeprefix("grpc://"), timeout_s=args.timeout)
+
+
+def _appended(args: argparse.Namespace, name: str) -> list:
+    given = getattr(args, name)
+    return given if given is not None else getattr(args, name + "_env_default")
+
+
+async def _replay(args: argparse.Namespace, trace) -> dict:
+    from prefixgate.replay.loadgen import ArrivalConfig, Limits, run_load
+    from prefixgate.replay.metrics import summarize
+
+    arrival = ArrivalConfig(args.arrival, args.speedup, args.concurrency, args.rate,
+                            args.think_time, args.seed)
+    limits = Limits(args.max_turns, args.max_duration, args.max_tokens, args.max_prompt_tokens,
+                    args.vocab_size)
+    target = _target(args)
+    try:
+        if hasattr(target, "wait_ready"):
+            try:
+                await target.wait_ready(10)
+            except TimeoutError:
+                raise SystemExit(f"prefixgate replay: no gateway answers at {args.target}") from None
+        result = await run_load(trace, target, arrival, limits, progress=not args.no_progress)
+    finally:
+        await target.close()
+    summary = summarize(result.records, result.duration_s)
+    return {"label": args.label or target.name,
+            "config": {"trace": args.trace, "target": args.target, "arrival": vars(arrival),
+                       "limits": vars(limits), "started_unix_s": result.started_unix_s},
+            "summary": summary,
+            "ttft_samples_s": sorted(r.ttft_s for r in result.records
+                                     if r.ok and r.completion_tokens)}
+
+
+def run(args: argparse.Namespace) -> int:
+    from prefixgate.replay.report import load_runs, markdown, write_report
+    from prefixgate.replay.traces import TraceError, read_trace
+
+    combine = [p for item in _appended(args, "combine") for p in item.split(",") if p]
+    if combine:
+        runs = load_runs(combine)
+    else:
+        if not args.trace:
+            raise SystemExit("prefixgate replay: give a trace with --trace PATH "
+                             "(or --combine earlier reports)")
+        try:
+            trace = read_trace(args.trace, args.trace_format, skip_malformed=args.skip_malformed)
+        except TraceError as exc:
+            raise SystemExit(f"prefixgate replay: {exc}") from None
+        if trace.num_skipped:
+            print(f"prefixgate replay: skipped {trace.num_skipped} malformed lines of "
+                  f"{args.trace}", file=sys.stderr)
+        trace = trace.head(args.max_conversations)
+        if args.simulate:
+            from prefixgate.replay.simulate import run_simulations
+
+            runs = run_simulations(trace, args, progress=not args.no_progress)
+        else:
+            try:
+                runs = [asyncio.run(_replay(args, trace))]
+            except ValueError as exc:
+                raise SystemExit(f"prefixgate replay: {exc}") from None
+    paths = write_report(runs, args.out, args.name, plots=not args.no_plots)
+    print("prefixgate replay: wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    print(json.dumps({"runs": runs}) if args.json else markdown(runs, args.name))
+    return 1 if runs and all(r["summary"]["turns"] and not r["summary"]["turns_ok"]
+                             for r in runs) else 0

@@ -1,0 +1,126 @@
+"""Reports of one or more runs: a JSON document, a Markdown summary and PNG plots.
+
+Contract: a *run* is a dict {"label", "config", "summary" (prefixgate.replay.metrics), and
+"ttft_samples_s" (sorted TTFTs, for the CDF)}; a simulation adds "bounds". `write_report(
+runs, out_dir, name)` writes `<name>.json` (every run), `<name>.md` (one table row per run)
+and three plots, returning their paths:
+
+  <name>-ttft-cdf.png   TTFT CDF, one line per run
+  <name>-hit-rate.png   prefix hit rate over time, one line per run
+  <name>-load.png       prompt tokens per worker over the mean, workers sorted, one line
+                        per run (1.0 everywhere = perfectly even)
+
+matplotlib is imported only here, with the non-interactive Agg backend.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _ms(dist: dict | None, key: str) -> str:
+    return f"{dist[key] * 1e3:.0f}" if dist else "-"
+
+
+def markdown(runs: Sequence[dict], title: str = "replay") -> str:
+    lines = [f"### {title}", "",
+             "| run | turns ok | errors | hit rate | TTFT p50 / p90 / p99 ms | ITL p50 / p99 ms "
+             "| E2E p50 / p99 ms | load max/mean (turns, tokens) | turns/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        s = run["summary"]
+        t, i, e = s["ttft_s"], s["itl_s"], s["e2e_s"]
+        lb = s["load_balance"]
+        load = (f"{lb['turns_max_over_mean']:.2f}, {lb['prompt_tokens_max_over_mean']:.2f}"
+                if lb else "-")
+        errors = ", ".join(f"{k} {v}" for k, v in sorted(s["errors"].items())) or "0"
+        lines.append(
+            f"| {run['label']} | {s['turns_ok']} | {errors} | {s['hit_rate']:.1%} | "
+            f"{_ms(t, 'p50')} / {_ms(t, 'p90')} / {_ms(t, 'p99')} | {_ms(i, 'p50')} / "
+            f"{_ms(i, 'p99')} | {_ms(e, 'p50')} / {_ms(e, 'p99')} | {load} | "
+            f"{s['throughput']['turns_per_s']:.2f} |")
+    bounds = next((r["bounds"] for r in runs if r.get("bounds")), None)
+    if bounds:
+        lines += ["", "Bounds (same requests, arrival order, instant service): "
+                  + "; ".join(f"{k.replace('_', ' ')} {v:.1%}" for k, v in bounds.items())]
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: Sequence[dict], out_dir: Path, name: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for run in runs:
+        xs = run.get("ttft_samples_s") or []
+        if xs:
+            ax.plot(xs, [(k + 1) / len(xs) for k in range(len(xs))], label=run["label"])
+    ax.set(xscale="log", xlabel="time to first token (s, log)", ylabel="fraction of turns",
+           title=f"{name}: TTFT CDF")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    paths.append(_save(fig, out_dir / f"{name}-ttft-cdf.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for run in runs:
+        pts = run["summary"]["hit_rate_over_time"]
+        ax.plot([p["t_s"] for p in pts], [p["hit_rate"] for p in pts], marker=".",
+                label=run["label"])
+    for key, value in (next((r["bounds"] for r in runs if r.get("bounds")), None) or {}).items():
+        ax.axhline(value, linestyle="--", linewidth=0.8, color="grey")
+        ax.annotate(key.replace("_", " "), (0, value), fontsize=7, color="grey",
+                    xytext=(2, 2), textcoords="offset points")
+    ax.set(xlabel="turn start (s from the run's start)", ylabel="prefix hit rate",
+           ylim=(0, 1), title=f"{name}: hit rate over time")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    paths.append(_save(fig, out_dir / f"{name}-hit-rate.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for run in runs:
+        per = run["summary"]["per_worker"]
+        toks = sorted((w["prompt_tokens"] for w in per.values()), reverse=True)
+        if toks and sum(toks):
+            mean = sum(toks) / len(toks)
+            ax.plot(range(1, len(toks) + 1), [t / mean for t in toks], marker="o", markersize=3,
+                    label=run["label"])
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set(xlabel="worker (sorted by load)", ylabel="prompt tokens / mean",
+           title=f"{name}: per-worker load")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    paths.append(_save(fig, out_dir / f"{name}-load.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(runs: Sequence[dict], out_dir: str | Path, name: str = "replay",
+                 *, plots: bool = True) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / f"{name}.json"
+    json_path.write_text(json.dumps({"runs": list(runs)}, indent=1))
+    md_path = out / f"{name}.md"
+    md_path.write_text(markdown(runs, name))
+    return [json_path, md_path] + (plot(runs, out, name) if plots else [])
+
+
+def load_runs(paths: Sequence[str | Path]) -> list[dict]:
+    """Runs from earlier `<name>.json` reports, for combining them into one report."""
+    runs = []
+    for p in paths:
+        runs += json.loads(Path(p).read_text())["runs"]
+    return runs

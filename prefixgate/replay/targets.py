@@ -1,0 +1,187 @@
+"""Replay targets: where a turn is sent and how its timings are measured.
+
+Contract: `await target.send(request)` sends one turn and returns a `TurnRecord` with the
+client-side timings (seconds, from just before the request is sent): `ttft_s` to the first
+content chunk, `itl_s` the gaps between successive content chunks, `e2e_s` to the end of
+the reply. It never raises for a failed turn: the record's `status` is "ok" or the failure
+("UNAVAILABLE", "HTTP 503", "timeout", "connect error", ...) with `error` saying more.
+
+Targets:
+  GatewayTarget   a prefixgate gateway over gRPC (prefixgate.client.ChatClient); reports
+                  the serving worker and its cached tokens.
+  OpenAITarget    any OpenAI-compatible HTTP server (vLLM, SGLang, llama.cpp, ...):
+                  chat turns to /v1/chat/completions, token turns to /v1/completions with
+                  a token-id prompt, both streaming; cached tokens from
+                  usage.prompt_tokens_details.cached_tokens when the server reports them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import httpx
+
+from prefixgate.client import ChatClient
+from prefixgate.v1 import common_pb2
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    conversation_id: str
+    turn_index: int
+    max_tokens: int
+    messages: list[tuple[str, str]] | None = None  # chat turn
+    prompt_token_ids: list[int] | None = None  # token turn
+
+
+@dataclass
+class TurnRecord:
+    conversation_id: str
+    turn_index: int
+    start_s: float = 0.0  # from the run's start (set by the load generator)
+    status: str = "ok"
+    error: str = ""
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    worker: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+class Target:
+    """Base class: `name` labels results; `send` as in the module docstring."""
+
+    name = "target"
+
+    async def send(self, request: TurnRequest) -> TurnRecord:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        pass
+
+
+class _Clock:
+    """Chunk arrival times of one streamed reply."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.chunks: list[float] = []
+
+    def chunk(self) -> None:
+        self.chunks.append(time.monotonic())
+
+    def fill(self, rec: TurnRecord) -> None:
+        end = time.monotonic()
+        rec.e2e_s = end - self.start
+        if self.chunks:
+            rec.ttft_s = self.chunks[0] - self.start
+            rec.itl_s = [b - a for a, b in zip(self.chunks, self.chunks[1:], strict=False)]
+
+
+class GatewayTarget(Target):
+    def __init__(self, address: str, *, timeout_s: float = 300.0, temperature: float = 0.0,
+                 namespace: str = "") -> None:
+        self.name = f"prefixgate {address}"
+        self.client = ChatClient(address)
+        self.timeout_s = timeout_s
+        self.temperature = temperature
+        self.namespace = namespace
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        await self.client.wait_ready(timeout_s)
+
+    async def send(self, request: TurnRequest) -> TurnRecord:
+        rec = TurnRecord(request.conversation_id, request.turn_index)
+        clock = _Clock()
+        sampling = common_pb2.SamplingParams(max_tokens=request.max_tokens,
+                                             temperature=self.temperature)
+        try:
+            r = await self.client.turn(
+                request.messages, prompt_token_ids=request.prompt_token_ids,
+                conversation_id=request.conversation_id, namespace=self.namespace,
+                sampling=sampling, timeout_s=self.timeout_s, on_text=lambda _t: clock.chunk())
+        except grpc.aio.AioRpcError as exc:
+            clock.fill(rec)
+            rec.status, rec.error = exc.code().name, exc.details() or ""
+            return rec
+        clock.fill(rec)
+        rec.prompt_tokens, rec.cached_tokens = r.prompt_tokens, r.cached_tokens
+        rec.completion_tokens, rec.worker = r.completion_tokens, r.worker_id
+        return rec
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class OpenAITarget(Target):
+    def __init__(self, base_url: str, *, model: str = "", timeout_s: float = 300.0,
+                 temperature: float = 0.0, api_key: str = "") -> None:
+        self.name = f"openai {base_url}"
+        self.base_url = base_url.rstrip("/")
+        if self.base_url.endswith("/v1"):
+            self.base_url = self.base_url[:-3]
+        self.model = model
+        self.temperature = temperature
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0),
+                                      headers=headers,
+                                      limits=httpx.Limits(max_connections=1024))
+
+    async def send(self, request: TurnRequest) -> TurnRecord:
+        rec = TurnRecord(request.conversation_id, request.turn_index)
+        body: dict = {"model": self.model, "max_tokens": request.max_tokens,
+                      "temperature": self.temperature, "stream": True,
+                      "stream_options": {"include_usage": True}}
+        if request.prompt_token_ids is not None:
+            path, body["prompt"] = "/v1/completions", request.prompt_token_ids
+        else:
+            path = "/v1/chat/completions"
+            body["messages"] = [{"role": r, "content": c} for r, c in request.messages or ()]
+        clock = _Clock()
+        usage: dict = {}
+        chunks = 0
+        try:
+            async with self.http.stream("POST", self.base_url + path, json=body) as resp:
+                if resp.status_code != 200:
+                    text = (await resp.aread()).decode(errors="replace")[:300]
+                    clock.fill(rec)
+                    rec.status, rec.error = f"HTTP {resp.status_code}", text
+                    return rec
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    event = json.loads(data)
+                    if event.get("usage"):
+                        usage = event["usage"]
+                    for choice in event.get("choices") or ():
+                        piece = (choice.get("delta") or {}).get("content") or choice.get("text")
+                        if piece:
+                            clock.chunk()
+                            chunks += 1
+        except httpx.TimeoutException as exc:
+            rec.status, rec.error = "timeout", str(exc) or type(exc).__name__
+        except httpx.HTTPError as exc:
+            rec.status, rec.error = "connect error", str(exc) or type(exc).__name__
+        except (json.JSONDecodeError, AttributeError) as exc:
+            rec.status, rec.error = "bad response", str(exc)
+        clock.fill(rec)
+        rec.prompt_tokens = int(usage.get("prompt_tokens") or len(request.prompt_token_ids or ()))
+        rec.completion_tokens = int(usage.get("completion_tokens") or chunks)
+        details = usage.get("prompt_tokens_details") or {}
+        rec.cached_tokens = int(details.get("cached_tokens") or 0)
+        return rec
+
+    async def close(self) -> None:
+        await self.http.aclose()

@@ -1,0 +1,415 @@
+"""Replay: trace readers, token synthesis, load generator timing and bounds, metrics,
+reports, the OpenAI-compatible target against a fake server on loopback, the simulator."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from prefixgate.gateway.routing import RoutingConfig
+from prefixgate.replay.loadgen import ArrivalConfig, Limits, build_request, run_load
+from prefixgate.replay.metrics import percentile, summarize
+from prefixgate.replay.record import TraceRecorder
+from prefixgate.replay.report import write_report
+from prefixgate.replay.simulate import SimConfig, bounds, prepare_turns, simulate
+from prefixgate.replay.targets import OpenAITarget, Target, TurnRecord, TurnRequest
+from prefixgate.replay.traces import (
+    Conversation,
+    Trace,
+    TraceError,
+    TraceTurn,
+    read_trace,
+    synth_block_tokens,
+    synth_prompt,
+)
+
+SHAREGPT = [
+    {"id": "a", "conversations": [
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"},
+        {"from": "human", "value": "How are you?"}, {"from": "gpt", "value": "Fine."}]},
+    {"id": "b", "conversations": [
+        {"from": "human", "value": "One"}, {"from": "human", "value": "Two"},
+        {"from": "gpt", "value": "Three"}, {"from": "human", "value": "Last"}]},
+]
+
+
+def _write_lines(path: Path, lines: list[str], gz: bool = False) -> Path:
+    data = ("\n".join(lines) + "\n").encode()
+    path.write_bytes(gzip.compress(data) if gz else data)
+    return path
+
+
+# --- readers -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["jsonl", "jsonl.gz", "json"])
+def test_sharegpt_reader_builds_histories_from_recorded_replies(tmp_path, form) -> None:
+    if form == "json":
+        path = tmp_path / "t.json"
+        path.write_text(json.dumps(SHAREGPT))
+    else:
+        path = _write_lines(tmp_path / f"t.{form}", [json.dumps(c) for c in SHAREGPT],
+                            gz=form.endswith("gz"))
+    trace = read_trace(path)
+    assert trace.kind == "sharegpt" and trace.num_turns == 4 and not trace.has_timestamps
+    a, b = trace.conversations
+    assert a.messages(1) == [("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello!"),
+                             ("user", "How are you?")]
+    # Consecutive user messages are one turn; a trailing user message is a turn too.
+    assert [t.user for t in b.turns] == ["One\n\nTwo", "Last"]
+    assert b.messages(1) == [("user", "One\n\nTwo"), ("assistant", "Three"), ("user", "Last")]
+
+
+def test_malformed_lines_fail_naming_the_line_or_are_skipped(tmp_path) -> None:
+    lines = [json.dumps(SHAREGPT[0]), "{not json", json.dumps({"conversations": [
+        {"from": "robot", "value": "x"}]}), json.dumps(SHAREGPT[1])]
+    path = _write_lines(tmp_path / "bad.jsonl", lines)
+    with pytest.raises(TraceError, match=r"bad.jsonl:2: malformed sharegpt record"):
+        read_trace(path, "sharegpt")
+    trace = read_trace(path, "sharegpt", skip_malformed=True)
+    assert trace.num_skipped == 2 and len(trace.conversations) == 2
+
+    moon = _write_lines(tmp_path / "m.jsonl", [
+        json.dumps({"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [1, 2]}),
+        json.dumps({"timestamp": 5, "input_length": 2000, "output_length": 3, "hash_ids": [1]}),
+        json.dumps({"timestamp": 9, "input_length": 10, "output_length": 3}),
+    ])
+    with pytest.raises(TraceError, match=r"m.jsonl:2: .*cannot hold input_length 2000"):
+        read_trace(moon)
+    assert read_trace(moon, skip_malformed=True).num_skipped == 2
+    with pytest.raises(TraceError, match="no such trace file"):
+        read_trace(tmp_path / "missing.jsonl")
+
+
+def test_mooncake_reader_and_deterministic_token_synthesis(tmp_path) -> None:
+    path = _write_lines(tmp_path / "m.jsonl", [
+        json.dumps({"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids": [7, 8]}),
+        json.dumps({"timestamp": 1500, "input_length": 512, "output_length": 2,
+                    "hash_ids": [7]}),
+    ])
+    trace = read_trace(path)
+    assert trace.kind == "mooncake" and trace.block_size == 512 and trace.has_timestamps
+    t1, t2 = (c.turns[0] for c in trace.conversations)
+    assert (t1.num_prompt_tokens, t1.num_output_tokens, t2.timestamp_s) == (700, 5, 1.5)
+    p1, p2 = synth_prompt(t1, 512, 32000), synth_prompt(t2, 512, 32000)
+    assert len(p1) == 700 and len(p2) == 512
+    assert p1[:512] == p2  # equal ids, equal tokens
+    assert p1[512:] == synth_block_tokens(8, 188, 32000)
+    assert synth_block_tokens(7, 512, 32000) != synth_block_tokens(8, 512, 32000)
+    assert all(256 <= t < 32000 for t in p1)
+    # Pinned values: the synthesis is a documented function, stable across runs.
+    assert synth_block_tokens(7, 4, 32000) == synth_block_tokens(7, 4, 32000)
+    assert all(0 <= t < 320 for t in synth_block_tokens(2**64 - 1, 64, 320))
+    assert len(synth_prompt(t1, 512, 32000, max_tokens=100)) == 100
+
+
+def test_recorded_trace_round_trip(tmp_path) -> None:
+    rec = TraceRecorder(tmp_path / "rec" / "trace.jsonl", 4, "fp")
+    prompt = list(range(10))
+    rec.record(arrival_unix_s=1000.0, conversation_id="c1", namespace="", prompt_token_ids=prompt,
+               output_tokens=3, worker_id="w0", cached_tokens=0)
+    rec.record(arrival_unix_s=1002.5, conversation_id="c1", namespace="",
+               prompt_token_ids=prompt + [1, 2, 3, 4, 5], output_tokens=2, worker_id="w0",
+               cached_tokens=8)
+    rec.record(arrival_unix_s=1001.0, conversation_id="c2", namespace="", prompt_token_ids=[5] * 3,
+               output_tokens=1, worker_id="w1", cached_tokens=0)
+    rec.close()
+    text = (tmp_path / "rec" / "trace.jsonl").read_text()
+    assert "[0,1,2" not in text  # hashes, never the tokens
+    trace = read_trace(tmp_path / "rec" / "trace.jsonl")
+    assert trace.kind == "prefixgate" and trace.block_size == 4
+    c1, c2 = trace.conversations
+    assert [t.timestamp_s for t in c1.turns] == [0.0, 2.5] and c2.turns[0].timestamp_s == 1.0
+    t0, t1 = c1.turns
+    assert len(t0.hash_ids) == 2 and t1.hash_ids[:2] == t0.hash_ids and len(t1.hash_ids) == 3
+    assert (t1.num_prompt_tokens, t1.num_output_tokens, t1.worker_id, t1.num_cached_tokens) == \
+        (15, 2, "w0", 8)
+    # Replayed prompts share exactly the recorded shared blocks.
+    p0, p1 = synth_prompt(t0, 4, 320), synth_prompt(t1, 4, 320)
+    assert len(p0) == 10 and len(p1) == 15 and p1[:8] == p0[:8]
+
+
+# --- load generator ----------------------------------------------------------------------
+
+
+class FakeTarget(Target):
+    """Replies after `delay_s`, recording what it was sent and the concurrency."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+        self.requests: list[TurnRequest] = []
+        self.in_flight = self.max_in_flight = 0
+
+    async def send(self, request: TurnRequest) -> TurnRecord:
+        self.requests.append(request)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        await asyncio.sleep(self.delay_s)
+        self.in_flight -= 1
+        n = len(request.prompt_token_ids or ()) or 10
+        return TurnRecord(request.conversation_id, request.turn_index, ttft_s=self.delay_s,
+                          e2e_s=self.delay_s, prompt_tokens=n, cached_tokens=n // 2,
+                          completion_tokens=2, worker="w0")
+
+
+def _token_trace(times_s: list[float], blocks: int = 2, block_size: int = 4) -> Trace:
+    return Trace("mooncake", tuple(
+        Conversation(f"r{i}", (TraceTurn(hash_ids=tuple(range(i, i + blocks)),
+                                         num_prompt_tokens=blocks * block_size,
+                                         num_output_tokens=3, timestamp_s=t),))
+        for i, t in enumerate(times_s)), block_size)
+
+
+def test_open_loop_follows_trace_timestamps_without_waiting_for_replies() -> None:
+    times = [0.0, 0.2, 0.4, 0.6, 0.8]
+    target = FakeTarget(delay_s=0.5)  # slower than the gaps: open loop must not wait
+    result = asyncio.run(run_load(_token_trace(times), target, ArrivalConfig("open", speedup=2.0),
+                                  Limits(vocab_size=320), progress=False))
+    starts = sorted(r.start_s for r in result.records)
+    assert len(starts) == 5 and target.max_in_flight >= 2
+    for got, want in zip(starts, [t / 2 for t in times], strict=True):
+        assert abs(got - want) < 0.05, (starts, times)
+    assert max(target.requests[0].prompt_token_ids) < 320
+    assert target.requests[0].max_tokens == 3  # the recorded output length
+
+
+def test_bounds_in_count_and_time_and_open_loop_needs_timestamps() -> None:
+    trace = _token_trace([0.0] * 10)
+    result = asyncio.run(run_load(trace, FakeTarget(), ArrivalConfig("open"),
+                                  Limits(max_turns=4, vocab_size=320), progress=False))
+    assert len(result.records) == 4
+    trace = _token_trace([i * 0.1 for i in range(20)])
+    t0 = time.monotonic()
+    result = asyncio.run(run_load(trace, FakeTarget(), ArrivalConfig("open"),
+                                  Limits(max_duration_s=0.35, vocab_size=320), progress=False))
+    assert 3 <= len(result.records) <= 5 and time.monotonic() - t0 < 1.5
+    chat = Trace("sharegpt", (Conversation("a", (TraceTurn(user="hi"),)),))
+    with pytest.raises(ValueError, match="no timestamps"):
+        asyncio.run(run_load(chat, FakeTarget(), ArrivalConfig("open"), Limits(), progress=False))
+
+
+def _chat_trace(n: int, turns: int) -> Trace:
+    return Trace("sharegpt", tuple(
+        Conversation(f"c{i}", tuple(TraceTurn(user=f"q{i}.{k}", reply=f"a{i}.{k}")
+                                    for k in range(turns))) for i in range(n)))
+
+
+def test_closed_loop_keeps_concurrency_and_sends_recorded_histories() -> None:
+    target = FakeTarget(delay_s=0.01)
+    trace = _chat_trace(6, 3)
+    result = asyncio.run(run_load(trace, target, ArrivalConfig("closed", concurrency=2),
+                                  Limits(max_tokens=7), progress=False))
+    assert len(result.records) == 18 and target.max_in_flight == 2
+    by_conv: dict[str, list[TurnRequest]] = {}
+    for r in target.requests:
+        by_conv.setdefault(r.conversation_id, []).append(r)
+    for cid, reqs in by_conv.items():
+        assert [r.turn_index for r in reqs] == [0, 1, 2]
+        i = cid[1:]
+        assert reqs[2].messages == [("user", f"q{i}.0"), ("assistant", f"a{i}.0"),
+                                    ("user", f"q{i}.1"), ("assistant", f"a{i}.1"),
+                                    ("user", f"q{i}.2")]
+        assert reqs[0].max_tokens == 7
+
+
+def test_poisson_starts_are_seeded_and_spread() -> None:
+    def starts(seed: int) -> list[float]:
+        target = FakeTarget()
+        res = asyncio.run(run_load(_chat_trace(5, 1), target,
+                                   ArrivalConfig("poisson", rate_per_s=50.0, seed=seed), Limits(),
+                                   progress=False))
+        return sorted(r.start_s for r in res.records)
+
+    a = starts(1)
+    assert len(a) == 5 and a[-1] > 0.01
+    # The same seed gives the same schedule (within timer noise).
+    assert all(abs(x - y) < 0.03 for x, y in zip(a, starts(1), strict=True))
+
+
+# --- metrics and reports -----------------------------------------------------------------
+
+
+def test_summary_figures() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    recs = [TurnRecord("c", 0, start_s=0.0, ttft_s=0.1, e2e_s=0.5, itl_s=[0.01, 0.03],
+                       prompt_tokens=100, cached_tokens=0, completion_tokens=3, worker="w0"),
+            TurnRecord("c", 1, start_s=1.0, ttft_s=0.3, e2e_s=0.7, itl_s=[0.02],
+                       prompt_tokens=200, cached_tokens=150, completion_tokens=2, worker="w0"),
+            TurnRecord("d", 0, start_s=2.0, status="UNAVAILABLE", error="x")]
+    s = summarize(recs, 4.0, workers=["w0", "w1"])
+    assert s["hit_rate"] == pytest.approx(0.5)
+    assert s["ttft_s"]["p50"] == pytest.approx(0.2) and s["itl_s"]["count"] == 3
+    assert s["errors"] == {"UNAVAILABLE": 1} and s["turns_ok"] == 2
+    assert s["per_worker"]["w1"]["turns"] == 0
+    assert s["load_balance"]["turns_max_over_mean"] == pytest.approx(2.0)
+    assert s["throughput"]["turns_per_s"] == pytest.approx(0.5)
+    assert [b["hit_rate"] for b in s["hit_rate_over_time"]] == [0.0, 0.75]
+
+
+def test_report_writes_json_markdown_and_plots(tmp_path) -> None:
+    recs = [TurnRecord("c", i, start_s=i, ttft_s=0.1 * (i + 1), e2e_s=1.0, prompt_tokens=10,
+                       cached_tokens=i, completion_tokens=2, worker=f"w{i % 2}") for i in range(6)]
+    run = {"label": "test run", "config": {}, "summary": summarize(recs, 6.0),
+           "ttft_samples_s": sorted(r.ttft_s for r in recs)}
+    paths = write_report([run, {**run, "label": "other"}], tmp_path, "r")
+    assert {p.name for p in paths} == {"r.json", "r.md", "r-ttft-cdf.png", "r-hit-rate.png",
+                                       "r-load.png"}
+    assert "| test run | 6 | 0 | 25.0% |" in (tmp_path / "r.md").read_text()
+    assert all((tmp_path / n).read_bytes()[:4] == b"\x89PNG" for n in ("r-load.png",))
+    assert len(json.loads((tmp_path / "r.json").read_text())["runs"]) == 2
+
+
+# --- OpenAI-compatible target --------------------------------------------------------------
+
+
+class _FakeOpenAI(BaseHTTPRequestHandler):
+    """Streams three chunks in OpenAI's SSE format; model "down" answers 503."""
+
+    protocol_version = "HTTP/1.0"
+    seen: list[tuple[str, dict]] = []
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        _FakeOpenAI.seen.append((self.path, body))
+        if body.get("model") == "down":
+            self.send_response(503)
+            self.end_headers()
+            self.wfile.write(b'{"error": "overloaded"}')
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        chat = self.path == "/v1/chat/completions"
+        for piece in ("He", "llo", "!"):
+            choice = {"delta": {"content": piece}} if chat else {"text": piece}
+            self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+            self.wfile.flush()
+            time.sleep(0.02)
+        usage = {"prompt_tokens": 40, "completion_tokens": 3,
+                 "prompt_tokens_details": {"cached_tokens": 32}}
+        self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+@pytest.fixture
+def fake_openai():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeOpenAI)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    _FakeOpenAI.seen = []
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+    server.server_close()
+
+
+def test_openai_target_streams_chat_and_token_prompts(fake_openai) -> None:
+    async def go():
+        target = OpenAITarget(fake_openai, model="m")
+        chat = await target.send(TurnRequest("c", 0, 8, messages=[("user", "hi")]))
+        toks = await target.send(TurnRequest("c", 1, 8, prompt_token_ids=[5, 6, 7]))
+        await target.close()
+        down = OpenAITarget(fake_openai, model="down")
+        failed = await down.send(TurnRequest("c", 2, 8, messages=[("user", "hi")]))
+        await down.close()
+        return chat, toks, failed
+
+    chat, toks, failed = asyncio.run(go())
+    for rec in (chat, toks):
+        assert rec.ok and rec.completion_tokens == 3 and rec.cached_tokens == 32
+        assert len(rec.itl_s) == 2 and all(g > 0.01 for g in rec.itl_s)
+        assert 0 < rec.ttft_s < rec.e2e_s
+    assert failed.status == "HTTP 503" and "overloaded" in failed.error
+    (p1, b1), (p2, b2), _ = _FakeOpenAI.seen
+    assert p1 == "/v1/chat/completions" and b1["messages"] == [{"role": "user", "content": "hi"}]
+    assert b1["stream"] is True and b1["max_tokens"] == 8
+    assert p2 == "/v1/completions" and b2["prompt"] == [5, 6, 7]
+
+
+def test_openai_target_unreachable_is_a_status() -> None:
+    from prefixgate.rpc import free_port
+
+    async def go():
+        target = OpenAITarget(f"http://127.0.0.1:{free_port()}")
+        rec = await target.send(TurnRequest("c", 0, 8, messages=[("user", "hi")]))
+        await target.close()
+        return rec
+
+    assert asyncio.run(go()).status == "connect error"
+
+
+# --- simulator ---------------------------------------------------------------------------
+
+
+def _repeating_trace(num_convs: int = 24, turns: int = 4, block_size: int = 4) -> Trace:
+    """Multi-turn token conversations: each turn extends the previous prompt by 3 blocks."""
+    convs = []
+    for c in range(num_convs):
+        ids: list[int] = []
+        ts = []
+        for k in range(turns):
+            ids = ids + [c * 1000 + k * 10 + j for j in range(3)]
+            ts.append(TraceTurn(hash_ids=tuple(ids), num_prompt_tokens=len(ids) * block_size,
+                                num_output_tokens=4, timestamp_s=c * 0.05 + k * 0.5))
+        convs.append(Conversation(f"c{c}", tuple(ts)))
+    return Trace("prefixgate", tuple(convs), block_size)
+
+
+def test_simulator_prefix_beats_round_robin_and_bounds_hold() -> None:
+    convs = prepare_turns(_repeating_trace())
+    base = dict(num_workers=4, capacity_tokens=400, block_size=4, prefill_tokens_per_s=2000,
+                decode_s_per_token=0.01)
+    hits = {}
+    for policy in ("prefix", "round-robin", "random", "least-loaded", "session"):
+        res = simulate(convs, SimConfig(**base, routing=RoutingConfig(policy=policy, seed=1)))
+        s = summarize(res.records, res.duration_s, workers=res.workers)
+        assert s["turns_ok"] == 96 and len(s["per_worker"]) == 4
+        hits[policy] = s["hit_rate"]
+    b = bounds(convs, SimConfig(**base))
+    assert b["infinite_cache"] >= b["combined_lru"]
+    assert all(b["infinite_cache"] + 1e-9 >= h for h in hits.values()), (b, hits)
+    assert hits["prefix"] > hits["round-robin"] + 0.15, hits
+    # Every turn after the first extends its previous prompt by 3 of its 3*(k+1) blocks.
+    assert b["infinite_cache"] > 0.5
+
+
+def test_simulator_is_deterministic_and_caches_chat_replies(tiny_spec) -> None:
+    from prefixgate.tokenizer import ChatTokenizer
+
+    trace = _chat_trace(4, 3)
+    convs = prepare_turns(trace, 4, ChatTokenizer(tiny_spec))
+    t0, t1 = convs[0][0], convs[0][1]
+    # After turn 0 the worker keeps turn 1's prefix covering prompt 0 plus its reply.
+    assert t0.keep_hashes == t1.block_hashes[: len(t0.keep_hashes)]
+    assert len(t0.keep_hashes) > len(t0.block_hashes)
+    cfg = SimConfig(num_workers=2, capacity_tokens=10_000, block_size=4,
+                    arrival=ArrivalConfig("closed", concurrency=2, think_time_s=0.1),
+                    routing=RoutingConfig(policy="prefix"))
+    a, b = simulate(convs, cfg), simulate(convs, cfg)
+    assert [(r.conversation_id, r.turn_index, r.ttft_s, r.cached_tokens, r.worker)
+            for r in a.records] == [(r.conversation_id, r.turn_index, r.ttft_s, r.cached_tokens,
+                                     r.worker) for r in b.records]
+    later = [r for r in a.records if r.turn_index > 0]
+    # The reply is cached too: turn k+1 reuses more than turn k's prompt alone.
+    prompt_of = {(t.conversation_id, t.turn_index): t.num_prompt_tokens for c in convs for t in c}
+    assert all(r.cached_tokens > prompt_of[(r.conversation_id, r.turn_index - 1)] - 4
+               for r in later)
+
+
+def test_build_request_caps_prompt_and_tokens() -> None:
+    trace = _token_trace([0.0], blocks=3, block_size=4)
+    req = build_request(trace, trace.conversations[0], 0, Limits(max_tokens=2,
+                                                                 max_prompt_tokens=5,
+                                                                 vocab_size=320))
+    assert len(req.prompt_token_ids) == 5 and req.max_tokens == 2
