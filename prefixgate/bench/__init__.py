@@ -18,6 +18,7 @@ from types import ModuleType
 # name -> module path; the module is imported only when that benchmark runs.
 BENCHMARKS: dict[str, str] = {
     "radix": "prefixgate.bench.radix",
+    "worker": "prefixgate.bench.worker",
 }
 
 

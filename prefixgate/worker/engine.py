@@ -5,9 +5,9 @@ it on one background thread; every step:
 
 1. admits waiting requests (FIFO) while the pool can hold their prompt: the prompt's
    full blocks are hashed and matched in the prefix cache; the matched blocks join the
-   request's block table (shared, reference counted, locked against eviction), so only
-   the uncached suffix is computed. The hit never covers the last prompt token: its
-   logits are needed to sample.
+   request's block table (shared, reference counted, locked against eviction), and the
+   cached tail of a partial block after them is copied in, so only the uncached suffix
+   is computed. The hit never covers the last prompt token: its logits are needed.
 2. schedules a flat batch under `max_num_batched_tokens`: one token for each decoding
    request first, then prefill chunks, so a long prompt never stalls running decodes.
    Blocks for the step's new tokens are allocated now; when the pool is short, unlocked
@@ -17,8 +17,9 @@ it on one background thread; every step:
 3. runs the model once (ModelRunner: K/V written into the pool, attention through block
    tables), samples where a request's last token was computed, streams text, stops.
 4. finishes requests: their computed full blocks (prompt and reply) go into the prefix
-   cache, so the next turn of the conversation (same history re-rendered plus a new user
-   message) hits them; their tail block and duplicates are freed.
+   cache and their partial last block is kept as a tail, so the next turn of the
+   conversation (same history re-rendered plus a new user message) hits all of it;
+   duplicates are freed.
 
 Each request owns only its block table, so the batch may change every step.
 """
@@ -301,12 +302,38 @@ class PagedEngine(Engine):
             self._waiting.popleft()
             seq.block_table = matched
             seq.num_computed_tokens = len(matched) * bs
+            if self.config.enable_prefix_cache:
+                self._reuse_tail(seq)
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
                 if self.metrics:
                     self.metrics.prefix_queries.inc(len(seq.tokens))
                     self.metrics.prefix_hits.inc(seq.num_computed_tokens)
             self._running.append(seq)
+
+    def _parent_hash(self, seq: _Sequence, num_blocks: int) -> int:
+        """Hash of seq's block num_blocks - 1, or its namespace's root for 0."""
+        if num_blocks:
+            return seq.block_hashes[num_blocks - 1]
+        return self._hasher(seq.request.namespace).root_hash
+
+    def _reuse_tail(self, seq: _Sequence) -> None:
+        """Extend the hit into the next, partial block from a cached tail (copied, since
+        this request will write the rest of the block)."""
+        bs, start = self.config.block_size, seq.num_computed_tokens
+        room = min(bs - 1, len(seq.tokens) - 1 - start)
+        if room <= 0:
+            return
+        parent = self._parent_hash(seq, len(seq.block_table))
+        tail_block, n = self.cache.match_tail(parent, seq.tokens[start:start + room])
+        if n == 0:
+            return
+        blocks = self.pool.allocate(1)
+        if blocks is None:
+            return
+        self.pool.copy_prefix(tail_block, blocks[0], n)
+        seq.block_table += blocks
+        seq.num_computed_tokens += n
 
     def _release_blocks(self, seq: _Sequence, blocks: list[int]) -> None:
         self.pool.release(blocks)
@@ -416,11 +443,18 @@ class PagedEngine(Engine):
             self._waiting.remove(seq)
         bs = self.config.block_size
         full = seq.num_computed_tokens // bs
-        if self.config.enable_prefix_cache and full and reason is not FinishReason.ERROR:
+        if self.config.enable_prefix_cache and seq.num_computed_tokens and \
+                reason is not FinishReason.ERROR:
             # Cache what was computed (prompt and reply), so the next turn reuses it.
             self._update_hashes(seq)
             self.cache.insert(seq.block_hashes[:full], seq.block_table[:full])
-            self._release_blocks(seq, seq.block_table[full:])
+            rest = seq.block_table[full:]
+            partial = seq.num_computed_tokens - full * bs
+            if partial:
+                self.cache.store_tail(self._parent_hash(seq, full),
+                                      seq.tokens[full * bs:seq.num_computed_tokens], rest[0])
+                rest = rest[1:]
+            self._release_blocks(seq, rest)
         else:
             self._release_blocks(seq, seq.block_table)
         seq.block_table = []

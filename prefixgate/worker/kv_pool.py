@@ -84,5 +84,13 @@ class KVPool:
             if self._refs[b] == 0:
                 self._free.append(b)
 
+    def copy_prefix(self, src_block: int, dst_block: int, num_tokens: int) -> None:
+        """Copy the first `num_tokens` token slots of `src_block` to `dst_block`, all layers."""
+        bs = self.config.block_size
+        src = slice(src_block * bs, src_block * bs + num_tokens)
+        dst = slice(dst_block * bs, dst_block * bs + num_tokens)
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
     def refcount(self, block: int) -> int:
         return self._refs[block]

@@ -16,11 +16,19 @@ and what events carry. The tree holds one pool reference on each block it contai
 - `evict(num_blocks)` frees up to that many unlocked blocks, least recently used leaves
   first, emitting `removed`; `flush()` drops every unlocked block (`cleared` when the
   tree ends up empty).
+- Tails: a finished request's last, partial block (fewer than block_size tokens) is kept
+  too, keyed by the hash of the full block before it (or the namespace's root hash).
+  Without it every turn would recompute up to block_size - 1 tokens of the previous
+  turn; with it, turn N+1 reuses all of turn N that was computed. A tail is never shared
+  in place: `match_tail` tells the caller how many of its tokens match, and the caller
+  copies those slots into a block of its own (copy-on-write of < block_size tokens).
+  Tails are worker-local (gateways route on full blocks) and are evicted first, LRU.
 All calls happen on the engine thread.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from prefixgate.events import KVEventSink, NullSink
@@ -34,6 +42,8 @@ class PrefixCache:
         self.events = events or NullSink()
         self.tree: RadixTree[int] = RadixTree(block_size=1)
         self._hash_of: dict[int, int] = {}  # block id -> block hash, for blocks in the tree
+        # parent block hash -> (tokens of the partial block, its block id); LRU order.
+        self._tails: OrderedDict[int, tuple[tuple[int, ...], int]] = OrderedDict()
 
     @property
     def num_blocks(self) -> int:
@@ -63,20 +73,60 @@ class PrefixCache:
         if m < len(block_hashes):
             self.events.stored(block_hashes[m - 1] if m else None, block_hashes[m:])
 
+    @property
+    def num_tail_blocks(self) -> int:
+        return len(self._tails)
+
+    def store_tail(self, parent_hash: int, tokens: Sequence[int], block_id: int) -> None:
+        """Keep `block_id` (holding `tokens`, fewer than a block) as the tail after
+        `parent_hash`; takes the caller's reference. Replaces an older tail there."""
+        old = self._tails.pop(parent_hash, None)
+        if old is not None:
+            self.pool.release([old[1]])
+        self._tails[parent_hash] = (tuple(tokens), block_id)
+
+    def match_tail(self, parent_hash: int, tokens: Sequence[int]) -> tuple[int, int]:
+        """(block id, number of leading `tokens` it holds) of the tail after
+        `parent_hash`; (-1, 0) when there is none or nothing matches."""
+        tail = self._tails.get(parent_hash)
+        if tail is None:
+            return -1, 0
+        stored, block_id = tail
+        n = 0
+        for a, b in zip(stored, tokens):  # at most block_size - 1 tokens
+            if a != b:
+                break
+            n += 1
+        if n:
+            self._tails.move_to_end(parent_hash)
+        return block_id, n
+
     def evict(self, num_blocks: int) -> int:
-        """Free up to `num_blocks` blocks; returns how many were freed."""
-        ids = self.tree.evict(num_blocks)
+        """Free up to `num_blocks` blocks, tails first; returns how many were freed."""
+        freed = 0
+        while self._tails and freed < num_blocks:
+            self.pool.release([self._tails.popitem(last=False)[1][1]])
+            freed += 1
+        ids = self.tree.evict(num_blocks - freed)
         if ids:
-            self.events.removed([self._hash_of.pop(b) for b in ids])
+            hashes = [self._hash_of.pop(b) for b in ids]
+            for h in hashes:  # a tail after an evicted block can never match again
+                tail = self._tails.pop(h, None)
+                if tail is not None:
+                    self.pool.release([tail[1]])
+            self.events.removed(hashes)
             self.pool.release(ids)
-        return len(ids)
+        return freed + len(ids)
 
     def flush(self) -> int:
-        """Drop every unlocked block; returns the number dropped."""
+        """Drop every unlocked block and every tail; returns the number of blocks dropped."""
+        tails = [b for _, b in self._tails.values()]
+        self._tails.clear()
+        self.pool.release(tails)
         if self.tree.num_locked_blocks == 0:
             ids = self.tree.clear()
             self._hash_of.clear()
             self.pool.release(ids)
             self.events.cleared()
-            return len(ids)
-        return self.evict(self.tree.num_evictable_blocks)
+            return len(ids) + len(tails)
+        return self.evict(self.tree.num_evictable_blocks) + len(tails)
