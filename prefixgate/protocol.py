@@ -31,6 +31,10 @@ class SamplingConfig:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    n: int = 1  # samples sharing the prompt
+
+
+MAX_SAMPLES = 16
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, num_prompt_tokens: int,
@@ -58,7 +62,10 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, num_prompt_tokens: int,
         raise InvalidRequest("sampling.temperature must be >= 0 (0 means greedy)")
     if not math.isfinite(msg.top_p) or not 0 <= msg.top_p <= 1:
         raise InvalidRequest("sampling.top_p must be in (0, 1] (0 or unset means 1)")
+    if msg.n > MAX_SAMPLES:
+        raise InvalidRequest(f"sampling.n={msg.n} is too many: at most {MAX_SAMPLES} samples")
     return SamplingConfig(
+        n=max(1, msg.n),
         max_tokens=max_tokens,
         temperature=float(msg.temperature),
         top_p=float(msg.top_p) or 1.0,

@@ -44,24 +44,28 @@ class ChatRequest(_message.Message):
     def __init__(self, messages: _Optional[_Union[Messages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., conversation_id: _Optional[str] = ..., namespace: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ChatDelta(_message.Message):
-    __slots__ = ("text", "token_ids")
+    __slots__ = ("text", "token_ids", "index")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    index: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class ChatFinal(_message.Message):
-    __slots__ = ("usage", "finish_reason", "worker_id", "timings")
+    __slots__ = ("usage", "finish_reason", "worker_id", "timings", "sample_finish_reasons")
     USAGE_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FINISH_REASONS_FIELD_NUMBER: _ClassVar[int]
     usage: _common_pb2.Usage
     finish_reason: _common_pb2.FinishReason
     worker_id: str
     timings: _common_pb2.Timings
-    def __init__(self, usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., worker_id: _Optional[str] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...
+    sample_finish_reasons: _containers.RepeatedScalarFieldContainer[_common_pb2.FinishReason]
+    def __init__(self, usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., worker_id: _Optional[str] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., sample_finish_reasons: _Optional[_Iterable[_Union[_common_pb2.FinishReason, str]]] = ...) -> None: ...
 
 class ChatEvent(_message.Message):
     __slots__ = ("delta", "final")
