@@ -117,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
          help="worker address host:port (embedded registry); not needed with --redis-url")
     flag(g, "--redis-url", default="", help="discover workers through this Redis")
     _policy_flag(g)
+    _record_trace_flag(g)
     flag(g, "--drain-seconds", type=float, default=30.0,
          help="on SIGTERM, how long in-flight streams may finish")
     flag(g, "--metrics-port", type=int, default=0,
@@ -133,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     flag(u, "--redis-url", default="",
          help="use this Redis as the registry (default: embedded, no Redis)")
     _policy_flag(u)
+    _record_trace_flag(u)
     flag(u, "--torch-threads", type=int, default=0,
          help="torch threads per worker (0: CPU count / workers)")
     flag(u, "--demo", action="store_true",
@@ -188,6 +190,12 @@ def _policy_flag(p: argparse.ArgumentParser) -> None:
     from prefixgate.gateway.routing import POLICIES
 
     flag(p, "--policy", default="session", choices=POLICIES, help="routing policy")
+
+
+def _record_trace_flag(p: argparse.ArgumentParser) -> None:
+    flag(p, "--record-trace", default="",
+         help="append one JSON line per finished turn to this file (block hashes, not text), "
+              "replayable with prefixgate replay --trace")
 
 
 # --- worker ------------------------------------------------------------------------------
@@ -289,7 +297,8 @@ def _gateway_config(args: argparse.Namespace, workers: Sequence[str], port: int)
     return GatewayConfig(host=args.host, port=port, block_size=args.block_size,
                          routing=RoutingConfig(policy=args.policy),
                          static_workers=tuple(workers),
-                         drain_seconds=getattr(args, "drain_seconds", 30.0))
+                         drain_seconds=getattr(args, "drain_seconds", 30.0),
+                         record_trace=args.record_trace)
 
 
 async def _run_gateway(args: argparse.Namespace) -> None:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -15,14 +16,18 @@ from prefixgate.rpc import free_port
 from tests.conftest import REPO, cli_env
 
 PG = [sys.executable, "-m", "prefixgate"]
+RECORDED: list[Path] = []
 
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The gateway's address; it records its traffic to RECORDED[0]."""
     port = free_port()
     env = cli_env(PREFIXGATE_CACHE_DIR=str(tmp_path_factory.mktemp("cache")))
+    RECORDED[:] = [tmp_path_factory.mktemp("rec") / "recorded.jsonl"]
     up = subprocess.Popen([*PG, "up", "--model", "tiny-random", "--workers", "2", "--port",
-                           str(port), "--policy", "prefix"], env=env, cwd=REPO,
+                           str(port), "--policy", "prefix", "--record-trace", str(RECORDED[0])],
+                          env=env, cwd=REPO,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -100,3 +105,32 @@ def test_replay_recorded_trace_reuses_the_conversation_prefix(gateway, tmp_path)
     assert s["turns_ok"] == 2 and s["prompt_tokens"] == 840
     # Turn 2 goes where turn 1 went and reuses its 25 synthesised blocks (at most 399 tokens).
     assert s["cached_tokens"] >= 24 * 16, s
+
+
+def test_gateway_records_a_trace_that_replays(gateway, tmp_path) -> None:
+    from prefixgate.replay.traces import read_trace
+
+    before = RECORDED[0].read_text().count("\n") if RECORDED[0].exists() else 0
+    conv = {"id": "rec", "conversations": [
+        {"from": "human", "value": "Record this conversation, please, it is a test."},
+        {"from": "gpt", "value": "Recorded."}, {"from": "human", "value": "And this turn."}]}
+    trace = tmp_path / "chat.jsonl"
+    trace.write_text(json.dumps(conv) + "\n")
+    run = _replay("--trace", str(trace), "--target", gateway, "--max-tokens", "4",
+                  "--out", str(tmp_path / "o"))
+    assert run["summary"]["turns_ok"] == 2
+    lines = RECORDED[0].read_text().splitlines()[before:]
+    assert len(lines) == 2
+    assert "Record this" not in RECORDED[0].read_text()  # hashes, never text
+    recorded = read_trace(RECORDED[0])
+    assert recorded.kind == "prefixgate" and recorded.block_size == 16
+    (conv_rec,) = [c for c in recorded.conversations if c.conversation_id == "rec"]
+    t0, t1 = conv_rec.turns
+    assert t1.hash_ids[: len(t0.hash_ids)] == t0.hash_ids and t1.num_cached_tokens > 0
+    assert t0.worker_id in {"worker-0", "worker-1"} and t0.num_output_tokens <= 4
+    # Replaying the recording gives the same prompt lengths.
+    again = _replay("--trace", str(RECORDED[0]), "--target", gateway, "--vocab-size", "259",
+                    "--out", str(tmp_path / "o2"))
+    assert again["summary"]["turns_ok"] == recorded.num_turns
+    assert again["summary"]["prompt_tokens"] == sum(
+        t.num_prompt_tokens for c in recorded.conversations for t in c.turns)

@@ -32,6 +32,7 @@ from prefixgate.gateway.routing import Router, RoutingConfig, Turn
 from prefixgate.models import ModelSpec
 from prefixgate.protocol import InvalidRequest, check_token_ids, sampling_from_proto
 from prefixgate.registry import Registry, WorkerRecord
+from prefixgate.replay.record import TraceRecorder
 from prefixgate.tokenizer import ChatTokenizer
 from prefixgate.v1 import chat_pb2, common_pb2, worker_pb2
 
@@ -53,6 +54,7 @@ class GatewayConfig:
     static_workers: tuple[str, ...] = ()
     refresh_interval_s: float = 2.0
     drain_seconds: float = 30.0
+    record_trace: str = ""  # append one line per finished turn here (prefixgate.replay.record)
 
 
 class ChatService:
@@ -63,6 +65,8 @@ class ChatService:
         self.pool = pool
         self.router = Router(config.routing)
         self.config = config
+        self.recorder = (TraceRecorder(config.record_trace, config.block_size, spec.fingerprint)
+                         if config.record_trace else None)
 
     def _prompt(self, request: chat_pb2.ChatRequest) -> list[int]:
         if request.model and request.model != self.spec.name:
@@ -118,6 +122,14 @@ class ChatService:
                              request.conversation_id or "-", worker.worker_id,
                              final.usage.prompt_tokens, final.usage.cached_tokens,
                              final.usage.completion_tokens, ttft_ms)
+                    if self.recorder is not None:
+                        self.recorder.record(
+                            arrival_unix_s=time.time() - (time.monotonic() - arrival),
+                            conversation_id=request.conversation_id,
+                            namespace=request.namespace, prompt_token_ids=prompt,
+                            output_tokens=final.usage.completion_tokens,
+                            worker_id=worker.worker_id,
+                            cached_tokens=final.usage.cached_tokens)
                     yield chat_pb2.ChatEvent(final=chat_pb2.ChatFinal(
                         usage=final.usage, finish_reason=final.finish_reason,
                         worker_id=worker.worker_id,
