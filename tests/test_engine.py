@@ -236,3 +236,32 @@ def test_multi_turn_cache_on_equals_off_smollm2(smollm2_spec, smollm2_model) -> 
     assert "Paris" in history[1][1]
     cached.shutdown()
     uncached.shutdown()
+
+
+def test_n_samples_share_the_prompt_blocks(tiny_spec, tiny_model) -> None:
+    """n=4 computes and stores the prompt once: the samples' blocks beyond the prompt are
+    their own, and each sample equals a single-sample request with its seed."""
+    p = prompts(1, seed=8, lo=200, hi=201)[0]  # 12 full blocks + 8 tokens
+    engine = make_engine(tiny_spec, tiny_model, num_blocks=128)
+    one = engine.pool.num_free_blocks
+    q = submit(engine, p, "n4", max_tokens=10, temperature=1.0, seed=11, n=4)
+    samples: dict[int, list[int]] = {}
+    finals = {}
+    peak = 0
+    while len(finals) < 4:
+        ev = q.get(timeout=60)
+        peak = max(peak, one - engine.pool.num_free_blocks)
+        if isinstance(ev, TokenEvent):
+            samples.setdefault(ev.index, []).extend(ev.token_ids)
+        else:
+            finals[ev.index] = ev
+    # Prompt: 13 blocks once; each sample: a copy of the partial block (+1 more when
+    # its 10 tokens cross a block boundary). Four separate prompts would need 52+.
+    assert peak <= 13 + 4 * 2
+    assert all(f.completion_tokens == len(samples[i]) for i, f in finals.items())
+    for i in range(4):
+        alone, _ = run(engine, p, rid=f"alone{i}", max_tokens=10, temperature=1.0, seed=11 + i)
+        assert samples[i] == alone
+    assert len({tuple(v) for v in samples.values()}) > 1
+    assert_no_leak(engine)
+    engine.shutdown()

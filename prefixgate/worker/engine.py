@@ -34,7 +34,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import torch
@@ -75,6 +75,7 @@ class Request:
 class TokenEvent:
     token_ids: tuple[int, ...]
     text: str
+    index: int = 0  # sample index, 0..n-1
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class FinalEvent:
     queue_ms: float
     ttft_ms: float
     total_ms: float
+    index: int = 0  # sample index, 0..n-1
 
 
 Event = TokenEvent | FinalEvent
@@ -106,8 +108,9 @@ class Engine(ABC):
     """Contract shared by all engines.
 
     - `submit` is thread-safe and returns at once. `emit` is then called from the engine's
-      thread with zero or more TokenEvents and exactly one FinalEvent, in order; it must
-      not block (the gRPC service hands events to its event loop).
+      thread with, for each of the request's `sampling.n` samples, zero or more
+      TokenEvents and exactly one FinalEvent carrying that sample's index, in order per
+      sample; it must not block (the gRPC service hands events to its event loop).
     - `cancel` is idempotent; a cancelled request frees its resources at the next step
       and ends with FinalEvent(CANCELLED).
     - `status` and `flush_cache` are thread-safe. `shutdown` returns once the engine
@@ -166,6 +169,7 @@ class _Sequence:
     first_scheduled: float = 0.0
     first_token: float = 0.0
     last_token: float = 0.0
+    index: int = 0  # sample index; sample 0 forks the others once the prompt is computed
 
     @property
     def num_generated(self) -> int:
@@ -408,7 +412,45 @@ class PagedEngine(Engine):
         for seq, n in batch:
             seq.num_computed_tokens += n
         for row, seq in zip(logits, samplers, strict=True):
+            if seq.request.sampling.n > 1 and seq.index == 0 and not seq.num_generated:
+                for child in self._fork(seq):
+                    self._append(child, child.sampler.sample(row))
             self._append(seq, seq.sampler.sample(row))
+
+    def _fork(self, parent: _Sequence) -> list[_Sequence]:
+        """Samples 1..n-1 of a request whose prompt was just computed: they share the
+        prompt's full blocks (one more reference each) and get a copy of its partial last
+        block, so the prompt is computed and stored once."""
+        req, bs = parent.request, self.config.block_size
+        full, partial = divmod(parent.num_computed_tokens, bs)
+        children = []
+        for i in range(1, req.sampling.n):
+            sampling = req.sampling
+            if sampling.seed is not None:
+                sampling = replace(sampling, seed=sampling.seed + i)
+            child = _Sequence(req, parent.emit, Sampler(sampling),
+                              StreamDecoder(self.tokenizer, sampling.stop),
+                              list(parent.tokens), arrival=parent.arrival, index=i,
+                              block_hashes=list(parent.block_hashes),
+                              first_scheduled=parent.first_scheduled)
+            child.num_cached_tokens = parent.num_cached_tokens
+            self.pool.ref(parent.block_table[:full])
+            child.block_table = parent.block_table[:full]
+            if partial:
+                if self.pool.num_free_blocks == 0:
+                    self.cache.evict(1)
+                copy = self.pool.allocate(1)
+                if copy is None:  # no room to share: this sample recomputes its prompt later
+                    self.pool.release(child.block_table)
+                    child.block_table = []
+                    self._waiting.append(child)
+                    continue
+                self.pool.copy_prefix(parent.block_table[full], copy[0], partial)
+                child.block_table += copy
+            child.num_computed_tokens = parent.num_computed_tokens
+            self._running.append(child)
+            children.append(child)
+        return children
 
     def _append(self, seq: _Sequence, token: int) -> None:
         now = time.monotonic()
@@ -422,19 +464,19 @@ class PagedEngine(Engine):
         seq.tokens.append(token)
         sampling = seq.request.sampling
         if token in self.config.eos_token_ids or token in sampling.stop_token_ids:
-            seq.emit(TokenEvent((token,), seq.decoder.flush()))
+            seq.emit(TokenEvent((token,), seq.decoder.flush(), seq.index))
             self._finish(seq, FinishReason.STOP)
             return
         text = seq.decoder.push(token)
         if seq.decoder.stopped:
-            seq.emit(TokenEvent((token,), text))
+            seq.emit(TokenEvent((token,), text, seq.index))
             self._finish(seq, FinishReason.STOP)
         elif seq.num_generated >= sampling.max_tokens or \
                 len(seq.tokens) >= self.config.max_context_tokens:
-            seq.emit(TokenEvent((token,), text + seq.decoder.flush()))
+            seq.emit(TokenEvent((token,), text + seq.decoder.flush(), seq.index))
             self._finish(seq, FinishReason.LENGTH)
         else:
-            seq.emit(TokenEvent((token,), text))
+            seq.emit(TokenEvent((token,), text, seq.index))
 
     def _finish(self, seq: _Sequence, reason: FinishReason) -> None:
         if seq in self._running:
@@ -463,7 +505,12 @@ class PagedEngine(Engine):
         seq.emit(FinalEvent(reason, len(seq.request.prompt_token_ids), max(seq.num_cached_tokens, 0),
                             seq.num_generated, (start - seq.arrival) * 1e3,
                             ((seq.first_token or end) - seq.arrival) * 1e3,
-                            (end - seq.arrival) * 1e3))
+                            (end - seq.arrival) * 1e3, seq.index))
+        if seq.index == 0 and not seq.num_generated and seq.request.sampling.n > 1:
+            # Ended before forking (cancelled, failed): its other samples end with it.
+            for i in range(1, seq.request.sampling.n):
+                seq.emit(FinalEvent(reason, len(seq.request.prompt_token_ids), 0, 0,
+                                    0.0, 0.0, (end - seq.arrival) * 1e3, i))
 
     def _publish_status(self) -> None:
         queued = sum(len(s.tokens) - s.num_computed_tokens for s in self._waiting) + sum(
