@@ -386,6 +386,22 @@ def test_config_and_secret_references_resolve(rendered, containers) -> None:
         assert cs["gateway"].args.block_size == cs["worker"].args.block_size
 
 
+def test_every_variable_reference_is_defined_before_use(rendered) -> None:
+    """Kubernetes expands $(VAR) in env values, command and args only from variables
+    defined earlier in the container's env; anything else stays literal, silently."""
+    for overlay, objs in rendered.items():
+        for w in _of_kind(objs, "Deployment", "StatefulSet"):
+            for c in w["spec"]["template"]["spec"]["containers"]:
+                defined: set[str] = set()
+                for e in c.get("env", []):
+                    for ref in _REFERENCE.findall(e.get("value", "")):
+                        assert ref in defined, f"{overlay} {c['name']}: {e['name']} uses $({ref})"
+                    defined.add(e["name"])
+                for arg in [*c.get("command", []), *c.get("args", [])]:
+                    for ref in _REFERENCE.findall(arg):
+                        assert ref in defined, f"{overlay} {c['name']}: {arg!r} uses $({ref})"
+
+
 def test_external_secrets_are_documented() -> None:
     docs = (REPO / "docs" / "deploy.md").read_text()
     for names in EXTERNAL_SECRETS.values():
