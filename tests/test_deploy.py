@@ -282,6 +282,14 @@ def test_containers_run_with_flags_the_cli_accepts(containers) -> None:
             "gateways discover workers in Redis; no static list"
 
 
+def test_every_prefixgate_variable_named_anywhere_is_read(rendered) -> None:
+    """Also ConfigMap keys and any text: each PREFIXGATE_* name is a gateway or worker flag."""
+    known = set(_flag_variables("gateway")) | set(_flag_variables("worker"))
+    for overlay, objs in rendered.items():
+        named = set(re.findall(r"PREFIXGATE_[A-Z0-9_]+", yaml.safe_dump_all(objs)))
+        assert named and named <= known, f"{overlay}: {sorted(named - known)} are read by no one"
+
+
 def test_a_misspelt_variable_is_caught(rendered) -> None:
     objs = yaml.safe_load_all(yaml.safe_dump_all(rendered["cpu-dev"]))
     objs = [o for o in objs if o]
@@ -374,6 +382,7 @@ def test_config_and_secret_references_resolve(rendered, containers) -> None:
                     ref = e.get("valueFrom", {}).get("configMapKeyRef")
                     if ref:
                         used_keys.add(ref["key"])
+                        assert ref["key"] == e["name"], f"{e['name']} reads {ref['key']}"
         (settings,) = [o for o in _of_kind(objs, "ConfigMap")
                        if o["metadata"]["name"].startswith("prefixgate-settings")]
         assert set(settings["data"]) == used_keys, "every shared setting is read by a pod"
