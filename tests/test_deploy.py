@@ -36,8 +36,9 @@ except ModuleNotFoundError:  # Python 3.10
 
 DEPLOY = REPO / "deploy"
 OVERLAYS = ("cpu-dev", "gpu")
-# A recent release whose schemas kubernetes-validate ships in its wheel (no network).
-KUBERNETES_VERSION = "1.35.0"
+# A recent release, and the oldest the manifests are meant for; kubernetes-validate ships
+# their schemas in its wheel (no network).
+KUBERNETES_VERSIONS = ("1.35.0", "1.30.0")
 # Kinds from operators' CRDs: no bundled schema; checked structurally below instead.
 CRD_GROUPS = ("monitoring.coreos.com/",)
 # Secrets an overlay expects to exist in the cluster (created as docs/deploy.md says).
@@ -213,21 +214,22 @@ def _cases(rendered, containers) -> Iterator[tuple[str, list[dict], dict[str, Co
 # --- schemas -----------------------------------------------------------------------------
 
 
-def _validate(obj: dict) -> None:
+def _validate(obj: dict, version: str = KUBERNETES_VERSIONS[0]) -> None:
     import kubernetes_validate
 
-    kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    kubernetes_validate.validate(obj, version, strict=True)
 
 
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_every_object_validates_strictly(rendered, overlay: str) -> None:
+def test_every_object_validates_strictly(rendered, overlay: str, version: str) -> None:
     objs = rendered[overlay]
     kinds = {o["kind"] for o in objs}
     assert {"Deployment", "StatefulSet", "Service", "ConfigMap", "PodDisruptionBudget",
             "HorizontalPodAutoscaler"} <= kinds
     for obj in objs:
         assert not obj["apiVersion"].startswith(CRD_GROUPS)
-        _validate(obj)
+        _validate(obj, version)
 
 
 def test_strict_validation_rejects_a_misspelt_field(rendered) -> None:
