@@ -36,7 +36,8 @@ SHAREGPT = [
         {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"},
         {"from": "human", "value": "How are you?"}, {"from": "gpt", "value": "Fine."}]},
     {"id": "b", "conversations": [
-        {"from": "human", "value": "One"}, {"from": "human", "value": "Two"},
+        {"from": "human", "value": "One"}, {"from": "gpt", "value": " "},
+        {"from": "human", "value": "Two"},
         {"from": "gpt", "value": "Three"}, {"from": "human", "value": "Last"}]},
 ]
 

@@ -25,10 +25,12 @@ def _ms(dist: dict | None, key: str) -> str:
 
 
 def markdown(runs: Sequence[dict], title: str = "replay") -> str:
+    with_bounds = any(r.get("bounds") for r in runs)
     lines = [f"### {title}", "",
              "| run | turns ok | errors | hit rate | TTFT p50 / p90 / p99 ms | ITL p50 / p99 ms "
-             "| E2E p50 / p99 ms | load max/mean (turns, tokens) | turns/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| E2E p50 / p99 ms | load max/mean (turns, tokens) | turns/s |"
+             + (" bounds: infinite cache / combined LRU |" if with_bounds else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if with_bounds else "")]
     for run in runs:
         s = run["summary"]
         t, i, e = s["ttft_s"], s["itl_s"], s["e2e_s"]
@@ -41,10 +43,13 @@ def markdown(runs: Sequence[dict], title: str = "replay") -> str:
             f"{_ms(t, 'p50')} / {_ms(t, 'p90')} / {_ms(t, 'p99')} | {_ms(i, 'p50')} / "
             f"{_ms(i, 'p99')} | {_ms(e, 'p50')} / {_ms(e, 'p99')} | {load} | "
             f"{s['throughput']['turns_per_s']:.2f} |")
-    bounds = next((r["bounds"] for r in runs if r.get("bounds")), None)
-    if bounds:
-        lines += ["", "Bounds (same requests, arrival order, instant service): "
-                  + "; ".join(f"{k.replace('_', ' ')} {v:.1%}" for k, v in bounds.items())]
+        b = run.get("bounds")
+        if with_bounds:
+            lines[-1] += (f" {b['infinite_cache']:.1%} / {b['combined_lru']:.1%} |" if b
+                          else " - |")
+    if with_bounds:
+        lines += ["", "Bounds: the same turns with instant prefill through one unlimited "
+                      "cache, and through one LRU cache of the workers' combined capacity."]
     return "\n".join(lines) + "\n"
 
 
@@ -71,7 +76,9 @@ def plot(runs: Sequence[dict], out_dir: Path, name: str) -> list[Path]:
         pts = run["summary"]["hit_rate_over_time"]
         ax.plot([p["t_s"] for p in pts], [p["hit_rate"] for p in pts], marker=".",
                 label=run["label"])
-    for key, value in (next((r["bounds"] for r in runs if r.get("bounds")), None) or {}).items():
+    shared = {json.dumps(r.get("bounds"), sort_keys=True) for r in runs}
+    common = runs[0].get("bounds") if len(shared) == 1 else None
+    for key, value in (common or {}).items():
         ax.axhline(value, linestyle="--", linewidth=0.8, color="grey")
         ax.annotate(key.replace("_", " "), (0, value), fontsize=7, color="grey",
                     xytext=(2, 2), textcoords="offset points")

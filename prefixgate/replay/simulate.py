@@ -28,10 +28,11 @@ Arrivals (ArrivalConfig, as the load generator's, in virtual time): open loop at
 timestamps / speedup; closed loop (`concurrency` conversations, `think_time_s`); Poisson
 conversation starts.
 
-Bounds (`bounds`): the same turns in arrival order with instant service, through one cache
-with unlimited capacity (`infinite_cache`: no routing can beat it) and through one LRU
-cache holding the workers' combined capacity (`combined_lru`: what perfect routing could
-reach with that memory).
+Bounds (`bounds`): the same turns with instant prefill (no queueing; decoding and think
+times as configured, so conversations arrive and end as in the policy runs) through one
+cache with unlimited capacity (`infinite_cache`: no routing beats it) and through one LRU
+cache holding the workers' combined capacity (`combined_lru`: what routing with perfect
+knowledge could expect of that memory; LRU is not optimal, so a policy may land above it).
 """
 
 from __future__ import annotations
@@ -127,22 +128,33 @@ def prepare_turns(trace: Trace, block_size: int = 16, tokenizer=None,
 
     hasher = BlockHasher(block_size)
     out = []
-    for c in tqdm(trace.conversations, desc="tokenizing", unit="conv", file=sys.stderr,
-                  disable=not progress):
-        rendered = [tokenizer.render(c.messages(i)) for i in range(len(c.turns))]
-        prompts = [e.ids for e in tokenizer.tokenizer.encode_batch(rendered,
-                                                                   add_special_tokens=False)]
-        replies = [len(e.ids) for e in tokenizer.tokenizer.encode_batch(
-            [t.reply for t in c.turns], add_special_tokens=False)]
-        hashes = [hasher.hash_blocks(p) for p in prompts]
-        turns = []
-        for i, p in enumerate(prompts):
-            keep = hashes[i]
-            if i + 1 < len(prompts):
-                keep = hashes[i + 1][: (len(p) + replies[i]) // block_size]
-            turns.append(SimTurn(c.conversation_id, i, len(p), max(1, replies[i]),
-                                 tuple(hashes[i]), tuple(keep), c.turns[i].timestamp_s))
-        out.append(turns)
+    convs = trace.conversations
+    chunk = 64  # conversations per encode_batch call (the tokenizer batches in Rust)
+    bar = tqdm(total=len(convs), desc="tokenizing", unit="conv", file=sys.stderr,
+               disable=not progress)
+    for lo in range(0, len(convs), chunk):
+        group = convs[lo:lo + chunk]
+        texts = [tokenizer.render(c.messages(i)) for c in group for i in range(len(c.turns))]
+        texts += [t.reply for c in group for t in c.turns]
+        encoded = tokenizer.tokenizer.encode_batch(texts, add_special_tokens=False)
+        n = len(texts) // 2
+        prompt_ids, reply_lens = [e.ids for e in encoded[:n]], [len(e.ids) for e in encoded[n:]]
+        k = 0
+        for c in group:
+            prompts = prompt_ids[k:k + len(c.turns)]
+            replies = reply_lens[k:k + len(c.turns)]
+            k += len(c.turns)
+            hashes = [hasher.hash_blocks(p) for p in prompts]
+            turns = []
+            for i, p in enumerate(prompts):
+                keep = hashes[i]
+                if i + 1 < len(prompts):
+                    keep = hashes[i + 1][: (len(p) + replies[i]) // block_size]
+                turns.append(SimTurn(c.conversation_id, i, len(p), max(1, replies[i]),
+                                     tuple(hashes[i]), tuple(keep), c.turns[i].timestamp_s))
+            out.append(turns)
+        bar.update(len(group))
+    bar.close()
     return out
 
 
@@ -174,10 +186,10 @@ class _Req:
 
 
 class _Sim:
-    def __init__(self, convs: list[list[SimTurn]], cfg: SimConfig, *, instant: bool = False,
+    def __init__(self, convs: list[list[SimTurn]], cfg: SimConfig, *, ideal: bool = False,
                  capacity_blocks: int | None = None) -> None:
-        self.convs, self.cfg, self.instant = convs, cfg, instant
-        n = 1 if instant else cfg.num_workers
+        self.convs, self.cfg, self.ideal = convs, cfg, ideal
+        n = 1 if ideal else cfg.num_workers
         self.capacity = cfg.capacity_blocks if capacity_blocks is None else capacity_blocks
         self.workers = [_Worker(f"worker-{i:03d}", cfg.block_size) for i in range(n)]
         self.by_id = {w.wid: w for w in self.workers}
@@ -245,7 +257,7 @@ class _Sim:
             if res.num_new_blocks:
                 self.index.stored(w.wid, 1, None, t.block_hashes)
             self._evict(w)
-        dur = 0.0 if self.instant else (t.num_prompt_tokens - req.cached) / self.cfg.prefill_tokens_per_s
+        dur = 0.0 if self.ideal else (t.num_prompt_tokens - req.cached) / self.cfg.prefill_tokens_per_s
         self.at(self.now + dur, self.prefill_done, req)
 
     def prefill_done(self, req: _Req) -> None:
@@ -254,7 +266,7 @@ class _Sim:
         w.queued_tokens -= req.expected_uncached
         req.ttft = self.now - req.arrival
         w.running += 1
-        dur = 0.0 if self.instant else req.turn.num_output_tokens * self.cfg.decode_s_per_token
+        dur = req.turn.num_output_tokens * self.cfg.decode_s_per_token
         self.at(self.now + dur, self.decode_done, req)
         if w.queue:
             self._start_prefill(w)
@@ -326,7 +338,7 @@ def bounds(convs: list[list[SimTurn]], cfg: SimConfig) -> dict[str, float]:
     out = {}
     for name, capacity in (("infinite_cache", 2**62),
                            ("combined_lru", cfg.capacity_blocks * cfg.num_workers)):
-        sim = _Sim(convs, cfg, instant=True, capacity_blocks=capacity)
+        sim = _Sim(convs, cfg, ideal=True, capacity_blocks=capacity)
         records = sim.run().records
         prompt = sum(r.prompt_tokens for r in records)
         out[name] = sum(r.cached_tokens for r in records) / prompt if prompt else 0.0

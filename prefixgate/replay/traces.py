@@ -6,7 +6,8 @@ Contract: `read_trace(path, fmt="auto", skip_malformed=False)` returns a `Trace`
   sharegpt   JSON (a list) or JSONL, optionally gzipped: {"id", "conversations": [{"from":
              "human"|"gpt"|"system", "value"}]}. Chat turns: a turn's prompt is the whole
              history (system, then every earlier user message and its *recorded* reply) plus
-             its own user message, so every setup replays the same prompts.
+             its own user message, so every setup replays the same prompts. Blank messages
+             are dropped; consecutive messages of one role are joined.
   mooncake   JSONL: {"timestamp" (ms), "input_length", "output_length", "hash_ids"}: one
              single-turn conversation per line; each hash id names a block of
              `block_size` (512) tokens, synthesised by `synth_block_tokens`.
@@ -237,6 +238,8 @@ def _sharegpt(rec: dict, number: int) -> Conversation | None:
     system, pending_user, out = "", None, []
     for t in turns:
         role, value = _need(t, "from", str), _need(t, "value", str)
+        if not value.strip():
+            continue  # a blank message is no message (servers refuse empty content)
         if role == "system":
             system = f"{system}\n\n{value}" if system else value
         elif role == "human":
