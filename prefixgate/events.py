@@ -12,12 +12,15 @@ own thread, in the order the changes happened:
 Hashes are `prefixgate.radix.BlockHasher` chained hashes salted with the model fingerprint
 and the request's namespace, so a gateway hashing the same prompt finds the same values.
 A sink must not block the engine: it buffers and publishes elsewhere (batched).
+
+`chains(blocks)` turns a set of cached blocks (hash -> parent hash) back into `stored`
+chains in an order a reader can apply (snapshots of a worker's cache).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 class KVEventSink(ABC):
@@ -42,3 +45,28 @@ class NullSink(KVEventSink):
 
     def cleared(self) -> None:
         pass
+
+
+def chains(blocks: Mapping[int, int | None]) -> list[tuple[int | None, list[int]]]:
+    """`(parent_hash, block_hashes)` chains that store exactly `blocks` (block hash ->
+    parent hash, None for a chain's first block at the root), each chain after the chain
+    holding its parent; single-child runs form one chain. A block whose parent is not in
+    `blocks` starts a chain with that parent (a reader that cannot place it drops it)."""
+    children: dict[int | None, list[int]] = {}
+    orphans: list[int] = []
+    for h, parent in blocks.items():
+        if parent is not None and parent not in blocks:
+            orphans.append(h)
+        else:
+            children.setdefault(parent, []).append(h)
+    out: list[tuple[int | None, list[int]]] = []
+    stack: list[tuple[int | None, int]] = [(blocks[h], h) for h in reversed(orphans)]
+    stack += [(None, h) for h in reversed(children.get(None, []))]
+    while stack:
+        parent, h = stack.pop()
+        chain = [h]
+        while len(children.get(chain[-1], ())) == 1:
+            chain.append(children[chain[-1]][0])
+        out.append((parent, chain))
+        stack.extend((chain[-1], c) for c in reversed(children.get(chain[-1], [])))
+    return out

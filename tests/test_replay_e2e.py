@@ -130,7 +130,7 @@ def test_gateway_records_a_trace_that_replays(gateway, tmp_path) -> None:
     assert t0.worker_id in {"worker-0", "worker-1"} and t0.num_output_tokens <= 4
     # Replaying the recording gives the same prompt lengths.
     again = _replay("--trace", str(RECORDED[0]), "--target", gateway, "--vocab-size", "259",
-                    "--out", str(tmp_path / "o2"))
+                    "--arrival", "closed", "--out", str(tmp_path / "o2"))
     assert again["summary"]["turns_ok"] == recorded.num_turns
     assert again["summary"]["prompt_tokens"] == sum(
         t.num_prompt_tokens for c in recorded.conversations for t in c.turns)

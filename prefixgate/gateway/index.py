@@ -111,6 +111,10 @@ class PrefixIndex:
         """Blocks `worker_id` holds according to the index."""
         return self._tree.num_owned_blocks(worker_id)
 
+    def epoch_of(self, worker_id: str) -> int:
+        """The epoch the index follows for `worker_id` (-1: unknown)."""
+        return self._epochs.get(worker_id, -1)
+
     def workers(self) -> dict[str, int]:
         """Worker id -> the epoch the index follows for it."""
         return dict(self._epochs)

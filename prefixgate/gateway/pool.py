@@ -3,7 +3,9 @@
 Contract: `WorkerPool.refresh()` reads the registry, connects to new workers (GetInfo
 within `connect_timeout_s`) and closes channels of workers that left it. A worker whose
 model fingerprint differs from the gateway's is refused: logged, listed in `refused`,
-never routed to. `healthy()` lists the workers a turn may be routed to, sorted by id; a
+never routed to (so is one whose block size differs: its block hashes would never match).
+Each refresh also polls every worker's GetStatus (its load, see `WorkerHandle`).
+`healthy()` lists the workers a turn may be routed to, sorted by id; a
 worker that failed a call is marked down until a refresh reaches it again.
 """
 
@@ -59,6 +61,7 @@ class WorkerPool:
     registry: Registry
     model_fingerprint: str
     connect_timeout_s: float = 2.0
+    block_size: int = 0  # workers must use this block size (0: not checked)
     workers: dict[str, WorkerHandle] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)  # worker id -> reason
 
@@ -93,15 +96,25 @@ class WorkerPool:
         except grpc.aio.AioRpcError as exc:
             self.mark_down(w, f"{exc.code().name}: {exc.details()}")
             return
+        reason = ""
         if info.model_fingerprint != self.model_fingerprint:
             reason = (f"model fingerprint {info.model_fingerprint} ({info.model_name}) differs "
                       f"from the gateway's {self.model_fingerprint}: start it with the same model")
+        elif self.block_size and info.block_size and info.block_size != self.block_size:
+            reason = (f"block size {info.block_size} differs from the gateway's "
+                      f"{self.block_size}: start both with the same --block-size")
+        if reason:
             if self.refused.get(w.worker_id) != reason:
                 log.error("refusing worker %s at %s: %s", w.worker_id, w.record.address, reason)
             self.refused[w.worker_id] = reason
             w.up = False
             return
         self.refused.pop(w.worker_id, None)
+        try:  # the load signal; a worker that answers GetInfo but not this is still usable
+            w.status = await w.stub.GetStatus(worker_pb2.GetStatusRequest(),
+                                              timeout=self.connect_timeout_s)
+        except grpc.aio.AioRpcError:
+            w.status = None
         if not w.up:
             log.info("worker %s at %s is up (%s)", info.worker_id, w.record.address,
                      info.model_name)

@@ -4,8 +4,17 @@ Contract
 --------
 Chat turns a ChatRequest into token ids (chat template, or raw ids), validates it with
 prefixgate.protocol (INVALID_ARGUMENT, before any worker is called), ranks the healthy
-workers with the Router and streams the first one's reply as ChatDelta events, then one
-ChatFinal with usage, finish reason, serving worker and gateway-side timings.
+workers with the Router (prefix policy: the prompt's block hashes, hashed like the workers
+hash them, matched against the event-fed PrefixIndex: no Redis call per turn) and streams
+the first one's reply as ChatDelta events, then one ChatFinal with usage, finish reason,
+serving worker and gateway-side timings. The choice and the expected cached tokens are
+logged and counted (gateway/metrics.py).
+
+Index feeds (gateway/feeds.py): with Redis, the gateway follows the shared event stream
+(gateway/redis_feed.py) and reaps expired workers on each refresh; without, it follows
+each worker's WatchEvents stream. A Redis outage leaves routing on the last known index and
+workers, reported by the health service "prefixgate.registry" (NOT_SERVING while degraded;
+the gateway itself stays SERVING) and the `prefixgate:registry_degraded` gauge.
 
 Failure handling, by what the client has already seen:
   - nothing yet: a worker that is unreachable or fails is marked down and the turn goes
@@ -27,10 +36,14 @@ from dataclasses import dataclass
 import grpc
 
 from prefixgate import rpc
-from prefixgate.gateway.pool import WorkerHandle, WorkerPool
-from prefixgate.gateway.routing import Router, RoutingConfig, Turn
+from prefixgate.gateway import metrics
+from prefixgate.gateway.feeds import EventFeed, WorkerStreamFeed
+from prefixgate.gateway.index import PrefixIndex
+from prefixgate.gateway.pool import WorkerPool
+from prefixgate.gateway.routing import Router, RoutingConfig, make_turn
 from prefixgate.models import ModelSpec
 from prefixgate.protocol import InvalidRequest, check_token_ids, sampling_from_proto
+from prefixgate.radix import BlockHasher
 from prefixgate.registry import Registry, WorkerRecord
 from prefixgate.replay.record import TraceRecorder
 from prefixgate.tokenizer import ChatTokenizer
@@ -39,6 +52,7 @@ from prefixgate.v1 import chat_pb2, common_pb2, worker_pb2
 log = logging.getLogger(__name__)
 
 SERVICE = chat_pb2.DESCRIPTOR.services_by_name["ChatService"]
+REGISTRY_HEALTH = "prefixgate.registry"  # health name: NOT_SERVING while Redis is unreachable
 # Worker statuses that mean "this worker cannot serve now; another may".
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
               grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
@@ -55,18 +69,33 @@ class GatewayConfig:
     refresh_interval_s: float = 2.0
     drain_seconds: float = 30.0
     record_trace: str = ""  # append one line per finished turn here (prefixgate.replay.record)
+    index_max_blocks: int = 0  # hard cap on the routing index (0: bounded by the workers)
 
 
 class ChatService:
     def __init__(self, spec: ModelSpec, tokenizer: ChatTokenizer, pool: WorkerPool,
-                 config: GatewayConfig) -> None:
+                 config: GatewayConfig, index: PrefixIndex | None = None) -> None:
         self.spec = spec
         self.tokenizer = tokenizer
         self.pool = pool
-        self.router = Router(config.routing)
+        self.index = index if index is not None else PrefixIndex(
+            max_blocks=config.index_max_blocks, spread_fanout=config.routing.spread_fanout)
+        self.router = Router(config.routing, self.index)
         self.config = config
         self.recorder = (TraceRecorder(config.record_trace, config.block_size, spec.fingerprint)
                          if config.record_trace else None)
+        self._hashers: dict[str, BlockHasher] = {}
+
+    def _hasher(self, namespace: str) -> BlockHasher:
+        """The workers' hasher for `namespace` (block size, model fingerprint, namespace)."""
+        h = self._hashers.get(namespace)
+        if h is None:
+            if len(self._hashers) >= 4096:  # bounded: namespaces are client-chosen
+                self._hashers.clear()
+            h = self._hashers[namespace] = BlockHasher(
+                self.config.block_size, model_fingerprint=self.spec.fingerprint,
+                namespace=namespace)
+        return h
 
     def _prompt(self, request: chat_pb2.ChatRequest) -> list[int]:
         if request.model and request.model != self.spec.name:
@@ -89,8 +118,11 @@ class ChatService:
             sampling_from_proto(request.sampling, len(prompt), self.spec.max_context_tokens)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        turn = Turn(len(prompt), request.conversation_id)
-        candidates = self.router.rank(self.pool.healthy(), turn)
+        t0 = time.perf_counter()
+        turn = make_turn(prompt, self._hasher(request.namespace), request.conversation_id)
+        decision = self.router.decide(self.pool.healthy(), turn)
+        metrics.DECISION_SECONDS.observe(time.perf_counter() - t0)
+        candidates = decision.ranked
         if not candidates:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "no worker is available: start a worker (prefixgate worker) or "
@@ -98,30 +130,45 @@ class ChatService:
         gen = worker_pb2.GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt,
                                          sampling=request.sampling, namespace=request.namespace)
         failures = []
-        for worker in candidates:
+        policy = decision.policy
+        for attempt, worker in enumerate(candidates):
             remaining = context.time_remaining()
             if remaining is not None and remaining <= 0:
                 break
+            if attempt:
+                metrics.FAILOVERS.inc()
             sent_tokens = 0
+            expected = decision.cached_tokens_of(worker.worker_id)
+            # Prefill this turn adds to the worker's queue until its first token.
+            pending = max(0, len(prompt) - expected)
             worker.in_flight += 1
-            worker.in_flight_prompt_tokens += len(prompt)
+            worker.in_flight_prompt_tokens += pending
             try:
                 ttft_ms = 0.0
                 async for ev in worker.stub.Generate(gen, timeout=remaining):
                     if ev.HasField("chunk"):
                         if not ttft_ms and ev.chunk.token_ids:
                             ttft_ms = (time.monotonic() - arrival) * 1e3
+                            worker.in_flight_prompt_tokens -= pending
+                            pending = 0
                         sent_tokens += len(ev.chunk.token_ids)
                         yield chat_pb2.ChatEvent(delta=chat_pb2.ChatDelta(
-                            text=ev.chunk.text, token_ids=ev.chunk.token_ids))
+                            text=ev.chunk.text, token_ids=ev.chunk.token_ids,
+                            index=ev.chunk.index))
                         continue
                     final = ev.final
                     # Gateway-side timings: worker queue plus what happened before it.
                     handoff_ms = max(0.0, (time.monotonic() - arrival) * 1e3 - final.timings.total_ms)
-                    log.info("turn conv=%s worker=%s prompt=%d cached=%d completion=%d ttft=%.1fms",
-                             request.conversation_id or "-", worker.worker_id,
-                             final.usage.prompt_tokens, final.usage.cached_tokens,
-                             final.usage.completion_tokens, ttft_ms)
+                    wid = worker.worker_id
+                    self.router.record(turn, wid)
+                    metrics.TURNS.labels(wid, policy).inc()
+                    metrics.EXPECTED_CACHED.labels(wid, policy).inc(expected)
+                    metrics.PROMPT_TOKENS.labels(wid, policy).inc(len(prompt))
+                    log.info("turn conv=%s policy=%s worker=%s prompt=%d expected_cached=%d "
+                             "cached=%d completion=%d ttft=%.1fms attempt=%d",
+                             request.conversation_id or "-", policy, wid,
+                             final.usage.prompt_tokens, expected, final.usage.cached_tokens,
+                             final.usage.completion_tokens, ttft_ms, attempt + 1)
                     if self.recorder is not None:
                         self.recorder.record(
                             arrival_unix_s=time.time() - (time.monotonic() - arrival),
@@ -132,6 +179,7 @@ class ChatService:
                             cached_tokens=final.usage.cached_tokens)
                     yield chat_pb2.ChatEvent(final=chat_pb2.ChatFinal(
                         usage=final.usage, finish_reason=final.finish_reason,
+                        sample_finish_reasons=final.sample_finish_reasons,
                         worker_id=worker.worker_id,
                         timings=common_pb2.Timings(
                             queue_ms=handoff_ms + final.timings.queue_ms,
@@ -161,7 +209,7 @@ class ChatService:
                 failures.append(f"{worker.worker_id}: {code.name}")
             finally:
                 worker.in_flight -= 1
-                worker.in_flight_prompt_tokens -= len(prompt)
+                worker.in_flight_prompt_tokens -= pending
         if context.time_remaining() is not None and context.time_remaining() <= 0:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 "the deadline passed before any worker answered")
@@ -184,27 +232,50 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
     for address in config.static_workers:
         # Static workers stay listed; the pool's probes decide whether they are up.
         await registry.register(WorkerRecord(address, address), lease_ms=2**62)
-    pool = WorkerPool(registry, spec.fingerprint)
+    pool = WorkerPool(registry, spec.fingerprint, block_size=config.block_size)
     service = ChatService(spec, tokenizer, pool, config)
+    feed = make_feed(registry, service.index)
     server = grpc.aio.server()
     rpc.add_service(server, SERVICE, service)
     health = rpc.add_health_and_reflection(server, [SERVICE.full_name])
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()
-    log.info("gateway serving %s on %s:%d", spec.name, config.host, port)
+    log.info("gateway serving %s on %s:%d (policy %s)", spec.name, config.host, port,
+             config.routing.policy)
     if started is not None:
         started.set_result(port)
-    while not stop.is_set():
-        try:
-            await pool.refresh()
-        except Exception as exc:  # a registry outage degrades service; it never stops it
-            log.warning("worker refresh failed: %s", exc)
-        await rpc.set_serving(health, [SERVICE.full_name], bool(pool.healthy()))
-        try:
-            await asyncio.wait_for(stop.wait(), config.refresh_interval_s)
-        except TimeoutError:
-            pass
-    await rpc.set_serving(health, [SERVICE.full_name], False)
-    await server.stop(config.drain_seconds)
-    await pool.close()
-    await registry.close()
+    try:
+        while not stop.is_set():
+            try:
+                await pool.refresh()
+            except Exception as exc:  # a registry outage degrades service; it never stops it
+                log.warning("worker refresh failed: %s", exc)
+            try:
+                await feed.sync(pool.healthy())
+            except Exception:
+                log.exception("index feed sync failed")
+            await rpc.set_serving(health, [SERVICE.full_name], bool(pool.healthy()))
+            await rpc.set_serving(health, [REGISTRY_HEALTH], not feed.degraded)
+            metrics.REGISTRY_DEGRADED.set(1 if feed.degraded else 0)
+            metrics.INDEX_BLOCKS.set(service.index.num_blocks)
+            try:
+                await asyncio.wait_for(stop.wait(), config.refresh_interval_s)
+            except TimeoutError:
+                pass
+    finally:
+        await rpc.set_serving(health, [SERVICE.full_name], False)
+        await feed.close()
+        await server.stop(config.drain_seconds)
+        await pool.close()
+        await registry.close()
+
+
+def make_feed(registry: Registry, index: PrefixIndex) -> EventFeed:
+    """The index feed for `registry`: the Redis event stream, else the workers' streams."""
+    from prefixgate.registry import RedisRegistry
+
+    if isinstance(registry, RedisRegistry):
+        from prefixgate.gateway.redis_feed import RedisStreamFeed
+
+        return RedisStreamFeed(index, registry)
+    return WorkerStreamFeed(index)

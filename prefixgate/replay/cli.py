@@ -33,9 +33,10 @@ def add_arguments(p: argparse.ArgumentParser, flag: Callable) -> None:
     flag(p, "--target", default="127.0.0.1:50051",
          help="prefixgate gateway host:port, or an OpenAI-compatible server's http(s):// URL")
     flag(p, "--openai-model", default="", help="model name sent to an OpenAI-compatible target")
-    flag(p, "--arrival", default="closed", choices=["open", "closed", "poisson"],
+    flag(p, "--arrival", default="auto", choices=["auto", "open", "closed", "poisson"],
          help="open: trace timestamps / --speedup; closed: --concurrency conversations at "
-              "a time; poisson: conversation starts at --rate per second")
+              "a time; poisson: conversation starts at --rate per second; auto: open when "
+              "the trace has timestamps, else closed")
     flag(p, "--speedup", type=float, default=1.0, help="open loop: trace time divided by this")
     flag(p, "--concurrency", type=int, default=8, help="closed loop: simultaneous conversations")
     flag(p, "--rate", type=float, default=1.0, help="poisson: conversation starts per second")
@@ -82,6 +83,16 @@ def add_arguments(p: argparse.ArgumentParser, flag: Callable) -> None:
               "its tokens")
 
 
+def arrival_config(args: argparse.Namespace, trace):
+    from prefixgate.replay.loadgen import ArrivalConfig
+
+    mode = args.arrival
+    if mode == "auto":
+        mode = "open" if trace.has_timestamps else "closed"
+    return ArrivalConfig(mode, args.speedup, args.concurrency, args.rate, args.think_time,
+                         args.seed)
+
+
 def _target(args: argparse.Namespace):
     from prefixgate.replay.targets import GatewayTarget, OpenAITarget
 
@@ -96,11 +107,10 @@ def _appended(args: argparse.Namespace, name: str) -> list:
 
 
 async def _replay(args: argparse.Namespace, trace) -> dict:
-    from prefixgate.replay.loadgen import ArrivalConfig, Limits, run_load
+    from prefixgate.replay.loadgen import Limits, run_load
     from prefixgate.replay.metrics import summarize
 
-    arrival = ArrivalConfig(args.arrival, args.speedup, args.concurrency, args.rate,
-                            args.think_time, args.seed)
+    arrival = arrival_config(args, trace)
     limits = Limits(args.max_turns, args.max_duration, args.max_tokens, args.max_prompt_tokens,
                     args.vocab_size)
     target = _target(args)

@@ -377,7 +377,7 @@ def run_simulations(trace: Trace, args: argparse.Namespace, *, progress: bool = 
     """Every --policy at every --workers count on `trace`; one report run each."""
     from tqdm import tqdm
 
-    from prefixgate.replay.cli import _appended
+    from prefixgate.replay.cli import _appended, arrival_config
 
     policies = [p for item in _appended(args, "policy") for p in item.split(",") if p] \
         or list(POLICIES)
@@ -399,8 +399,7 @@ def run_simulations(trace: Trace, args: argparse.Namespace, *, progress: bool = 
                              f"{trace.block_size} tokens; --block-size must be that or 0")
         block_size = trace.block_size
         convs = prepare_turns(trace)
-    arrival = ArrivalConfig(args.arrival, args.speedup, args.concurrency, args.rate,
-                            args.think_time, args.seed)
+    arrival = arrival_config(args, trace)
     runs = []
     bar = tqdm(total=len(counts) * (len(policies) + 1), desc="simulating", unit="run",
                file=sys.stderr, disable=not progress)

@@ -23,39 +23,33 @@ reader holding a cursor of another incarnation must start from a snapshot.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 
-from prefixgate.events import KVEventSink
+from prefixgate.events import KVEventSink, chains
+from prefixgate.registry import OwnershipEvent, RedisRegistry, WorkerRecord
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EventLog", "KVEvent"]
-
-
-@dataclass(frozen=True, slots=True)
-class KVEvent:
-    """One cache change. kind: "stored" (parent_hash, block_hashes), "removed"
-    (block_hashes) or "cleared"."""
-
-    kind: str
-    block_hashes: tuple[int, ...] = ()
-    parent_hash: int | None = None
+__all__ = ["EventLog", "RedisPublisher"]
 
 
 class EventLog(KVEventSink):
     """Sequenced, bounded log of cache events plus a mirror of the cached blocks."""
 
     def __init__(self, capacity_events: int = 65536) -> None:
+        """`capacity_events`: events kept for readers that resume (older: snapshot)."""
         if capacity_events < 1:
             raise ValueError("capacity_events must be >= 1")
         self.incarnation = time.time_ns()
         self._lock = threading.Lock()
-        self._ring: deque[KVEvent] = deque(maxlen=capacity_events)
+        self._ring: deque[OwnershipEvent] = deque(maxlen=capacity_events)
         self._seq = 0  # sequence number of the newest event
         self._blocks: dict[int, int | None] = {}  # cached block -> its parent (None: root)
         self._listeners: list[Callable[[], None]] = []
@@ -72,7 +66,7 @@ class EventLog(KVEventSink):
             for h in hs:
                 blocks[h] = parent
                 parent = h
-            self._append(KVEvent("stored", hs, parent_hash))
+            self._append(OwnershipEvent("store", hs, parent_hash))
 
     def removed(self, block_hashes: Sequence[int]) -> None:
         if not block_hashes:
@@ -81,14 +75,14 @@ class EventLog(KVEventSink):
         with self._lock:
             for h in hs:
                 self._blocks.pop(h, None)
-            self._append(KVEvent("removed", hs))
+            self._append(OwnershipEvent("remove", hs))
 
     def cleared(self) -> None:
         with self._lock:
             self._blocks.clear()
-            self._append(KVEvent("cleared"))
+            self._append(OwnershipEvent("clear"))
 
-    def _append(self, event: KVEvent) -> None:
+    def _append(self, event: OwnershipEvent) -> None:
         self._ring.append(event)
         self._seq += 1
         for notify in self._listeners:
@@ -119,7 +113,8 @@ class EventLog(KVEventSink):
                 self._listeners = [f for f in self._listeners if f is not notify]
         return unsubscribe
 
-    def read(self, after_seq: int, max_events: int = 4096) -> tuple[list[KVEvent], int] | None:
+    def read(self, after_seq: int, max_events: int = 4096
+             ) -> tuple[list[OwnershipEvent], int] | None:
         """Up to `max_events` events after `after_seq` and the sequence number of the last
         one returned; None when they are no longer held (take a snapshot)."""
         with self._lock:
@@ -132,27 +127,122 @@ class EventLog(KVEventSink):
             events = [ring[i] for i in range(start, start + n)]
             return events, after_seq + n
 
-    def snapshot(self) -> tuple[list[KVEvent], int]:
+    def snapshot(self) -> tuple[list[OwnershipEvent], int]:
         """The cached blocks as stored chains (each chain's parent comes earlier, or is
         None) and the sequence number they reflect."""
         with self._lock:
             blocks = dict(self._blocks)
             seq = self._seq
-        children: dict[int | None, list[int]] = {}
-        for h, parent in blocks.items():
-            # A block whose parent is gone still hangs where the engine put it.
-            children.setdefault(parent if parent is None or parent in blocks else -1,
-                                []).append(h)
-        out: list[KVEvent] = []
-        # Orphans (parent no longer cached) are emitted with their parent: a reader that
-        # cannot place them drops them, as it would have live.
-        stack: list[tuple[int | None, int]] = [(None, h) for h in reversed(children.get(None, []))]
-        stack += [(blocks[h], h) for h in reversed(children.get(-1, []))]
-        while stack:
-            parent, h = stack.pop()
-            chain = [h]
-            while len(children.get(chain[-1], ())) == 1:  # follow single-child runs
-                chain.append(children[chain[-1]][0])
-            out.append(KVEvent("stored", tuple(chain), parent))
-            stack.extend((chain[-1], c) for c in reversed(children.get(chain[-1], [])))
-        return out, seq
+        return [OwnershipEvent("store", tuple(hs), parent) for parent, hs in chains(blocks)], seq
+
+
+class RedisPublisher:
+    """The worker's side of Redis: its registration (lease, epoch) and its blocks.
+
+    `run(stop)` registers, renews the lease every third of `lease_ms`, and publishes the
+    event log in batches (one round trip each, `flush_interval_s` after the first new
+    event so bursts share a batch). After each (re)registration (a new epoch, its pg:kv
+    emptied) it publishes a snapshot of the log first: a "clear" then the cached chains.
+    A batch refused because the lease moved on, or a lease that could not be renewed,
+    means registering again. A Redis outage is logged and retried; the worker keeps
+    serving and resynchronises when Redis returns (publishing is idempotent, so a batch
+    whose reply was lost is simply sent again). On `stop` it deregisters (fenced).
+    """
+
+    def __init__(self, events: EventLog, registry: RedisRegistry, record: WorkerRecord,
+                 lease_ms: int, flush_interval_s: float = 0.005) -> None:
+        self.events = events
+        self.registry = registry
+        self.record = replace(record, epoch=0)
+        self.lease_ms = lease_ms
+        self.flush_interval_s = flush_interval_s
+        self.num_batches = 0  # published batches (round trips), for tests and benchmarks
+        self.connected = False
+
+    async def run(self, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        unsubscribe = self.events.subscribe(lambda: loop.call_soon_threadsafe(wake.set))
+        relay = asyncio.create_task(self._relay(stop, wake))
+        cursor: int | None = None
+        next_renew = 0.0
+        try:
+            while not stop.is_set():
+                wake.clear()
+                try:
+                    if not self.record.epoch:
+                        self.record = await self.registry.register(self.record, self.lease_ms)
+                        cursor = None
+                        next_renew = time.monotonic() + self.lease_ms / 3e3
+                        log.info("registered as %s epoch %d", self.record.worker_id,
+                                 self.record.epoch)
+                    elif time.monotonic() >= next_renew:
+                        if not await self.registry.renew(self.record, self.lease_ms):
+                            log.warning("lease of %s epoch %d lost; registering again",
+                                        self.record.worker_id, self.record.epoch)
+                            self.record = replace(self.record, epoch=0)
+                            continue
+                        next_renew = time.monotonic() + self.lease_ms / 3e3
+                    cursor = await self._publish(cursor)
+                    if cursor is None and not self.record.epoch:
+                        continue
+                    if not self.connected:
+                        log.info("publishing KV events to %s", self.registry.url)
+                    self.connected = True
+                except Exception as exc:  # Redis outage: keep serving, retry
+                    if self.connected:
+                        log.warning("registry unreachable: %s", exc)
+                    self.connected = False
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), min(1.0, self.lease_ms / 3e3))
+                    continue
+                timeout = max(0.0, next_renew - time.monotonic())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), timeout)
+                if not stop.is_set() and self.flush_interval_s:
+                    await asyncio.sleep(self.flush_interval_s)  # let a burst fill the batch
+        finally:
+            unsubscribe()
+            relay.cancel()
+            if self.record.epoch:
+                with contextlib.suppress(Exception):
+                    await self.registry.deregister(self.record)
+
+    @staticmethod
+    async def _relay(stop: asyncio.Event, wake: asyncio.Event) -> None:
+        await stop.wait()
+        wake.set()
+
+    async def _publish(self, cursor: int | None) -> int | None:
+        """Publish what the log holds after `cursor`; returns the new cursor (None with
+        epoch 0 when the lease was lost)."""
+        limit = self.registry.max_batch_events
+        while True:
+            if cursor is None:
+                chains_, seq = self.events.snapshot()
+                batches = [[OwnershipEvent("clear"), *chains_[: limit - 1]]]
+                batches += [chains_[i: i + limit] for i in range(limit - 1, len(chains_), limit)]
+                for batch in batches:
+                    if not await self._send(batch):
+                        return None
+                cursor = seq
+                continue
+            got = self.events.read(cursor, limit)
+            if got is None:  # fell behind the ring: resend everything
+                cursor = None
+                continue
+            batch, new = got
+            if not batch:
+                return cursor
+            if not await self._send(batch):
+                return None
+            cursor = new
+
+    async def _send(self, batch: list[OwnershipEvent]) -> bool:
+        ok = await self.registry.publish(self.record, batch)
+        self.num_batches += 1
+        if not ok:
+            log.warning("Redis refused events of %s epoch %d (lease lost); registering again",
+                        self.record.worker_id, self.record.epoch)
+            self.record = replace(self.record, epoch=0)
+        return ok

@@ -7,6 +7,10 @@ Contract
   then one GenerateFinal. A client that goes away (or whose deadline passes) cancels the
   request in the engine, which frees its resources.
 - GetInfo/GetStatus/FlushCache answer from the engine without waiting for it.
+- WatchEvents streams the worker's KV events from its `EventLog` (worker/events.py, the
+  sink the engine reports to): a snapshot of the cached blocks first unless the caller
+  resumes a cursor of this incarnation the log still holds, then live batches; the
+  streams end when the server shuts down (they do not hold the drain).
 - The health service reports SERVING once the model is loaded; on shutdown it turns
   NOT_SERVING first, then in-flight streams get `drain_seconds` to finish.
 """
@@ -23,9 +27,10 @@ import grpc
 from prefixgate import rpc
 from prefixgate.models import ModelSpec
 from prefixgate.protocol import InvalidRequest, check_token_ids, sampling_from_proto
+from prefixgate.registry import OwnershipEvent
 from prefixgate.v1 import common_pb2, worker_pb2
 from prefixgate.worker.engine import Engine, FinalEvent, FinishReason, Request, TokenEvent
-from prefixgate.worker.events import EventLog, KVEvent
+from prefixgate.worker.events import EventLog
 
 log = logging.getLogger(__name__)
 
@@ -154,17 +159,17 @@ class WorkerService:
             unsubscribe()
             self._watchers.discard(wake)
 
-    def _batch(self, batch: list[KVEvent], last_seq: int, snapshot: bool
+    def _batch(self, batch: list[OwnershipEvent], last_seq: int, snapshot: bool
                ) -> worker_pb2.KVEventBatch:
         out = worker_pb2.KVEventBatch(worker_id=self.config.worker_id,
                                       incarnation=self.events.incarnation, last_seq=last_seq,
                                       snapshot=snapshot)
         for ev in batch:
-            if ev.kind == "stored":
+            if ev.kind == "store":
                 out.events.add(stored=worker_pb2.KVStored(
                     has_parent=ev.parent_hash is not None, parent_hash=ev.parent_hash or 0,
                     block_hashes=ev.block_hashes))
-            elif ev.kind == "removed":
+            elif ev.kind == "remove":
                 out.events.add(removed=worker_pb2.KVRemoved(block_hashes=ev.block_hashes))
             else:
                 out.events.add(cleared=worker_pb2.KVCleared())
@@ -177,10 +182,10 @@ class WorkerService:
             wake.set()
 
 
-def _chunks(chains: list[KVEvent], max_hashes: int = 65536) -> list[list[KVEvent]]:
+def _chunks(chains: list[OwnershipEvent], max_hashes: int = 65536) -> list[list[OwnershipEvent]]:
     """Split a snapshot into messages of at most about `max_hashes` hashes (one empty
     batch for an empty cache: the subscriber must still learn that it is empty)."""
-    out: list[list[KVEvent]] = [[]]
+    out: list[list[OwnershipEvent]] = [[]]
     size = 0
     for ev in chains:
         if size and size + len(ev.block_hashes) > max_hashes:

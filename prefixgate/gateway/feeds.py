@@ -1,0 +1,136 @@
+"""Event feeds: keep the gateway's `PrefixIndex` in step with the workers' KV caches.
+
+Contract
+--------
+A feed applies worker events to one `PrefixIndex` on the gateway's event loop and never
+blocks routing (routing reads the index; feeds write it between awaits). `sync(workers)`
+is called on every pool refresh with the workers currently routable; `close()` stops it.
+`degraded` is True while the feed cannot follow its source (the index then keeps serving
+what it last knew and is repaired when the source returns).
+
+  WorkerStreamFeed  no Redis (`prefixgate up`, static workers): one WatchEvents stream per
+                    worker. A (re)connecting stream resumes after its last (incarnation,
+                    seq); the worker answers with a snapshot when it cannot resume, and the
+                    feed replaces that worker's blocks with it. Workers that leave the pool
+                    are forgotten.
+  RedisStreamFeed   (gateway/redis_feed.py) Redis: bootstrap from the ownership hashes,
+                    then follow the shared event stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import grpc
+
+from prefixgate.gateway import metrics
+from prefixgate.gateway.index import PrefixIndex
+from prefixgate.gateway.pool import WorkerHandle
+from prefixgate.v1 import worker_pb2
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EventFeed", "WorkerStreamFeed", "apply_batch"]
+
+
+class EventFeed:
+    """Base: a source of worker events for a PrefixIndex."""
+
+    degraded: bool = False
+
+    async def sync(self, workers: Iterable[WorkerHandle]) -> None:
+        """The routable workers now (called on each pool refresh)."""
+
+    async def close(self) -> None:
+        """Stop following."""
+
+
+_KINDS = {"stored": "store", "removed": "remove", "cleared": "clear"}  # metric labels
+
+
+def apply_batch(index: PrefixIndex, worker_id: str, epoch: int, batch: worker_pb2.KVEventBatch,
+                source: str) -> None:
+    """Apply one WatchEvents batch for `worker_id` under `epoch` (its incarnation)."""
+    if batch.snapshot:
+        index.reset_worker(worker_id, epoch)
+    blocks = 0
+    for ev in batch.events:
+        kind = ev.WhichOneof("event")
+        if kind == "stored":
+            s = ev.stored
+            index.stored(worker_id, epoch, s.parent_hash if s.has_parent else None,
+                         s.block_hashes)
+            blocks += len(s.block_hashes)
+        elif kind == "removed":
+            index.removed(worker_id, epoch, ev.removed.block_hashes)
+            blocks += len(ev.removed.block_hashes)
+        elif kind == "cleared":
+            index.cleared(worker_id, epoch)
+        metrics.EVENTS.labels(source, _KINDS.get(kind, "unknown")).inc()
+    metrics.EVENT_BLOCKS.labels(source).inc(blocks)
+    metrics.INDEX_BLOCKS.set(index.num_blocks)
+
+
+@dataclass
+class _Watch:
+    task: asyncio.Task
+    address: str
+
+
+class WorkerStreamFeed(EventFeed):
+    """Follows each worker's WatchEvents stream (see the module docstring)."""
+
+    def __init__(self, index: PrefixIndex, retry_s: float = 0.5) -> None:
+        self.index = index
+        self.retry_s = retry_s
+        self._watches: dict[str, _Watch] = {}
+
+    @property
+    def degraded(self) -> bool:  # type: ignore[override]
+        return False  # each worker's stream stands alone; a lost one is that worker lost
+
+    async def sync(self, workers: Iterable[WorkerHandle]) -> None:
+        current = {w.worker_id: w for w in workers}
+        for wid in list(self._watches):
+            watch = self._watches[wid]
+            w = current.get(wid)
+            if w is None or w.record.address != watch.address:
+                watch.task.cancel()
+                del self._watches[wid]
+                self.index.remove_worker(wid)
+        for wid, w in current.items():
+            if wid not in self._watches:
+                self._watches[wid] = _Watch(asyncio.create_task(self._follow(w)),
+                                            w.record.address)
+
+    async def _follow(self, w: WorkerHandle) -> None:
+        incarnation, seq = 0, 0
+        while True:
+            try:
+                stream = w.stub.WatchEvents(worker_pb2.WatchEventsRequest(
+                    incarnation=incarnation, after_seq=seq))
+                async for batch in stream:
+                    if batch.snapshot or batch.incarnation != incarnation:
+                        incarnation = batch.incarnation
+                    apply_batch(self.index, w.worker_id, incarnation, batch, "worker")
+                    seq = batch.last_seq
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.warning("worker %s does not publish KV events; routing to it uses "
+                                "load only", w.worker_id)
+                    return
+                log.debug("event stream of %s: %s", w.worker_id, exc.code().name)
+            except Exception:  # never let one worker's stream take the gateway down
+                log.exception("event stream of %s failed", w.worker_id)
+            await asyncio.sleep(self.retry_s)
+
+    async def close(self) -> None:
+        for watch in self._watches.values():
+            watch.task.cancel()
+        await asyncio.gather(*(w.task for w in self._watches.values()), return_exceptions=True)
+        self._watches.clear()

@@ -1,0 +1,234 @@
+"""Block ownership in a real redis-server: publishing, fencing, reaping, gateway feeds
+(bootstrap, catch-up, trimming, Redis restart) — driven through the worker's EventLog."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from prefixgate.gateway.index import PrefixIndex
+from prefixgate.gateway.redis_feed import RedisStreamFeed
+from prefixgate.gateway.routing import LoadSnapshot, Router, RoutingConfig, make_turn
+from prefixgate.radix import BlockHasher
+from prefixgate.registry import OwnershipEvent, RedisRegistry, WorkerRecord
+from prefixgate.rpc import free_port
+from prefixgate.worker.events import EventLog, RedisPublisher
+
+HASHER = BlockHasher(4, model_fingerprint="fp")
+
+
+def hashes(start: int, n_tokens: int) -> list[int]:
+    return HASHER.hash_blocks(list(range(start, start + n_tokens)))
+
+
+async def until(pred, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def follow(feed: RedisStreamFeed) -> asyncio.Task:
+    await feed.sync([])
+    await asyncio.wait_for(feed.ready.wait(), 10)
+    return feed._task
+
+
+def test_publish_is_fenced_by_the_lease_epoch(redis_flush) -> None:
+    async def scenario() -> None:
+        reg = RedisRegistry(redis_flush)
+        a = await reg.register(WorkerRecord("w", "h:1", "fp"), lease_ms=10_000)
+        hs = hashes(0, 16)
+        assert await reg.publish(a, [OwnershipEvent("store", hs[:2]),
+                                     OwnershipEvent("store", hs[2:], hs[1])])
+        _, _, owners = await reg.ownership_snapshot()
+        assert owners["w"][0] == a.epoch
+        assert owners["w"][1] == {hs[0]: None, hs[1]: hs[0], hs[2]: hs[1], hs[3]: hs[2]}
+        b = await reg.register(WorkerRecord("w", "h:2", "fp"), lease_ms=10_000)
+        # The old incarnation can no longer write; the new one starts clean.
+        assert not await reg.publish(a, [OwnershipEvent("store", hs)])
+        _, _, owners = await reg.ownership_snapshot()
+        assert owners == {"w": (b.epoch, {})}
+        await reg.close()
+
+    asyncio.run(scenario())
+
+
+def test_lease_expiry_reaps_blocks_once_and_feeds_follow(redis_flush) -> None:
+    async def scenario() -> None:
+        reg, gw_reg = RedisRegistry(redis_flush), RedisRegistry(redis_flush)
+        index = PrefixIndex()
+        feed = RedisStreamFeed(index, gw_reg, block_ms=100)
+        await follow(feed)
+        w = await reg.register(WorkerRecord("w", "h:1", "fp"), lease_ms=300)
+        hs = hashes(0, 32)
+        assert await reg.publish(w, [OwnershipEvent("store", hs)])
+        await until(lambda: index.match(hs).cached_blocks == {"w": 8}, what="blocks indexed")
+        await asyncio.sleep(0.5)  # the worker died: its lease expires
+        other = RedisRegistry(redis_flush)
+        reaped = await asyncio.gather(gw_reg.reap_expired(), other.reap_expired())
+        assert sorted(reaped, key=len) == [[], ["w"]]  # exactly one reaper wins
+        await until(lambda: index.num_blocks == 0, what="reaped blocks to leave the index")
+        _, _, owners = await other.ownership_snapshot()
+        assert owners == {}
+        # Restarted under the same id: new epoch, clean.
+        w2 = await reg.register(WorkerRecord("w", "h:1", "fp"), lease_ms=10_000)
+        assert w2.epoch == w.epoch + 1
+        assert await reg.publish(w2, [OwnershipEvent("store", hs[:2])])
+        await until(lambda: index.match(hs).cached_blocks == {"w": 2}, what="new epoch's blocks")
+        await feed.close()
+        for r in (reg, gw_reg, other):
+            await r.close()
+
+    asyncio.run(scenario())
+
+
+def test_late_gateway_bootstraps_and_two_gateways_agree(redis_flush) -> None:
+    async def scenario() -> None:
+        reg = RedisRegistry(redis_flush)
+        logs = {f"w{i}": EventLog() for i in range(3)}
+        stop = asyncio.Event()
+        pubs = [RedisPublisher(log, RedisRegistry(redis_flush), WorkerRecord(wid, "h", "fp"),
+                               lease_ms=10_000) for wid, log in logs.items()]
+        tasks = [asyncio.create_task(p.run(stop)) for p in pubs]
+        early = PrefixIndex()
+        feed1 = RedisStreamFeed(early, RedisRegistry(redis_flush), block_ms=100)
+        await follow(feed1)
+        prompts = {}
+        for c in range(30):  # each "worker" caches some conversations, then evicts a few
+            wid = f"w{c % 3}"
+            prompts[c] = list(range(c * 1000, c * 1000 + 64))
+            logs[wid].stored(None, HASHER.hash_blocks(prompts[c]))
+        logs["w1"].removed(HASHER.hash_blocks(prompts[1])[8:])
+        logs["w2"].cleared()
+        logs["w2"].stored(None, HASHER.hash_blocks(prompts[2])[:4])
+        total = sum(log.num_blocks for log in logs.values())
+        await until(lambda: early.num_blocks == total, what="the early gateway to follow")
+        late = PrefixIndex()
+        feed2 = RedisStreamFeed(late, RedisRegistry(redis_flush), block_ms=100)
+        await follow(feed2)
+        assert late.num_blocks == total
+        ws = [LoadSnapshot(wid) for wid in logs]
+        r1, r2 = Router(RoutingConfig(), early), Router(RoutingConfig(), late)
+        for c, prompt in prompts.items():
+            turn = make_turn(prompt + [1, 2, 3], HASHER, f"new-{c}")
+            d1, d2 = r1.decide(ws, turn), r2.decide(ws, turn)
+            assert d1.ranked[0].worker_id == d2.ranked[0].worker_id
+            assert d1.cached_tokens == d2.cached_tokens
+            expected = {1: 32, 2: 16}.get(c, 64 if c % 3 != 2 else 0)
+            assert d1.expected_cached_tokens == expected, c
+        # One round trip per batch: a burst of events shares batches.
+        before = sum(p.num_batches for p in pubs)
+        for i in range(200):
+            logs["w0"].stored(None, HASHER.hash_blocks(list(range(10**6 + i * 8, 10**6 + i * 8 + 8))))
+        await until(lambda: early.num_blocks == total + 400, what="burst")
+        assert sum(p.num_batches for p in pubs) - before < 20
+        stop.set()
+        await asyncio.gather(*tasks)
+        await until(lambda: early.num_blocks == 0, what="deregistered workers to leave")
+        await feed1.close()
+        await feed2.close()
+        await reg.close()
+
+    asyncio.run(scenario())
+
+
+def test_trimmed_stream_makes_the_gateway_rebuild(redis_flush) -> None:
+    async def scenario() -> None:
+        reg = RedisRegistry(redis_flush, stream_maxlen=10)
+        index = PrefixIndex()
+        feed = RedisStreamFeed(index, RedisRegistry(redis_flush), block_ms=50)
+        await follow(feed)
+        await feed.close()  # the gateway stops reading for a while
+        w = await reg.register(WorkerRecord("w", "h", "fp"), lease_ms=10_000)
+        hs = hashes(0, 4 * 400)
+        for i in range(400):  # far more entries than the stream keeps
+            await reg.publish(w, [OwnershipEvent("store", hs[i:i + 1], hs[i - 1] if i else None)])
+        _, added, held = await reg.stream_state()
+        assert added - held > feed.consumed  # entries the gateway never read are gone
+        rebuilds = feed.num_rebuilds
+        await feed.step()  # notices the gap
+        assert feed.cursor is None
+        feed.ready.clear()
+        await follow(feed)
+        assert feed.num_rebuilds == rebuilds + 1 and index.match(hs).cached_blocks == {"w": 400}
+        await feed.close()
+        await reg.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    """A redis-server this test may kill and restart (same port)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+           "no", "--dir", str(tmp_path)]
+    procs = []
+
+    def start():
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        import redis
+
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis(port=port).ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def stop():
+        procs[-1].terminate()
+        procs[-1].wait(10)
+
+    start()
+    yield f"redis://127.0.0.1:{port}/0", start, stop
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
+def test_redis_restart_degrades_then_resyncs(own_redis) -> None:
+    url, start, stop_redis = own_redis
+
+    async def scenario() -> None:
+        log = EventLog()
+        stop = asyncio.Event()
+        pub = RedisPublisher(log, RedisRegistry(url, timeout_s=1), WorkerRecord("w", "h", "fp"),
+                             lease_ms=600)
+        task = asyncio.create_task(pub.run(stop))
+        index = PrefixIndex()
+        feed = RedisStreamFeed(index, RedisRegistry(url, timeout_s=1), block_ms=100,
+                               retry_s=0.1)
+        await follow(feed)
+        hs = hashes(0, 64)
+        log.stored(None, hs)
+        await until(lambda: index.num_blocks == 16, what="blocks indexed")
+        await asyncio.to_thread(stop_redis)
+        await until(lambda: feed.degraded, what="the feed to report degraded")
+        log.stored(hs[-1], hashes(5000, 8))  # the cache keeps changing during the outage
+        await asyncio.sleep(0.3)
+        assert index.match(hs).cached_blocks == {"w": 16}  # still routing from what it knew
+        await asyncio.to_thread(start)  # an empty Redis: every lease and block is gone
+        await until(lambda: not feed.degraded and feed.num_rebuilds >= 2, timeout=15,
+                    what="the feed to rebuild")
+        # The worker re-registers and republishes its whole cache; the index converges.
+        await until(lambda: index.num_blocks == 16 + 2, timeout=15, what="index to resync")
+        assert index.match(hs + [0]).cached_blocks == {"w": 16}
+        stop.set()
+        await task
+        await feed.close()
+
+    asyncio.run(scenario())
