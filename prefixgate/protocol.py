@@ -32,15 +32,50 @@ class SamplingConfig:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1  # samples sharing the prompt
+    # Context overflow (prefixgate.overflow.POLICIES): "fail" is validated away here;
+    # "keep-system-drop-oldest" lets the worker drop the oldest turns. "" = engine default.
+    context_overflow: str = ""
+    shifted_reuse: str = ""  # "recompute" | "shift" | "blend"; "" = engine default
 
 
 MAX_SAMPLES = 16
 
+OVERFLOW_FROM_PROTO = {
+    common_pb2.CONTEXT_OVERFLOW_UNSPECIFIED: "",
+    common_pb2.CONTEXT_OVERFLOW_FAIL: "fail",
+    common_pb2.CONTEXT_OVERFLOW_KEEP_SYSTEM_DROP_OLDEST: "keep-system-drop-oldest",
+}
+SHIFTED_REUSE_FROM_PROTO = {
+    common_pb2.SHIFTED_REUSE_UNSPECIFIED: "",
+    common_pb2.SHIFTED_REUSE_RECOMPUTE: "recompute",
+    common_pb2.SHIFTED_REUSE_SHIFT: "shift",
+    common_pb2.SHIFTED_REUSE_BLEND: "blend",
+}
+
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, num_prompt_tokens: int,
-                        max_context_tokens: int) -> SamplingConfig:
+                        max_context_tokens: int, default_overflow: str = "fail") -> SamplingConfig:
     """Validate `msg` for a prompt of `num_prompt_tokens` tokens in a context window of
-    `max_context_tokens`. An unset max_tokens becomes min(256, what the context leaves)."""
+    `max_context_tokens`. An unset max_tokens becomes min(256, what the context leaves).
+    Under context_overflow "keep-system-drop-oldest" (from `msg`, else `default_overflow`)
+    a prompt that does not fit is accepted (the worker drops its oldest turns); max_tokens
+    must then leave room for a prompt, and unset it is min(256, max_context_tokens / 2)."""
+    overflow = OVERFLOW_FROM_PROTO.get(msg.context_overflow)
+    reuse = SHIFTED_REUSE_FROM_PROTO.get(msg.shifted_reuse)
+    if overflow is None or reuse is None:
+        raise InvalidRequest("sampling.context_overflow or sampling.shifted_reuse has an "
+                             "unknown value: use one of the ContextOverflow / ShiftedReuse enums")
+    if (overflow or default_overflow) == "keep-system-drop-oldest" and \
+            num_prompt_tokens + (msg.max_tokens if msg.HasField("max_tokens") else 1) \
+            > max_context_tokens:
+        limit = max_context_tokens - 1
+        if msg.HasField("max_tokens") and not 1 <= msg.max_tokens <= limit:
+            raise InvalidRequest(
+                f"sampling.max_tokens={msg.max_tokens} does not fit: the context window is "
+                f"{max_context_tokens} tokens, so at most {limit} tokens can be generated")
+        max_tokens = msg.max_tokens if msg.HasField("max_tokens") else \
+            min(DEFAULT_MAX_TOKENS, max_context_tokens // 2)
+        return _sampling(msg, max_tokens, overflow, reuse)
     if num_prompt_tokens >= max_context_tokens:
         raise InvalidRequest(
             f"the prompt is {num_prompt_tokens} tokens but the model's context window is "
@@ -58,6 +93,11 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, num_prompt_tokens: int,
         max_tokens = msg.max_tokens
     else:
         max_tokens = min(DEFAULT_MAX_TOKENS, room)
+    return _sampling(msg, max_tokens, overflow, reuse)
+
+
+def _sampling(msg: common_pb2.SamplingParams, max_tokens: int, overflow: str,
+              reuse: str) -> SamplingConfig:
     if not math.isfinite(msg.temperature) or msg.temperature < 0:
         raise InvalidRequest("sampling.temperature must be >= 0 (0 means greedy)")
     if not math.isfinite(msg.top_p) or not 0 <= msg.top_p <= 1:
@@ -73,6 +113,8 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, num_prompt_tokens: int,
         seed=int(msg.seed) if msg.HasField("seed") else None,
         stop=tuple(s for s in msg.stop if s),
         stop_token_ids=tuple(msg.stop_token_ids),
+        context_overflow=overflow,
+        shifted_reuse=reuse,
     )
 
 

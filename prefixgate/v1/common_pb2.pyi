@@ -3,9 +3,22 @@ from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class ContextOverflow(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CONTEXT_OVERFLOW_UNSPECIFIED: _ClassVar[ContextOverflow]
+    CONTEXT_OVERFLOW_FAIL: _ClassVar[ContextOverflow]
+    CONTEXT_OVERFLOW_KEEP_SYSTEM_DROP_OLDEST: _ClassVar[ContextOverflow]
+
+class ShiftedReuse(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SHIFTED_REUSE_UNSPECIFIED: _ClassVar[ShiftedReuse]
+    SHIFTED_REUSE_RECOMPUTE: _ClassVar[ShiftedReuse]
+    SHIFTED_REUSE_SHIFT: _ClassVar[ShiftedReuse]
+    SHIFTED_REUSE_BLEND: _ClassVar[ShiftedReuse]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -13,13 +26,20 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+CONTEXT_OVERFLOW_UNSPECIFIED: ContextOverflow
+CONTEXT_OVERFLOW_FAIL: ContextOverflow
+CONTEXT_OVERFLOW_KEEP_SYSTEM_DROP_OLDEST: ContextOverflow
+SHIFTED_REUSE_UNSPECIFIED: ShiftedReuse
+SHIFTED_REUSE_RECOMPUTE: ShiftedReuse
+SHIFTED_REUSE_SHIFT: ShiftedReuse
+SHIFTED_REUSE_BLEND: ShiftedReuse
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n", "context_overflow", "shifted_reuse")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +48,8 @@ class SamplingParams(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_OVERFLOW_FIELD_NUMBER: _ClassVar[int]
+    SHIFTED_REUSE_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -36,17 +58,21 @@ class SamplingParams(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     n: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ...) -> None: ...
+    context_overflow: ContextOverflow
+    shifted_reuse: ShiftedReuse
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., context_overflow: _Optional[_Union[ContextOverflow, str]] = ..., shifted_reuse: _Optional[_Union[ShiftedReuse, str]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "dropped_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    dropped_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., dropped_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_ms", "ttft_ms", "total_ms")

@@ -22,6 +22,17 @@ it on one background thread; every step:
    duplicates are freed.
 
 Each request owns only its block table, so the batch may change every step.
+
+Context overflow (prefixgate.overflow, docs/reindex.md): a request whose prompt and
+max_tokens exceed the context under "keep-system-drop-oldest" has its oldest turns
+dropped at submission. At admission its kept turns may still be cached where an earlier
+turn of the conversation left them, Δ positions later; unless the request's shifted
+reuse mode is "recompute", the longest such run is moved back into fresh blocks (keys
+re-rotated by -Δ, prefixgate.worker.reindex) and serves as its prefix ("blend" then
+recomputes the first `blend_tokens` tokens after the gap before the rest). K/V that were
+moved (or computed after moved ones) are approximate, so such a sequence hashes its
+blocks from the gap on in a separate, salted chain: an exact request never matches them,
+while the conversation's next overflowing turn finds them.
 """
 
 from __future__ import annotations
@@ -38,8 +49,10 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import torch
+import xxhash
 
 from prefixgate.events import KVEventSink
+from prefixgate.overflow import OverflowPlan, plan_overflow
 from prefixgate.protocol import SamplingConfig
 from prefixgate.radix import BlockHasher, Node
 from prefixgate.worker.detokenizer import Decoder, StreamDecoder
@@ -48,6 +61,7 @@ from prefixgate.worker.metrics import WorkerMetrics
 from prefixgate.worker.model_runner import ModelRunner, pool_config_for
 from prefixgate.worker.paged_attention import StepMetadata
 from prefixgate.worker.prefix_cache import PrefixCache
+from prefixgate.worker.reindex import reindex_slots, rope_spec_or_none
 from prefixgate.worker.sampling import Sampler
 
 log = logging.getLogger(__name__)
@@ -88,6 +102,7 @@ class FinalEvent:
     ttft_ms: float
     total_ms: float
     index: int = 0  # sample index, 0..n-1
+    dropped_tokens: int = 0  # of the prompt as sent, to fit the context (prompt_tokens: kept)
 
 
 Event = TokenEvent | FinalEvent
@@ -151,6 +166,15 @@ class EngineConfig:
     max_context_tokens: int = 2048
     # Salts block hashes, so caches of different models never match.
     model_fingerprint: str = ""
+    # Context overflow (requests that leave it unset): "fail" or "keep-system-drop-oldest".
+    context_overflow: str = "fail"
+    # Token ids opening a user turn in the chat template (prefixgate.overflow.user_turn_prefix);
+    # empty: no turn can be dropped.
+    turn_prefix: tuple[int, ...] = ()
+    # How an overflowing turn reuses its kept turns' KV: "recompute", "shift" or "blend".
+    shifted_reuse: str = "blend"
+    blend_tokens: int = 32  # recomputed after the gap under "blend"
+    reindex_backend: str = "auto"  # "torch", "triton" or "auto" (triton on CUDA)
 
 
 @dataclass(eq=False)
@@ -170,10 +194,15 @@ class _Sequence:
     first_token: float = 0.0
     last_token: float = 0.0
     index: int = 0  # sample index; sample 0 forks the others once the prompt is computed
+    overflow: OverflowPlan | None = None  # the turns dropped to fit the context
+    # Blend: compute up to resume[0], then continue at resume[1] (moved K/V in between).
+    resume: tuple[int, int] | None = None
+    num_shifted_tokens: int = 0  # prompt tokens served by moved (re-rotated) K/V
 
     @property
     def num_generated(self) -> int:
-        return len(self.tokens) - len(self.request.prompt_token_ids)
+        dropped = self.overflow.dropped_tokens if self.overflow else 0
+        return len(self.tokens) - len(self.request.prompt_token_ids) + dropped
 
 
 class PagedEngine(Engine):
@@ -186,6 +215,7 @@ class PagedEngine(Engine):
         self.runner = ModelRunner(model, self.pool)
         self.cache = PrefixCache(self.pool, event_sink)
         self.metrics = metrics
+        self.rope = rope_spec_or_none(model)  # None: shifted reuse recomputes
         self._hashers: dict[str, BlockHasher] = {}
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._waiting: deque[_Sequence] = deque()
@@ -252,11 +282,38 @@ class PagedEngine(Engine):
             seq = _Sequence(request, emit, Sampler(request.sampling),
                             StreamDecoder(self.tokenizer, request.sampling.stop),
                             list(request.prompt_token_ids), arrival=arrival)
-            self._waiting.append(seq)
+            if self._plan_overflow(seq):
+                self._waiting.append(seq)
         elif kind == "cancel":
             self._cancelled.add(arg)  # type: ignore[arg-type]
         elif kind == "flush":
             arg.set_result(self.cache.flush() * self.config.block_size)  # type: ignore[union-attr]
+
+    def _plan_overflow(self, seq: _Sequence) -> bool:
+        """Drop the oldest turns of an over-long prompt (per the request's policy); False
+        when the request already ended (the context cannot hold even the kept turns)."""
+        sampling = seq.request.sampling
+        policy = sampling.context_overflow or self.config.context_overflow
+        if policy != "keep-system-drop-oldest":
+            return True
+        plan = plan_overflow(seq.tokens, sampling.max_tokens, self.config.max_context_tokens,
+                             self.config.turn_prefix)
+        if plan is None:
+            return True
+        seq.overflow = plan
+        seq.tokens = list(plan.kept)
+        log.info("request %s: dropped %d of %d prompt tokens to fit the context of %d",
+                 seq.request.request_id, plan.dropped_tokens, len(plan.full),
+                 self.config.max_context_tokens)
+        if len(seq.tokens) < self.config.max_context_tokens:
+            return True  # may still end LENGTH early: the context is what is left
+        log.warning("request %s: the system prompt and the last turn alone (%d tokens) fill "
+                    "the context of %d", seq.request.request_id, len(seq.tokens),
+                    self.config.max_context_tokens)
+        for i in range(sampling.n):
+            seq.emit(FinalEvent(FinishReason.LENGTH, len(seq.tokens), 0, 0, 0.0, 0.0,
+                                (time.monotonic() - seq.arrival) * 1e3, i, plan.dropped_tokens))
+        return False
 
     def _hasher(self, namespace: str) -> BlockHasher:
         h = self._hashers.get(namespace)
@@ -308,8 +365,12 @@ class PagedEngine(Engine):
             seq.num_computed_tokens = len(matched) * bs
             if self.config.enable_prefix_cache:
                 self._reuse_tail(seq)
+                if seq.overflow is not None and seq.num_cached_tokens < 0:
+                    self._shifted_reuse(seq)
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
+                if seq.resume is not None:  # blend: the moved run after the recomputed tokens
+                    seq.num_cached_tokens += seq.resume[1] - seq.resume[0]
                 if self.metrics:
                     self.metrics.prefix_queries.inc(len(seq.tokens))
                     self.metrics.prefix_hits.inc(seq.num_computed_tokens)
@@ -339,6 +400,92 @@ class PagedEngine(Engine):
         seq.block_table += blocks
         seq.num_computed_tokens += n
 
+    def _reuse_mode(self, seq: _Sequence) -> str:
+        mode = seq.request.sampling.shifted_reuse or self.config.shifted_reuse
+        return mode if self.rope is not None else "recompute"
+
+    def _layout_hashes(self, tokens: tuple[int, ...], num_blocks: int, gap_block: int,
+                       salted: bool, namespace: str) -> list[int]:
+        """Hashes of the first `num_blocks` full blocks of `tokens`; with `salted`, the
+        chain from block `gap_block` on is the approximate one (see `_salt`)."""
+        hasher, bs = self._hasher(namespace), self.config.block_size
+        head = hasher.hash_blocks(tokens[:min(gap_block, num_blocks) * bs])
+        if num_blocks <= gap_block:
+            return head
+        parent = head[-1] if head else hasher.root_hash
+        if salted:
+            parent = _salt(parent)
+        return head + hasher.hash_blocks(tokens[gap_block * bs:num_blocks * bs], parent_hash=parent)
+
+    def _shifted_reuse(self, seq: _Sequence) -> None:
+        """Replace the exact hit of an overflowing prompt by a longer run of its kept turns
+        cached under an earlier layout of the conversation (see the module docstring)."""
+        mode = self._reuse_mode(seq)
+        if mode == "recompute":
+            return
+        plan, bs, ns = seq.overflow, self.config.block_size, seq.request.namespace
+        assert plan is not None
+        n_keep, gap_block = plan.n_keep, plan.n_keep // bs
+        limit = len(seq.tokens) - 1  # the last prompt token is always computed
+        best: tuple[int, int, list[int]] | None = None  # (end in new positions, delta, hashes)
+        for start, delta in plan.layouts():
+            tokens = plan.layout(start)
+            usable = min(len(tokens) // bs, (limit + delta) // bs)
+            for salted in (False, True):
+                if delta == 0 and not salted:
+                    continue  # the exact hit admission already took
+                hashes = self._layout_hashes(tokens, usable, gap_block, salted, ns)
+                end = self.cache.tree.match(hashes, touch=False).num_blocks * bs - delta
+                if end > max(seq.num_computed_tokens, n_keep) and (best is None or end > best[0]):
+                    best = (end, delta, hashes)
+        if best is None or len(seq.block_table) < gap_block:
+            return
+        end, delta, hashes = best
+        handle, blocks = self.cache.match(hashes[:(end + delta) // bs])
+        if delta == 0:  # the previous overflowing turn's (approximate) blocks, in place
+            self._release_blocks(seq, seq.block_table)
+            seq.cache_handle, seq.block_table = handle, blocks
+            seq.block_hashes = hashes
+            seq.num_computed_tokens = len(blocks) * bs
+            self._update_hashes(seq)
+            self._reuse_tail(seq)
+            seq.num_shifted_tokens = seq.num_computed_tokens - n_keep
+            return
+        fresh = self._blocks_for(end) - gap_block
+        if self.pool.num_free_blocks < fresh:
+            self.cache.evict(fresh - self.pool.num_free_blocks)
+        new_blocks = self.pool.allocate(fresh)
+        if new_blocks is None:
+            self.cache.unlock(handle)
+            self.pool.release(blocks)
+            return
+        # New positions [gap_block * bs, end): the preamble's partial block is copied as
+        # it is (delta 0), the kept turns come from delta positions later, rotated.
+        pos = torch.arange(gap_block * bs, end)
+        src_pos = torch.where(pos < n_keep, pos, pos + delta)
+        src_blocks = torch.tensor(blocks, dtype=torch.long)
+        dst_blocks = torch.tensor(new_blocks, dtype=torch.long)
+        src = src_blocks[src_pos // bs] * bs + src_pos % bs
+        dst = dst_blocks[pos // bs - gap_block] * bs + pos % bs
+        shift = torch.where(pos < n_keep, 0, delta)
+        reindex_slots(self.pool, src, dst, shift, self.rope, self.config.reindex_backend)
+        self.cache.unlock(handle)
+        self.pool.release(blocks)
+        self.pool.release(seq.block_table[gap_block:])
+        seq.block_table = seq.block_table[:gap_block] + new_blocks
+        seq.block_hashes = self._layout_hashes(tuple(seq.tokens), len(seq.tokens) // bs,
+                                               gap_block, True, ns)
+        seq.num_computed_tokens = end
+        seq.num_shifted_tokens = end - n_keep
+        if mode == "blend":
+            redo = min(self.config.blend_tokens, end - n_keep)
+            seq.num_computed_tokens = n_keep
+            seq.num_shifted_tokens -= redo
+            if n_keep + redo < end:
+                seq.resume = (n_keep + redo, end)
+        log.info("request %s: moved %d cached tokens back by %d positions (%s)",
+                 seq.request.request_id, end - n_keep, delta, mode)
+
     def _release_blocks(self, seq: _Sequence, blocks: list[int]) -> None:
         self.pool.release(blocks)
         if seq.cache_handle is not None:
@@ -367,7 +514,7 @@ class PagedEngine(Engine):
         log.info("preempting %s (%d tokens) for memory", seq.request.request_id, len(seq.tokens))
         self._running.remove(seq)
         self._release_blocks(seq, seq.block_table)
-        seq.block_table, seq.num_computed_tokens = [], 0
+        seq.block_table, seq.num_computed_tokens, seq.resume = [], 0, None
         self._waiting.appendleft(seq)
         if self.metrics:
             self.metrics.preemptions.inc()
@@ -382,7 +529,8 @@ class PagedEngine(Engine):
                 break
             if seq not in self._running:  # preempted by an earlier allocation this step
                 continue
-            n = min(len(seq.tokens) - seq.num_computed_tokens, budget)
+            n = min((seq.resume[0] if seq.resume else len(seq.tokens)) - seq.num_computed_tokens,
+                    budget)
             extra = self._blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
             if extra > 0 and not self._allocate(seq, extra):
                 continue
@@ -411,6 +559,8 @@ class PagedEngine(Engine):
         logits = self.runner.forward(input_ids, positions, step, sample_indices)
         for seq, n in batch:
             seq.num_computed_tokens += n
+            if seq.resume is not None and seq.num_computed_tokens == seq.resume[0]:
+                seq.num_computed_tokens, seq.resume = seq.resume[1], None
         for row, seq in zip(logits, samplers, strict=True):
             if seq.request.sampling.n > 1 and seq.index == 0 and not seq.num_generated:
                 for child in self._fork(seq):
@@ -431,6 +581,7 @@ class PagedEngine(Engine):
             child = _Sequence(req, parent.emit, Sampler(sampling),
                               StreamDecoder(self.tokenizer, sampling.stop),
                               list(parent.tokens), arrival=parent.arrival, index=i,
+                              overflow=parent.overflow,
                               block_hashes=list(parent.block_hashes),
                               first_scheduled=parent.first_scheduled)
             child.num_cached_tokens = parent.num_cached_tokens
@@ -502,15 +653,17 @@ class PagedEngine(Engine):
         seq.block_table = []
         end = time.monotonic()
         start = seq.first_scheduled or end
-        seq.emit(FinalEvent(reason, len(seq.request.prompt_token_ids), max(seq.num_cached_tokens, 0),
+        dropped = seq.overflow.dropped_tokens if seq.overflow else 0
+        seq.emit(FinalEvent(reason, len(seq.request.prompt_token_ids) - dropped,
+                            max(seq.num_cached_tokens, 0),
                             seq.num_generated, (start - seq.arrival) * 1e3,
                             ((seq.first_token or end) - seq.arrival) * 1e3,
-                            (end - seq.arrival) * 1e3, seq.index))
+                            (end - seq.arrival) * 1e3, seq.index, dropped))
         if seq.index == 0 and not seq.num_generated and seq.request.sampling.n > 1:
             # Ended before forking (cancelled, failed): its other samples end with it.
             for i in range(1, seq.request.sampling.n):
-                seq.emit(FinalEvent(reason, len(seq.request.prompt_token_ids), 0, 0,
-                                    0.0, 0.0, (end - seq.arrival) * 1e3, i))
+                seq.emit(FinalEvent(reason, len(seq.request.prompt_token_ids) - dropped, 0, 0,
+                                    0.0, 0.0, (end - seq.arrival) * 1e3, i, dropped))
 
     def _publish_status(self) -> None:
         queued = sum(len(s.tokens) - s.num_computed_tokens for s in self._waiting) + sum(
@@ -524,3 +677,9 @@ class PagedEngine(Engine):
             kv_cached_tokens=self.cache.num_blocks * bs)
         if self.metrics:
             self.metrics.update_status(self._status)
+
+
+def _salt(parent_hash: int) -> int:
+    """Parent hash of the first block of an approximate (moved) chain: unrelated to every
+    exact chain, the same in every process."""
+    return xxhash.xxh3_64_intdigest(parent_hash.to_bytes(8, "little"), seed=0x5E1F7ED)

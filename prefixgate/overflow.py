@@ -1,0 +1,116 @@
+"""Context-overflow policy: which tokens of an over-long chat prompt to drop.
+
+Torch-free and pure (the worker plans with it; a gateway could hash the kept prompt with
+it too). A rendered chat prompt is [preamble][turn 1][turn 2]...[turn k], where a turn
+starts at a user message (`turn_prefix`, e.g. the ids of "<|im_start|>user") and runs up
+to the next one (so it holds the user message and the assistant's reply), and the
+preamble (the system prompt, `n_keep` tokens) is everything before the first turn.
+
+`plan_overflow(tokens, max_tokens, max_context_tokens, turn_prefix)` under the policy
+"keep-system-drop-oldest": keep the preamble and drop the oldest whole turns until
+kept + max_tokens <= max_context_tokens; the last turn (the new user message and the
+generation prompt) is never dropped. Returns None when the prompt fits as it is; else an
+`OverflowPlan`, which may still not fit (`fits` False) when only the preamble and the
+last turn are left; the caller then ends the request (the context is full).
+
+Shifted reuse needs to know where the kept turns sat before: a previous, shorter drop of
+the same conversation starts its kept run at an earlier turn, so `OverflowPlan.layouts()`
+lists every earlier layout the kept run may be cached under (start of the kept run in
+the full prompt, and how far the kept run moves back from there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+POLICIES = ("fail", "keep-system-drop-oldest")
+
+
+@dataclass(frozen=True)
+class OverflowPlan:
+    full: tuple[int, ...]  # the prompt as sent
+    turn_starts: tuple[int, ...]  # user-turn starts in `full`; turn_starts[0] == n_keep
+    drop_to: int  # kept turns start here in `full`; [n_keep, drop_to) is dropped
+    max_context_tokens: int
+    max_tokens: int
+
+    @property
+    def n_keep(self) -> int:
+        return self.turn_starts[0]
+
+    @property
+    def dropped_tokens(self) -> int:
+        return self.drop_to - self.n_keep
+
+    @property
+    def kept(self) -> tuple[int, ...]:
+        """The prompt the model sees: preamble + kept turns."""
+        return self.layout(self.drop_to)
+
+    @property
+    def fits(self) -> bool:
+        return len(self.kept) + self.max_tokens <= self.max_context_tokens and \
+            len(self.kept) < self.max_context_tokens
+
+    def layout(self, start: int) -> tuple[int, ...]:
+        """The preamble followed by `full` from turn start `start` on."""
+        return self.full[:self.n_keep] + self.full[start:]
+
+    def layouts(self) -> list[tuple[int, int]]:
+        """(start, delta) of every layout the kept run may be cached under: start is an
+        earlier turn start (a shorter drop; n_keep: nothing dropped), delta = drop_to -
+        start is how many positions the kept run moves back from that layout. The
+        current layout (delta 0) comes last."""
+        return [(s, self.drop_to - s) for s in self.turn_starts if s <= self.drop_to]
+
+
+def find_turn_starts(tokens: Sequence[int], turn_prefix: Sequence[int]) -> list[int]:
+    """Positions where `turn_prefix` occurs in `tokens` (non-overlapping, in order)."""
+    if not turn_prefix:
+        return []
+    first, n = turn_prefix[0], len(turn_prefix)
+    prefix = list(turn_prefix)
+    out, i = [], 0
+    while True:
+        try:
+            i = tokens.index(first, i) if isinstance(tokens, list | tuple) else \
+                list(tokens).index(first, i)
+        except ValueError:
+            return out
+        if list(tokens[i:i + n]) == prefix:
+            out.append(i)
+            i += n
+        else:
+            i += 1
+
+
+def plan_overflow(tokens: Sequence[int], max_tokens: int, max_context_tokens: int,
+                  turn_prefix: Sequence[int]) -> OverflowPlan | None:
+    """None when prompt + max_tokens fits; else drop the oldest whole turns (see module)."""
+    if len(tokens) + max_tokens <= max_context_tokens:
+        return None
+    full = tuple(tokens)
+    starts = find_turn_starts(full, turn_prefix)
+    if not starts:  # no turn structure found: nothing can be dropped
+        starts = [len(full)]
+    drop_to = starts[0]
+    for s in starts[1:]:  # never past the last turn start
+        if len(full) - (drop_to - starts[0]) + max_tokens <= max_context_tokens:
+            break
+        drop_to = s
+    return OverflowPlan(full, tuple(starts), drop_to, max_context_tokens, max_tokens)
+
+
+def user_turn_prefix(render: callable, encode: callable, special_tokens: Sequence[str]) -> tuple[int, ...]:
+    """The token ids that open a user message in a chat template: the template rendered
+    for one user message, cut at the message text, from its last special token on
+    (e.g. "<|im_start|>user"), trailing whitespace removed. `render(messages) -> str`,
+    `encode(text) -> ids` (no special tokens added). Empty when no special token opens it."""
+    probe = "\x01probe\x01"
+    text = render([("user", probe)])
+    head = text[:text.index(probe)]
+    last = max((head.rfind(s), s) for s in special_tokens if s) if special_tokens else (-1, "")
+    if last[0] < 0:
+        return ()
+    return tuple(encode(head[last[0]:].rstrip()))
