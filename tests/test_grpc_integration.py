@@ -189,3 +189,15 @@ def test_gateway_refuses_a_worker_of_another_model(loop_thread, tiny_spec, tiny_
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     loop_thread.loop.call_soon_threadsafe(gstop.set)
     loop_thread.loop.call_soon_threadsafe(w_stop.set)
+
+
+def test_n_samples_stream_with_their_index(cluster) -> None:
+    events = chat(cluster["stub"], [("user", "three takes")],
+                  sampling=common_pb2.SamplingParams(max_tokens=6, n=3, temperature=1.0, seed=1))
+    final = events[-1].final
+    per_sample: dict[int, int] = {}
+    for e in events[:-1]:
+        per_sample[e.delta.index] = per_sample.get(e.delta.index, 0) + len(e.delta.token_ids)
+    assert sorted(per_sample) == [0, 1, 2]
+    assert len(final.sample_finish_reasons) == 3
+    assert final.usage.completion_tokens == sum(per_sample.values())

@@ -87,26 +87,32 @@ class WorkerService:
             Request(request_id, tuple(prompt), sampling, request.namespace),
             lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
         finished = False
+        finals: dict[int, FinalEvent] = {}  # one per sample; the stream ends after all n
         try:
-            while True:
+            while len(finals) < sampling.n:
                 ev = await events.get()
                 if isinstance(ev, TokenEvent):
-                    yield worker_pb2.GenerateEvent(
-                        chunk=worker_pb2.GenerateChunk(token_ids=ev.token_ids, text=ev.text))
+                    yield worker_pb2.GenerateEvent(chunk=worker_pb2.GenerateChunk(
+                        token_ids=ev.token_ids, text=ev.text, index=ev.index))
                     continue
-                finished = True
                 if ev.finish_reason is FinishReason.ERROR:
+                    finished = True
                     await context.abort(grpc.StatusCode.INTERNAL,
                                         f"worker {self.config.worker_id} failed on this request "
                                         "(see its log); retrying on another worker is safe")
-                yield worker_pb2.GenerateEvent(final=worker_pb2.GenerateFinal(
-                    usage=common_pb2.Usage(prompt_tokens=ev.prompt_tokens,
-                                           cached_tokens=ev.cached_tokens,
-                                           completion_tokens=ev.completion_tokens),
-                    finish_reason=FINISH_TO_PROTO[ev.finish_reason],
-                    timings=common_pb2.Timings(queue_ms=ev.queue_ms, ttft_ms=ev.ttft_ms,
-                                               total_ms=ev.total_ms)))
-                return
+                finals[ev.index] = ev
+            finished = True
+            first = finals[0]
+            yield worker_pb2.GenerateEvent(final=worker_pb2.GenerateFinal(
+                usage=common_pb2.Usage(
+                    prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens,
+                    completion_tokens=sum(f.completion_tokens for f in finals.values())),
+                finish_reason=FINISH_TO_PROTO[first.finish_reason],
+                sample_finish_reasons=[FINISH_TO_PROTO[finals[i].finish_reason]
+                                       for i in range(sampling.n)],
+                timings=common_pb2.Timings(
+                    queue_ms=first.queue_ms, ttft_ms=min(f.ttft_ms for f in finals.values()),
+                    total_ms=max(f.total_ms for f in finals.values()))))
         finally:
             if not finished:  # client gone or deadline passed: free the engine's resources
                 self.engine.cancel(request_id)
