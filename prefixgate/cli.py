@@ -189,7 +189,20 @@ def build_parser() -> argparse.ArgumentParser:
 def _policy_flag(p: argparse.ArgumentParser) -> None:
     from prefixgate.gateway.routing import POLICIES
 
-    flag(p, "--policy", default="session", choices=POLICIES, help="routing policy")
+    flag(p, "--policy", default="prefix", choices=POLICIES,
+         help="routing policy (see docs/routing.md)")
+    flag(p, "--prefix-weight", type=float, default=1.0,
+         help="prefix policy: score per cached prompt token")
+    flag(p, "--load-weight", type=float, default=1.0,
+         help="prefix policy: score subtracted per queued prefill token")
+    flag(p, "--running-weight", type=float, default=64.0,
+         help="prefix policy: queued-token equivalents per running sequence")
+    flag(p, "--shared-prefix-weight", type=float, default=0.0,
+         help="prefix policy: credit per cached token of a prefix many conversations share")
+    flag(p, "--spread-fanout", type=int, default=2,
+         help="prefix policy: continuations after which a prefix counts as shared")
+    flag(p, "--index-max-blocks", type=int, default=0,
+         help="cap on the gateway's routing index in blocks (0: bounded by the workers)")
 
 
 def _record_trace_flag(p: argparse.ArgumentParser) -> None:
@@ -216,6 +229,7 @@ async def _run_worker(args: argparse.Namespace) -> None:
     from prefixgate.registry import RedisRegistry, WorkerRecord
     from prefixgate.tokenizer import ChatTokenizer
     from prefixgate.worker.engine import EngineConfig, PagedEngine
+    from prefixgate.worker.events import EventLog, RedisPublisher
     from prefixgate.worker.kv_pool import num_blocks_for_memory
     from prefixgate.worker.metrics import WorkerMetrics
     from prefixgate.worker.model_loader import load_model
@@ -235,40 +249,30 @@ async def _run_worker(args: argparse.Namespace) -> None:
     log.info("KV pool: %d bytes per token, %d blocks of %d tokens = %d tokens (%.1f MiB)",
              bytes_per_token, num_blocks, args.block_size, num_blocks * args.block_size,
              num_blocks * args.block_size * bytes_per_token / 2**20)
+    events = EventLog()  # the engine's KV event sink; WatchEvents and Redis read it
     engine = PagedEngine(model, tokenizer, EngineConfig(
         num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_cache=not args.disable_prefix_cache,
         eos_token_ids=tokenizer.eos_token_ids, max_context_tokens=spec.max_context_tokens,
-        model_fingerprint=spec.fingerprint), metrics=WorkerMetrics())
+        model_fingerprint=spec.fingerprint), metrics=WorkerMetrics(), event_sink=events)
     worker_id = args.worker_id or f"worker-{args.port}"
     config = WorkerConfig(worker_id=worker_id, host=args.host, port=args.port,
                           block_size=args.block_size, drain_seconds=args.drain_seconds)
-    service = WorkerService(engine, spec, config, vocab_size=tokenizer.vocab_size)
+    service = WorkerService(engine, spec, config, vocab_size=tokenizer.vocab_size,
+                            events=events)
     started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     server = asyncio.create_task(serve(service, stop, started))
     port = await started
     if not args.redis_url:
         await server
         return
+    # Registration, lease renewal and KV event publishing (worker/events.py).
     registry = RedisRegistry(args.redis_url)
     address = args.advertise_address or f"{args.host}:{port}"
-    record = WorkerRecord(worker_id, address, spec.fingerprint)
-    renewing = True
-    while not stop.is_set():
-        try:
-            if renewing and record.epoch and await registry.renew(record, args.lease_ms):
-                pass
-            else:
-                record = await registry.register(record, args.lease_ms)
-                log.info("registered as %s epoch %d in %s", worker_id, record.epoch, args.redis_url)
-        except Exception as exc:  # Redis outage: keep serving, register again when it returns
-            log.warning("registry unreachable: %s", exc)
-            record = WorkerRecord(worker_id, address, spec.fingerprint)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), args.lease_ms / 3e3)
-    with contextlib.suppress(Exception):
-        await registry.deregister(record)
+    publisher = RedisPublisher(events, registry, WorkerRecord(
+        worker_id, address, spec.fingerprint, capacity_blocks=num_blocks), args.lease_ms)
+    await publisher.run(stop)
     await server
     await registry.close()
 
@@ -295,7 +299,12 @@ def _gateway_config(args: argparse.Namespace, workers: Sequence[str], port: int)
     from prefixgate.gateway.server import GatewayConfig
 
     return GatewayConfig(host=args.host, port=port, block_size=args.block_size,
-                         routing=RoutingConfig(policy=args.policy),
+                         routing=RoutingConfig(
+                             policy=args.policy, prefix_weight=args.prefix_weight,
+                             load_weight=args.load_weight, running_weight=args.running_weight,
+                             shared_prefix_weight=args.shared_prefix_weight,
+                             spread_fanout=args.spread_fanout),
+                         index_max_blocks=args.index_max_blocks,
                          static_workers=tuple(workers),
                          drain_seconds=getattr(args, "drain_seconds", 30.0),
                          record_trace=args.record_trace)

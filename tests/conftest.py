@@ -123,8 +123,9 @@ def redis_flush(redis_url: str) -> str:
     return redis_url
 
 
-def make_engine(spec: ModelSpec, model, **config):
-    """A PagedEngine for `spec` (EngineConfig fields as keyword arguments)."""
+def make_engine(spec: ModelSpec, model, event_sink=None, **config):
+    """A PagedEngine for `spec` (EngineConfig fields as keyword arguments) reporting its
+    KV events to `event_sink`."""
     from prefixgate.tokenizer import ChatTokenizer
     from prefixgate.worker.engine import EngineConfig, PagedEngine
 
@@ -132,17 +133,21 @@ def make_engine(spec: ModelSpec, model, **config):
     config.setdefault("num_blocks", 512)
     return PagedEngine(model, tokenizer, EngineConfig(
         eos_token_ids=tokenizer.eos_token_ids, max_context_tokens=spec.max_context_tokens,
-        model_fingerprint=spec.fingerprint, **config))
+        model_fingerprint=spec.fingerprint, **config), event_sink=event_sink)
 
 
 def start_worker(loop_thread: LoopThread, spec: ModelSpec, model, worker_id: str,
-                 **engine_config) -> tuple[str, asyncio.Event]:
-    """Start a WorkerService on a free loopback port; returns (address, stop event)."""
+                 events=None, **engine_config) -> tuple[str, asyncio.Event]:
+    """Start a WorkerService on a free loopback port; returns (address, stop event). Its
+    engine reports KV events to `events` (default: a new EventLog), as in `prefixgate
+    worker`; gateways follow them by WatchEvents."""
+    from prefixgate.worker.events import EventLog
     from prefixgate.worker.server import WorkerConfig, WorkerService, serve
 
-    engine = make_engine(spec, model, **engine_config)
+    events = events if events is not None else EventLog()
+    engine = make_engine(spec, model, event_sink=events, **engine_config)
     service = WorkerService(engine, spec, WorkerConfig(worker_id=worker_id, drain_seconds=1),
-                            vocab_size=engine.tokenizer.vocab_size)
+                            vocab_size=engine.tokenizer.vocab_size, events=events)
 
     async def start() -> tuple[int, asyncio.Event]:
         stop = asyncio.Event()

@@ -44,6 +44,8 @@ def test_gateway_side_never_imports_torch(tiny_spec) -> None:
     code = ("import sys; from prefixgate.models import resolve_model; "
             "from prefixgate.tokenizer import ChatTokenizer; import prefixgate.gateway.server; "
             "import prefixgate.cli; import prefixgate.radix; "
+            "import prefixgate.gateway.redis_feed, prefixgate.gateway.feeds, prefixgate.registry; "
+            "import prefixgate.worker.events; "
             "import prefixgate.replay.simulate, prefixgate.replay.targets, prefixgate.replay.report; "
             f"ChatTokenizer(resolve_model('tiny-random', __import__('pathlib').Path({str(tiny_spec.model_dir.parent.parent)!r})))"
             ".encode_messages([('user', 'hi')]); "

@@ -226,14 +226,16 @@ class ChatService:
 
 
 async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop: asyncio.Event,
-                started: asyncio.Future[int] | None = None) -> None:
-    """Run the gateway until `stop` is set. `started` receives the bound port."""
+                started: asyncio.Future[int] | None = None,
+                index: PrefixIndex | None = None) -> None:
+    """Run the gateway until `stop` is set. `started` receives the bound port. `index`:
+    the routing index to fill and route by (default: a new one, from `config`)."""
     tokenizer = ChatTokenizer(spec)
     for address in config.static_workers:
         # Static workers stay listed; the pool's probes decide whether they are up.
         await registry.register(WorkerRecord(address, address), lease_ms=2**62)
     pool = WorkerPool(registry, spec.fingerprint, block_size=config.block_size)
-    service = ChatService(spec, tokenizer, pool, config)
+    service = ChatService(spec, tokenizer, pool, config, index)
     feed = make_feed(registry, service.index)
     server = grpc.aio.server()
     rpc.add_service(server, SERVICE, service)

@@ -1,0 +1,160 @@
+"""Prefix routing end to end (tiny-random, real gRPC on loopback, real redis-server): worker
+KV events reach the gateway's index (WatchEvents without Redis, the Redis stream with it),
+the next conversation with the same prefix goes to the worker holding it, two gateways on
+one Redis agree, and failover before the first token is invisible."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from prefixgate.gateway.index import PrefixIndex
+from prefixgate.radix import BlockHasher
+from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2
+from tests.conftest import start_worker, wait_for
+
+BLOCK = 16
+
+
+def start_gateway_with_index(loop_thread, spec, workers=(), registry=None, **config):
+    """A gateway whose routing index the test can inspect; returns (address, stop, index)."""
+    from prefixgate.gateway.server import GatewayConfig, serve
+    from prefixgate.registry import EmbeddedRegistry
+
+    index = PrefixIndex()
+    config.setdefault("refresh_interval_s", 0.3)
+    cfg = GatewayConfig(static_workers=tuple(workers), drain_seconds=1, **config)
+
+    async def start():
+        stop = asyncio.Event()
+        started = asyncio.get_running_loop().create_future()
+        asyncio.create_task(serve(spec, registry or EmbeddedRegistry(), cfg, stop, started,
+                                  index=index))
+        return await started, stop
+
+    port, stop = loop_thread.run(start())
+    return f"127.0.0.1:{port}", stop, index
+
+
+def chat(stub, token_ids, conversation_id, max_tokens=4, timeout=60):
+    req = chat_pb2.ChatRequest(conversation_id=conversation_id,
+                               sampling=common_pb2.SamplingParams(max_tokens=max_tokens))
+    req.prompt_token_ids.token_ids.extend(token_ids)
+    return list(stub.Chat(req, timeout=timeout))[-1].final
+
+
+def wait_workers(stub, n):
+    wait_for(lambda: stub.ListModels(chat_pb2.ListModelsRequest(), timeout=5).models[0]
+             .num_workers == n, what=f"gateway to see {n} workers")
+
+
+def prompts(n, length=80):
+    return [[3 + (7 * i + j) % 250 for j in range(length)] for i in range(n)]
+
+
+def owners(index, hasher, ids):
+    return index.match(hasher.hash_blocks(ids)).cached_blocks
+
+
+def test_events_reach_the_index_and_route_the_next_conversation(loop_thread, tiny_spec,
+                                                                 tiny_model) -> None:
+    a, a_stop = start_worker(loop_thread, tiny_spec, tiny_model, "a")
+    b, b_stop = start_worker(loop_thread, tiny_spec, tiny_model, "b")
+    gw, g_stop, index = start_gateway_with_index(loop_thread, tiny_spec, [a, b])
+    hasher = BlockHasher(BLOCK, model_fingerprint=tiny_spec.fingerprint)
+    try:
+        with grpc.insecure_channel(gw) as ch:
+            stub = chat_pb2_grpc.ChatServiceStub(ch)
+            wait_workers(stub, 2)
+            for i, p in enumerate(prompts(3)):
+                served = chat(stub, p, f"first-{i}").worker_id
+                # The worker's events list it as the owner of the prompt's full blocks.
+                wait_for(lambda p=p, s=served: owners(index, hasher, p).get(s, 0) >= 80 // BLOCK,
+                         what="the serving worker's blocks in the gateway index")
+                # A new conversation with the same prefix goes to that worker and hits.
+                final = chat(stub, p + [7, 8, 9], f"second-{i}")
+                assert final.worker_id == served
+                assert final.usage.cached_tokens >= 80 // BLOCK * BLOCK
+            # A flushed cache is forgotten by the gateway too.
+            import prefixgate.v1.worker_pb2 as wpb
+            import prefixgate.v1.worker_pb2_grpc as wgrpc
+
+            for addr in (a, b):
+                with grpc.insecure_channel(addr) as wch:
+                    wgrpc.WorkerServiceStub(wch).FlushCache(wpb.FlushCacheRequest(), timeout=5)
+            wait_for(lambda: index.num_blocks == 0, what="flushed blocks to leave the index")
+    finally:
+        for stop in (g_stop, a_stop, b_stop):
+            loop_thread.loop.call_soon_threadsafe(stop.set)
+
+
+def test_failover_from_the_prefix_holder_is_invisible(loop_thread, tiny_spec, tiny_model) -> None:
+    from prefixgate.gateway import metrics
+
+    a, a_stop = start_worker(loop_thread, tiny_spec, tiny_model, "fa")
+    b, b_stop = start_worker(loop_thread, tiny_spec, tiny_model, "fb")
+    gw, g_stop, index = start_gateway_with_index(loop_thread, tiny_spec, [a, b],
+                                                 refresh_interval_s=60)
+    hasher = BlockHasher(BLOCK, model_fingerprint=tiny_spec.fingerprint)
+    try:
+        with grpc.insecure_channel(gw) as ch:
+            stub = chat_pb2_grpc.ChatServiceStub(ch)
+            wait_workers(stub, 2)
+            p = prompts(1)[0]
+            served = chat(stub, p, "holder").worker_id
+            wait_for(lambda: owners(index, hasher, p).get(served, 0) >= 5, what="index")
+            # The holder dies; the gateway still ranks it first (no refresh for 60 s).
+            loop_thread.loop.call_soon_threadsafe((a_stop if served == "fa" else b_stop).set)
+            time.sleep(1.5)
+            before = metrics.FAILOVERS._value.get()
+            final = chat(stub, p + [5, 6], "holder")
+            assert final.worker_id == ("fb" if served == "fa" else "fa")
+            assert final.usage.completion_tokens > 0
+            assert metrics.FAILOVERS._value.get() == before + 1
+    finally:
+        for stop in (g_stop, a_stop, b_stop):
+            loop_thread.loop.call_soon_threadsafe(stop.set)
+
+
+def start_redis_worker(loop_thread, spec, model, worker_id, url, lease_ms=2000):
+    """A worker registered in Redis that publishes its KV events there (as `prefixgate
+    worker --redis-url` does)."""
+    from prefixgate.registry import RedisRegistry, WorkerRecord
+    from prefixgate.worker.events import EventLog, RedisPublisher
+
+    events = EventLog()
+    address, stop = start_worker(loop_thread, spec, model, worker_id, events=events)
+    pub = RedisPublisher(events, RedisRegistry(url),
+                         WorkerRecord(worker_id, address, spec.fingerprint), lease_ms)
+    loop_thread.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(pub.run(stop)))
+    return address, stop
+
+
+def test_two_gateways_on_one_redis_route_alike(loop_thread, tiny_spec, tiny_model,
+                                               redis_flush) -> None:
+    from prefixgate.registry import RedisRegistry
+
+    a, a_stop = start_redis_worker(loop_thread, tiny_spec, tiny_model, "ra", redis_flush)
+    b, b_stop = start_redis_worker(loop_thread, tiny_spec, tiny_model, "rb", redis_flush)
+    gw1, s1, index1 = start_gateway_with_index(loop_thread, tiny_spec,
+                                               registry=RedisRegistry(redis_flush))
+    gw2, s2, index2 = start_gateway_with_index(loop_thread, tiny_spec,
+                                               registry=RedisRegistry(redis_flush))
+    hasher = BlockHasher(BLOCK, model_fingerprint=tiny_spec.fingerprint)
+    try:
+        with grpc.insecure_channel(gw1) as c1, grpc.insecure_channel(gw2) as c2:
+            st1, st2 = chat_pb2_grpc.ChatServiceStub(c1), chat_pb2_grpc.ChatServiceStub(c2)
+            wait_workers(st1, 2)
+            wait_workers(st2, 2)
+            for i, p in enumerate(prompts(3)):
+                served = chat(st1, p, f"g1-{i}").worker_id
+                for index in (index1, index2):  # both learn it from the Redis stream
+                    wait_for(lambda p=p, s=served, ix=index: owners(ix, hasher, p).get(s, 0) >= 5,
+                             what="both gateways to index the turn")
+                final = chat(st2, p + [4, 4], f"g2-{i}")
+                assert final.worker_id == served and final.usage.cached_tokens >= 80
+    finally:
+        for stop in (s1, s2, a_stop, b_stop):
+            loop_thread.loop.call_soon_threadsafe(stop.set)
