@@ -107,4 +107,9 @@ def test_demo_with_smollm2_answers_paris() -> None:
                        capture_output=True, text=True, timeout=600, env=cli_env())
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert "Paris" in r.stdout
-    assert len(re.findall(r"\[worker ", r.stdout)) == 3
+    turns = [tuple(map(int, t)) for t in re.findall(
+        r"\| prompt (\d+) tok \| cached (\d+) tok \| ttft \d+ ms \| (\d+) tok", r.stdout)]
+    assert len(turns) == 3
+    # Turn 2 reuses turn 1's prompt and reply, less at most one block.
+    (p1, _, c1), (_, cached2, _) = turns[0], turns[1]
+    assert cached2 >= p1 + c1 - 16
