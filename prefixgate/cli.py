@@ -101,6 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
          help="tokens per step (decodes plus prefill chunks)")
     flag(w, "--disable-prefix-cache", action="store_true",
          help="compute every prompt in full (for comparisons)")
+    flag(w, "--context-overflow", default="fail", choices=("fail", "keep-system-drop-oldest"),
+         help="prompt + max_tokens over the context: fail, or keep the system prompt and drop "
+              "the oldest turns (requests may choose per request)")
+    flag(w, "--shifted-reuse", default="blend", choices=("recompute", "shift", "blend"),
+         help="how an overflowing turn reuses its kept turns' cached KV (docs/reindex.md)")
+    flag(w, "--blend-tokens", type=int, default=32,
+         help="tokens after the dropped gap recomputed under --shifted-reuse blend")
+    flag(w, "--reindex-backend", default="auto", choices=("auto", "torch", "triton"),
+         help="KV re-rotation: triton kernel (auto: on CUDA when installed) or torch")
     flag(w, "--torch-threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     flag(w, "--drain-seconds", type=float, default=30.0,
          help="on SIGTERM, how long in-flight requests may finish")
@@ -226,6 +235,7 @@ async def _run_worker(args: argparse.Namespace) -> None:
     import torch
 
     from prefixgate.models import resolve_model
+    from prefixgate.overflow import user_turn_prefix
     from prefixgate.registry import RedisRegistry, WorkerRecord
     from prefixgate.tokenizer import ChatTokenizer
     from prefixgate.worker.engine import EngineConfig, PagedEngine
@@ -255,7 +265,10 @@ async def _run_worker(args: argparse.Namespace) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_cache=not args.disable_prefix_cache,
         eos_token_ids=tokenizer.eos_token_ids, max_context_tokens=spec.max_context_tokens,
-        model_fingerprint=spec.fingerprint), metrics=WorkerMetrics(), event_sink=events)
+        model_fingerprint=spec.fingerprint, context_overflow=args.context_overflow,
+        turn_prefix=user_turn_prefix(tokenizer), shifted_reuse=args.shifted_reuse,
+        blend_tokens=args.blend_tokens, reindex_backend=args.reindex_backend),
+        metrics=WorkerMetrics(), event_sink=events)
     worker_id = args.worker_id or f"worker-{args.port}"
     config = WorkerConfig(worker_id=worker_id, host=args.host, port=args.port,
                           block_size=args.block_size, drain_seconds=args.drain_seconds)
@@ -401,6 +414,8 @@ async def _run_up(args: argparse.Namespace) -> int:
             address = f"{args.host}:{port}"
             log.info("prefixgate is up: gateway %s, workers %s", address, ", ".join(addresses))
             if args.demo:
+                # The demo prints each turn's figures itself; keep the terminal readable.
+                logging.getLogger("prefixgate.gateway").setLevel(logging.WARNING)
                 return await _demo(address, len(addresses))
             print(f"prefixgate up: gateway on {address}; chat with: prefixgate chat --address "
                   f"{address}   (Ctrl-C stops everything)", file=sys.stderr, flush=True)

@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from prefixgate.tokenizer import ChatTokenizer
+
 POLICIES = ("fail", "keep-system-drop-oldest")
 
 
@@ -102,15 +104,16 @@ def plan_overflow(tokens: Sequence[int], max_tokens: int, max_context_tokens: in
     return OverflowPlan(full, tuple(starts), drop_to, max_context_tokens, max_tokens)
 
 
-def user_turn_prefix(render: callable, encode: callable, special_tokens: Sequence[str]) -> tuple[int, ...]:
-    """The token ids that open a user message in a chat template: the template rendered
-    for one user message, cut at the message text, from its last special token on
-    (e.g. "<|im_start|>user"), trailing whitespace removed. `render(messages) -> str`,
-    `encode(text) -> ids` (no special tokens added). Empty when no special token opens it."""
+def user_turn_prefix(tokenizer: ChatTokenizer) -> tuple[int, ...]:
+    """The token ids that open a user message in the tokenizer's chat template: the
+    template rendered for one user message, cut at the message text, from its last special
+    token on (e.g. "<|im_start|>user"), trailing whitespace removed. Empty when no special
+    token opens it (then no turn can be dropped)."""
     probe = "\x01probe\x01"
-    text = render([("user", probe)])
+    text = tokenizer.render([("user", probe)])
     head = text[:text.index(probe)]
-    last = max((head.rfind(s), s) for s in special_tokens if s) if special_tokens else (-1, "")
-    if last[0] < 0:
+    specials = [t.content for t in tokenizer.tokenizer.get_added_tokens_decoder().values()]
+    at = max((head.rfind(s) for s in specials if s), default=-1)
+    if at < 0:
         return ()
-    return tuple(encode(head[last[0]:].rstrip()))
+    return tuple(tokenizer.tokenizer.encode(head[at:].rstrip(), add_special_tokens=False).ids)

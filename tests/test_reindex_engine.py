@@ -70,18 +70,10 @@ def test_plan_without_turns_drops_nothing() -> None:
 
 def test_user_turn_prefix_of_a_chat_template(tiny_spec) -> None:
     tok = ChatTokenizer(tiny_spec)
-    prefix = user_turn_prefix(tok.render, _encoder(tok), _specials(tok))
+    prefix = user_turn_prefix(tok)
     assert tok.decode(list(prefix), skip_special_tokens=False) == "<|im_start|>user"
     ids = tok.encode_messages([("system", "s"), ("user", "a"), ("assistant", "b"), ("user", "c")])
     assert len(find_turn_starts(ids, prefix)) == 2
-
-
-def _encoder(tok: ChatTokenizer):
-    return lambda text: tok.tokenizer.encode(text, add_special_tokens=False).ids
-
-
-def _specials(tok: ChatTokenizer) -> list[str]:
-    return [t.content for t in tok.tokenizer.get_added_tokens_decoder().values()]
 
 
 def test_validation_accepts_overflow_only_when_asked() -> None:
@@ -113,7 +105,7 @@ def _engine(spec, model, **config) -> PagedEngine:
     config.setdefault("num_blocks", 256)
     return PagedEngine(model, tok, EngineConfig(
         eos_token_ids=(), max_context_tokens=CONTEXT, model_fingerprint=spec.fingerprint,
-        turn_prefix=user_turn_prefix(tok.render, _encoder(tok), _specials(tok)),
+        turn_prefix=user_turn_prefix(tok),
         block_size=8, **config))
 
 

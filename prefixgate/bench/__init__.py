@@ -18,6 +18,8 @@ from types import ModuleType
 # name -> module path; the module is imported only when that benchmark runs.
 BENCHMARKS: dict[str, str] = {
     "radix": "prefixgate.bench.radix",
+    "router": "prefixgate.bench.router",
+    "reindex": "prefixgate.bench.reindex",
     "worker": "prefixgate.bench.worker",
 }
 

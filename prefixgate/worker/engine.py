@@ -137,6 +137,11 @@ class Engine(ABC):
     def capacity_tokens(self) -> int:
         """Most tokens of KV one request can hold (prompt + max_tokens must fit)."""
 
+    @property
+    def context_overflow(self) -> str:
+        """Overflow policy for requests that leave it unset (prefixgate.overflow.POLICIES)."""
+        return "fail"
+
     @abstractmethod
     def submit(self, request: Request, emit: EmitFn) -> None: ...
 
@@ -228,6 +233,10 @@ class PagedEngine(Engine):
     @property
     def capacity_tokens(self) -> int:
         return self.pool.config.num_tokens
+
+    @property
+    def context_overflow(self) -> str:
+        return self.config.context_overflow
 
     # --- contract (any thread) ------------------------------------------------------------
 

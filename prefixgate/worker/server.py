@@ -70,10 +70,12 @@ class WorkerService:
         try:
             check_token_ids(prompt, self.vocab_size)
             sampling = sampling_from_proto(request.sampling, len(prompt),
-                                           self.spec.max_context_tokens)
+                                           self.spec.max_context_tokens,
+                                           self.engine.context_overflow)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        need = len(prompt) + sampling.max_tokens
+        # An over-long prompt accepted under context overflow is cut to fit the context.
+        need = min(len(prompt) + sampling.max_tokens, self.spec.max_context_tokens)
         if need > self.engine.capacity_tokens:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -106,7 +108,8 @@ class WorkerService:
             yield worker_pb2.GenerateEvent(final=worker_pb2.GenerateFinal(
                 usage=common_pb2.Usage(
                     prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens,
-                    completion_tokens=sum(f.completion_tokens for f in finals.values())),
+                    completion_tokens=sum(f.completion_tokens for f in finals.values()),
+                    dropped_tokens=first.dropped_tokens),
                 finish_reason=FINISH_TO_PROTO[first.finish_reason],
                 sample_finish_reasons=[FINISH_TO_PROTO[finals[i].finish_reason]
                                        for i in range(sampling.n)],
