@@ -2,8 +2,13 @@
 
 import pytest
 
-from prefixgate.protocol import (DEFAULT_MAX_TOKENS, InvalidRequest, check_messages,
-                                 check_token_ids, sampling_from_proto)
+from prefixgate.protocol import (
+    DEFAULT_MAX_TOKENS,
+    InvalidRequest,
+    check_messages,
+    check_token_ids,
+    sampling_from_proto,
+)
 from prefixgate.v1 import common_pb2
 
 

@@ -202,7 +202,7 @@ def _multi_turn_reuse(args, tok, engine, generate_tokens, spec) -> dict:
     engine.flush_cache()
     reusable = hit = pairs = 0
     with gzip.open(args.trace, "rt") as f:
-        convs = [json.loads(line) for _, line in zip(range(args.conversations), f)]
+        convs = [json.loads(line) for _, line in zip(range(args.conversations), f, strict=False)]
     roles = {"human": "user", "system": "system"}
     for conv in tqdm(convs, desc="multi-turn reuse", file=sys.stderr):
         history: list[tuple[str, str]] = []
