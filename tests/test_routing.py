@@ -200,3 +200,13 @@ def test_index_matches_a_set_model(events, queries) -> None:
     assert index.num_blocks == len(on_paths)
     for w, s in held.items():
         assert index.num_owned_blocks(w) == len(s)
+
+
+def test_router_benchmark_smoke() -> None:
+    """`prefixgate bench router`'s latency part on a small index (not timed)."""
+    from prefixgate.bench.router import _latency
+
+    rows = _latency([3000], [8], 6, seed=1, progress=lambda items, desc: items)
+    (row,) = rows
+    assert row["indexed_blocks"] >= 3000 and row["workers"] == 8
+    assert row["mean_expected_cached_tokens"] > 0  # resident conversations are found
