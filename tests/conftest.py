@@ -123,6 +123,44 @@ def redis_flush(redis_url: str) -> str:
     return redis_url
 
 
+@pytest.fixture
+def own_redis(tmp_path: Path):
+    """A private redis-server this test may stop and start again (same port, empty after a
+    restart): yields (url, start, stop)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    port = free_port()
+    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+           "no", "--dir", str(tmp_path)]
+    procs = []
+
+    def start():
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        import redis
+
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis(port=port).ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def stop():
+        procs[-1].terminate()
+        procs[-1].wait(10)
+
+    start()
+    yield f"redis://127.0.0.1:{port}/0", start, stop
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
 def make_engine(spec: ModelSpec, model, event_sink=None, **config):
     """A PagedEngine for `spec` (EngineConfig fields as keyword arguments) reporting its
     KV events to `event_sink`."""

@@ -158,3 +158,58 @@ def test_two_gateways_on_one_redis_route_alike(loop_thread, tiny_spec, tiny_mode
     finally:
         for stop in (s1, s2, a_stop, b_stop):
             loop_thread.loop.call_soon_threadsafe(stop.set)
+
+
+def test_redis_restart_gateway_keeps_routing_and_resyncs(loop_thread, tiny_spec, tiny_model,
+                                                         own_redis) -> None:
+    """Redis goes away mid-run: the gateway reports degraded (health and metric), keeps
+    routing from its index; Redis comes back empty: the index resyncs from the workers."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from prefixgate.gateway import metrics
+    from prefixgate.registry import RedisRegistry
+
+    url, start_redis, stop_redis = own_redis
+    a, a_stop = start_redis_worker(loop_thread, tiny_spec, tiny_model, "xa", url, lease_ms=900)
+    b, b_stop = start_redis_worker(loop_thread, tiny_spec, tiny_model, "xb", url, lease_ms=900)
+    gw, g_stop, index = start_gateway_with_index(loop_thread, tiny_spec,
+                                                 registry=RedisRegistry(url, timeout_s=1))
+    hasher = BlockHasher(BLOCK, model_fingerprint=tiny_spec.fingerprint)
+
+    def status(service: str) -> int:
+        with grpc.insecure_channel(gw) as hc:
+            return health_pb2_grpc.HealthStub(hc).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+    serving = health_pb2.HealthCheckResponse.SERVING
+    try:
+        with grpc.insecure_channel(gw) as ch:
+            stub = chat_pb2_grpc.ChatServiceStub(ch)
+            wait_workers(stub, 2)
+            p = prompts(1)[0]
+            served = chat(stub, p, "before").worker_id
+            wait_for(lambda: owners(index, hasher, p).get(served, 0) >= 5, what="index")
+            assert status("prefixgate.registry") == serving
+            stop_redis()
+            wait_for(lambda: status("prefixgate.registry") != serving, what="degraded health")
+            assert status("") == serving and metrics.REGISTRY_DEGRADED._value.get() == 1
+            # Routing goes on from the local index: the holder still gets the prefix.
+            final = chat(stub, p + [9, 9], "during")
+            assert final.worker_id == served and final.usage.cached_tokens >= 64
+            rebuilds = metrics.RESYNCS.labels("redis")._value.get()
+            start_redis()  # empty: leases, blocks and the stream are gone
+            wait_for(lambda: status("prefixgate.registry") == serving, timeout=30,
+                     what="health to recover")
+            # The workers register again and republish their caches: the index converges.
+            wait_for(lambda: owners(index, hasher, p).get(served, 0) >= 5, timeout=30,
+                     what="index to resync")
+            assert metrics.RESYNCS.labels("redis")._value.get() > rebuilds
+            wait_workers(stub, 2)
+            assert chat(stub, p + [8], "after").worker_id == served
+            # New events flow through the new stream.
+            q = prompts(2)[1]
+            served_q = chat(stub, q, "new-after").worker_id
+            wait_for(lambda: owners(index, hasher, q).get(served_q, 0) >= 5, what="new events")
+    finally:
+        for stop in (g_stop, a_stop, b_stop):
+            loop_thread.loop.call_soon_threadsafe(stop.set)

@@ -4,18 +4,13 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
 import time
-
-import pytest
 
 from prefixgate.gateway.index import PrefixIndex
 from prefixgate.gateway.redis_feed import RedisStreamFeed
 from prefixgate.gateway.routing import LoadSnapshot, Router, RoutingConfig, make_turn
 from prefixgate.radix import BlockHasher
 from prefixgate.registry import OwnershipEvent, RedisRegistry, WorkerRecord
-from prefixgate.rpc import free_port
 from prefixgate.worker.events import EventLog, RedisPublisher
 
 HASHER = BlockHasher(4, model_fingerprint="fp")
@@ -161,43 +156,6 @@ def test_trimmed_stream_makes_the_gateway_rebuild(redis_flush) -> None:
         await reg.close()
 
     asyncio.run(scenario())
-
-
-@pytest.fixture
-def own_redis(tmp_path):
-    """A redis-server this test may kill and restart (same port)."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed")
-    port = free_port()
-    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-           "no", "--dir", str(tmp_path)]
-    procs = []
-
-    def start():
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        import redis
-
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis(port=port).ping()
-                return
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    def stop():
-        procs[-1].terminate()
-        procs[-1].wait(10)
-
-    start()
-    yield f"redis://127.0.0.1:{port}/0", start, stop
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
 
 
 def test_redis_restart_degrades_then_resyncs(own_redis) -> None:

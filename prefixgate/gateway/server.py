@@ -34,6 +34,7 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from prefixgate import rpc
 from prefixgate.gateway import metrics
@@ -257,7 +258,9 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
             except Exception:
                 log.exception("index feed sync failed")
             await rpc.set_serving(health, [SERVICE.full_name], bool(pool.healthy()))
-            await rpc.set_serving(health, [REGISTRY_HEALTH], not feed.degraded)
+            # Not set_serving: that would also flip the gateway's overall status.
+            await health.set(REGISTRY_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING
+                             if feed.degraded else health_pb2.HealthCheckResponse.SERVING)
             metrics.REGISTRY_DEGRADED.set(1 if feed.degraded else 0)
             metrics.INDEX_BLOCKS.set(service.index.num_blocks)
             try:
