@@ -1,0 +1,132 @@
+"""Failover semantics against scripted fake workers (real gRPC on loopback): a worker lost
+after tokens were sent ends the stream with UNAVAILABLE saying a retry is safe, and the
+turn is NOT continued elsewhere (no duplicated text); one failing before its first token
+is replaced invisibly."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from prefixgate import rpc
+from prefixgate.gateway.routing import RoutingConfig
+from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2, worker_pb2
+from tests.conftest import start_gateway, wait_for
+
+SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"]
+
+
+class FakeWorker:
+    """Answers like a worker; `mode` scripts Generate: "ok", "die_after_tokens",
+    "fail_first" (UNAVAILABLE before any token)."""
+
+    def __init__(self, worker_id: str, fingerprint: str, mode: str, queued: int = 0) -> None:
+        self.worker_id, self.fingerprint, self.mode, self.queued = worker_id, fingerprint, mode, queued
+        self.generate_calls = 0
+
+    async def GetInfo(self, request, context):
+        return worker_pb2.WorkerInfo(worker_id=self.worker_id, model_name="tiny-random",
+                                     model_fingerprint=self.fingerprint, block_size=16,
+                                     max_context_tokens=2048, kv_capacity_tokens=4096)
+
+    async def GetStatus(self, request, context):
+        return worker_pb2.WorkerStatus(num_queued_prefill_tokens=self.queued,
+                                       kv_capacity_tokens=4096)
+
+    async def FlushCache(self, request, context):
+        return worker_pb2.FlushCacheResponse()
+
+    async def WatchEvents(self, request, context):
+        yield worker_pb2.KVEventBatch(worker_id=self.worker_id, incarnation=1, snapshot=True)
+        await asyncio.Event().wait()
+
+    async def Generate(self, request, context):
+        self.generate_calls += 1
+        if self.mode == "fail_first":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted failure")
+        for t in (11, 12):
+            yield worker_pb2.GenerateEvent(chunk=worker_pb2.GenerateChunk(token_ids=[t],
+                                                                          text=f"<{t}>"))
+            await asyncio.sleep(0.01)
+        if self.mode == "die_after_tokens":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted loss mid-reply")
+        yield worker_pb2.GenerateEvent(final=worker_pb2.GenerateFinal(
+            usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids),
+                                   completion_tokens=2),
+            finish_reason=common_pb2.FINISH_REASON_LENGTH))
+
+
+def start_fake(loop_thread, fake: FakeWorker) -> tuple[str, object]:
+    async def start():
+        server = grpc.aio.server()
+        rpc.add_service(server, SERVICE, fake)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return port, server
+
+    port, server = loop_thread.run(start())
+    return f"127.0.0.1:{port}", server
+
+
+@pytest.fixture
+def fakes(loop_thread, tiny_spec):
+    started = []
+
+    def make(worker_id: str, mode: str, queued: int = 0):
+        fake = FakeWorker(worker_id, tiny_spec.fingerprint, mode, queued)
+        address, server = start_fake(loop_thread, fake)
+        started.append(server)
+        return fake, address
+
+    yield make
+    for server in started:
+        loop_thread.run(server.stop(0))
+
+
+def _chat(gw: str, n_workers: int):
+    with grpc.insecure_channel(gw) as ch:
+        stub = chat_pb2_grpc.ChatServiceStub(ch)
+        wait_for(lambda: stub.ListModels(chat_pb2.ListModelsRequest()).models[0].num_workers
+                 == n_workers, what="gateway to see the workers")
+        req = chat_pb2.ChatRequest(conversation_id="c")
+        req.prompt_token_ids.token_ids.extend(range(3, 40))
+        events = []
+        try:
+            for ev in stub.Chat(req, timeout=20):
+                events.append(ev)
+        except grpc.RpcError as exc:
+            return events, exc
+        return events, None
+
+
+def test_lost_after_tokens_is_unavailable_and_never_continued(loop_thread, tiny_spec,
+                                                              fakes) -> None:
+    dying, d_addr = fakes("dying", "die_after_tokens")
+    healthy, h_addr = fakes("healthy", "ok", queued=10**6)  # ranked second (least-loaded)
+    gw, stop = start_gateway(loop_thread, tiny_spec, [d_addr, h_addr],
+                             routing=RoutingConfig(policy="least-loaded"))
+    try:
+        events, err = _chat(gw, 2)
+        assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE
+        assert "after 2 tokens" in err.details() and "retrying is safe" in err.details()
+        assert [t for e in events for t in e.delta.token_ids] == [11, 12]  # each token once
+        assert dying.generate_calls == 1 and healthy.generate_calls == 0
+    finally:
+        loop_thread.loop.call_soon_threadsafe(stop.set)
+
+
+def test_failure_before_the_first_token_is_invisible(loop_thread, tiny_spec, fakes) -> None:
+    failing, f_addr = fakes("failing", "fail_first")
+    healthy, h_addr = fakes("healthy2", "ok", queued=10**6)
+    gw, stop = start_gateway(loop_thread, tiny_spec, [f_addr, h_addr],
+                             routing=RoutingConfig(policy="least-loaded"))
+    try:
+        events, err = _chat(gw, 2)
+        assert err is None
+        assert [t for e in events for t in e.delta.token_ids] == [11, 12]
+        assert events[-1].final.worker_id == "healthy2"
+        assert failing.generate_calls == 1 and healthy.generate_calls == 1
+    finally:
+        loop_thread.loop.call_soon_threadsafe(stop.set)
