@@ -414,3 +414,30 @@ def test_build_request_caps_prompt_and_tokens() -> None:
                                                                  max_prompt_tokens=5,
                                                                  vocab_size=320))
     assert len(req.prompt_token_ids) == 5 and req.max_tokens == 2
+
+
+def test_cli_simulate_and_combine(tmp_path, capsys) -> None:
+    from prefixgate.cli import main
+
+    lines = [{"timestamp": i * 300, "input_length": 2048, "output_length": 4,
+              "hash_ids": [i % 5, 10 + i % 5, 20 + i, 30 + i]} for i in range(40)]
+    trace = _write_lines(tmp_path / "m.jsonl", [json.dumps(x) for x in lines])
+    assert main(["replay", "--simulate", "--trace", str(trace), "--workers", "2,4",
+                 "--capacity-tokens", "8192", "--policy", "prefix:shared_prefix_weight=1,round-robin",
+                 "--out", str(tmp_path / "sim"), "--name", "s", "--json", "--no-progress",
+                 "--no-plots"]) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert [r["label"] for r in runs] == ["prefix:shared_prefix_weight=1 x2", "round-robin x2",
+                                          "prefix:shared_prefix_weight=1 x4", "round-robin x4"]
+    assert all(r["summary"]["turns_ok"] == 40 and r["config"]["arrival"]["mode"] == "open"
+               for r in runs)
+    # Two of every four blocks repeat (5 leading pairs, 16 blocks per worker): prefix
+    # routing splits the pairs between the workers, round-robin makes both hold all.
+    assert runs[0]["summary"]["hit_rate"] > runs[1]["summary"]["hit_rate"]
+    assert runs[0]["bounds"]["infinite_cache"] >= runs[0]["summary"]["hit_rate"]
+    with pytest.raises(SystemExit, match="unknown routing field"):
+        main(["replay", "--simulate", "--trace", str(trace), "--policy", "prefix:bogus=1",
+              "--out", str(tmp_path / "x"), "--no-progress"])
+    assert main(["replay", "--combine", str(tmp_path / "sim" / "s.json"), "--out",
+                 str(tmp_path / "c"), "--name", "c", "--no-plots"]) == 0
+    assert (tmp_path / "c" / "c.md").read_text().count("| round-robin x") == 2

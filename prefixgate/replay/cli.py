@@ -129,7 +129,13 @@ async def _replay(args: argparse.Namespace, trace) -> dict:
                        "limits": vars(limits), "started_unix_s": result.started_unix_s},
             "summary": summary,
             "ttft_samples_s": sorted(r.ttft_s for r in result.records
-                                     if r.ok and r.completion_tokens)}
+                                     if r.ok and r.completion_tokens),
+            "turns": [{"conversation_id": r.conversation_id, "turn": r.turn_index,
+                       "start_s": round(r.start_s, 4), "status": r.status,
+                       "ttft_s": round(r.ttft_s, 4), "e2e_s": round(r.e2e_s, 4),
+                       "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+                       "completion_tokens": r.completion_tokens, "worker": r.worker}
+                      for r in result.records]}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -164,7 +164,7 @@ def prepare_turns(trace: Trace, block_size: int = 16, tokenizer=None,
 class _Worker:
     __slots__ = ("wid", "cache", "queue", "queued_tokens", "busy", "running", "overflow")
 
-    def __init__(self, wid: str, block_size: int) -> None:
+    def __init__(self, wid: str) -> None:
         self.wid = wid
         self.cache: RadixTree[int] = RadixTree(1)  # each block's value is its own hash
         self.queue: deque[_Req] = deque()
@@ -191,7 +191,7 @@ class _Sim:
         self.convs, self.cfg, self.ideal = convs, cfg, ideal
         n = 1 if ideal else cfg.num_workers
         self.capacity = cfg.capacity_blocks if capacity_blocks is None else capacity_blocks
-        self.workers = [_Worker(f"worker-{i:03d}", cfg.block_size) for i in range(n)]
+        self.workers = [_Worker(f"worker-{i:03d}") for i in range(n)]
         self.by_id = {w.wid: w for w in self.workers}
         self.index = PrefixIndex(spread_fanout=cfg.routing.spread_fanout)
         for w in self.workers:
@@ -201,6 +201,9 @@ class _Sim:
         self.seq = 0
         self.records: list[TurnRecord] = []
         self.now = 0.0
+        # Request -> the conversation turn it releases when done (closed loop, Poisson).
+        self._next_of: dict[int, tuple | None] = {}
+        self._users: deque | None = None  # closed loop: conversations not started yet
 
     def at(self, t: float, fn, *args) -> None:
         self.seq += 1
@@ -298,8 +301,6 @@ class _Sim:
 
     def run(self) -> SimResult:
         a = self.cfg.arrival
-        self._next_of: dict[int, tuple | None] = {}
-        self._users: deque | None = None
         convs = [c for c in self.convs if c]
         if a.mode == "open":
             for c in convs:

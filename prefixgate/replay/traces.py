@@ -29,6 +29,8 @@ from pathlib import Path
 
 import xxhash
 
+from prefixgate.replay.record import RECORD_VERSION
+
 FORMATS = ("auto", "sharegpt", "mooncake", "prefixgate")
 MOONCAKE_BLOCK_SIZE = 512
 # Synthesised token ids avoid the lowest ids, where tokenizers keep their special tokens.
@@ -282,8 +284,6 @@ def _mooncake(rec: dict, number: int) -> Conversation:
 
 
 def _recorded(rec: dict, number: int) -> tuple[str, int, TraceTurn]:
-    from prefixgate.replay.record import RECORD_VERSION
-
     if rec.get("v", RECORD_VERSION) != RECORD_VERSION:
         raise ValueError(f"record version {rec.get('v')} is not {RECORD_VERSION}")
     n_in, n_out = _token_counts(rec, "prompt_tokens", "output_tokens")
