@@ -17,7 +17,7 @@ Backends:
                       pg:lease:{id}           epoch, expires after lease_ms (PX)
                       pg:epoch:{id}           counter (INCR on each registration)
                       pg:kv:{id}              hash: block hash -> parent hash (8 bytes
-                                              each, little-endian; parent "" = root): the
+                                              each, little-endian; parent 0 = root): the
                                               blocks the worker's current epoch holds
                       pg:events               stream of ownership changes (one entry per
                                               published batch or lifecycle change)
@@ -172,12 +172,14 @@ return 1
 # Apply one batch of ownership events, fenced by the lease's epoch, and append it to the
 # stream as one entry. ARGV: id, epoch, maxlen, then (kind, parent, hashes) per event.
 _PUBLISH = """
+local ROOT = string.rep('\\0', 8)
 if redis.call('GET', KEYS[1]) ~= ARGV[2] then return 0 end
 local entry = {'XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'w', ARGV[1], 'e', ARGV[2],
                'k', 'batch', 'n', tostring((#ARGV - 3) / 3)}
 local n = 0
 for i = 4, #ARGV, 3 do
   local kind, parent, hs = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  if parent == '' then parent = ROOT end
   if kind == 'store' then
     for j = 1, #hs, 8 do
       local h = string.sub(hs, j, j + 7)
@@ -219,6 +221,13 @@ def _parent_bytes(parent: int | None) -> bytes:
     return b"" if parent is None else parent.to_bytes(8, "little")
 
 
+# A worker's whole ownership hash as one string: 16 bytes per block (hash, parent; parent
+# 0 = root). Parsing 2 bulk strings per block in Python costs ~10 µs; this costs ~0.1 µs.
+_DUMP_KV = """
+return table.concat(redis.call('HGETALL', KEYS[1]))
+"""
+
+
 def _parent_int(data: bytes) -> int | None:
     return int.from_bytes(data, "little") if data else None
 
@@ -247,6 +256,7 @@ class RedisRegistry(Registry):
         self._renew = self.redis.register_script(_RENEW)
         self._remove = self.redis.register_script(_REMOVE)
         self._publish = self.raw.register_script(_PUBLISH)
+        self._dump_kv = self.raw.register_script(_DUMP_KV)
 
     def _key(self, kind: str, worker_id: str = "") -> str:
         return f"{self.prefix}{kind}" + (f":{worker_id}" if worker_id else "")
@@ -346,14 +356,15 @@ class RedisRegistry(Registry):
             for wid in ids:
                 pipe.hget(self._key("worker", wid), "epoch")
                 pipe.get(self._key("lease", wid))
-                pipe.hgetall(self._key("kv", wid))
+                await self._dump_kv(keys=[self._key("kv", wid)], client=pipe)
             replies = await pipe.execute()
         out: dict[str, tuple[int, dict[int, int | None]]] = {}
         for i, wid in enumerate(ids):
-            epoch, lease, kv = replies[3 * i: 3 * i + 3]
+            epoch, lease, dump = replies[3 * i: 3 * i + 3]
             if epoch is None or lease != epoch:
                 continue
-            blocks = {int.from_bytes(h, "little"): _parent_int(p) for h, p in kv.items()}
+            pairs = unpack_hashes(dump or b"")
+            blocks = dict(zip(pairs[::2], [p or None for p in pairs[1::2]], strict=True))
             out[wid] = (int(epoch), blocks)
         return last_id, added, out
 
