@@ -77,6 +77,13 @@ def test_events_reach_the_index_and_route_the_next_conversation(loop_thread, tin
                 final = chat(stub, p + [7, 8, 9], f"second-{i}")
                 assert final.worker_id == served
                 assert final.usage.cached_tokens >= 80 // BLOCK * BLOCK
+            # Counted: expected and reported cached tokens per worker and policy.
+            from prometheus_client import REGISTRY
+
+            expected = REGISTRY.get_sample_value(
+                "prefixgate:router_expected_cached_tokens_total",
+                {"worker": final.worker_id, "policy": "prefix"})
+            assert expected is not None and expected >= 80 // BLOCK * BLOCK
             # A flushed cache is forgotten by the gateway too.
             import prefixgate.v1.worker_pb2 as wpb
             import prefixgate.v1.worker_pb2_grpc as wgrpc

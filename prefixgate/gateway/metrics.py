@@ -5,6 +5,8 @@ Routing:  prefixgate:router_turns_total{worker,policy}          turns routed (fi
           prefixgate:router_expected_cached_tokens_total{worker,policy}
                                                                  cached tokens the router
                                                                  expected of its choice
+          prefixgate:router_cached_tokens_total{worker,policy}   cached tokens the worker
+                                                                 reported for them
           prefixgate:router_prompt_tokens_total{worker,policy}   their prompt tokens
           prefixgate:router_failovers_total                      turns re-routed before the
                                                                  first token
@@ -15,7 +17,8 @@ Index:    prefixgate:index_blocks                                distinct blocks
           prefixgate:index_resyncs_total{source}                 rebuilds from a snapshot
 Registry: prefixgate:registry_degraded                           1 while Redis is unreachable
           prefixgate:registry_reaped_workers_total               expired workers reaped here
-Expected hit rate = expected_cached_tokens_total / prompt_tokens_total.
+Expected hit rate = expected_cached_tokens_total / prompt_tokens_total; the actual one uses
+cached_tokens_total (a gap between them means the index is stale or lagging).
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ TURNS = Counter("prefixgate:router_turns", "Turns routed, by first-choice worker
 EXPECTED_CACHED = Counter("prefixgate:router_expected_cached_tokens",
                           "Cached prompt tokens the router expected of its first choice.",
                           ["worker", "policy"])
+CACHED = Counter("prefixgate:router_cached_tokens",
+                 "Cached prompt tokens the chosen worker reported (compare with expected).",
+                 ["worker", "policy"])
 PROMPT_TOKENS = Counter("prefixgate:router_prompt_tokens", "Prompt tokens of routed turns.",
                         ["worker", "policy"])
 FAILOVERS = Counter("prefixgate:router_failovers",

@@ -164,6 +164,7 @@ class ChatService:
                     self.router.record(turn, wid)
                     metrics.TURNS.labels(wid, policy).inc()
                     metrics.EXPECTED_CACHED.labels(wid, policy).inc(expected)
+                    metrics.CACHED.labels(wid, policy).inc(final.usage.cached_tokens)
                     metrics.PROMPT_TOKENS.labels(wid, policy).inc(len(prompt))
                     log.info("turn conv=%s policy=%s worker=%s prompt=%d expected_cached=%d "
                              "cached=%d completion=%d ttft=%.1fms attempt=%d",
