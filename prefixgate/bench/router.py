@@ -16,8 +16,9 @@ nodes, as in a real multi-turn index. Indexes of 10k, 100k and 1M blocks, 8 and 
 * ingestion: blocks/s a gateway applies from the Redis event stream (and in process, and
   bootstrapping from the ownership hashes), plus the worker side's publish rate.
 * memory: tracemalloc-traced Python heap of the index per block.
-* two gateways: a multi-turn workload (shared system prompt, conversations interleaved)
-  through 8 simulated LRU workers; turns go to one gateway, or at random to one of two
+* two gateways: a multi-turn workload (synthetic: shared system prompt; or `--trace`, a
+  recorded one such as the ShareGPT conversations; 32 conversations interleaved) through
+  8 simulated LRU workers holding about half the working set; turns go to one gateway, or at random to one of two
   gateways that follow the same Redis stream, or to two gateways that each learn only
   from the turns they routed (replicas without a shared record). Reported: cached prompt
   tokens actually found on the chosen worker, and the loss against one gateway.
@@ -29,6 +30,7 @@ note when none is installed). Progress goes to stderr; `run` returns the JSON do
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import random
 import shutil
@@ -61,6 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Redis to use (default: start a private redis-server)")
     parser.add_argument("--conversations", type=int, default=0,
                         help="two-gateway workload size (default: 300, quick 80)")
+    parser.add_argument("--trace", default="",
+                        help="two-gateway workload from this trace (prefixgate replay's "
+                             "formats, e.g. ../shared/traces/sharegpt_multiturn_dev.jsonl.gz) "
+                             "instead of the synthetic one")
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="tokenizer for a chat --trace")
+    parser.add_argument("--skip-latency", action="store_true",
+                        help="only the Redis and two-gateway parts")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -304,38 +314,77 @@ async def _round_trips_and_ingestion(url: str, seed: int, quick: bool) -> dict:
 # --------------------------------------------------------------------------- two gateways
 
 
-async def _two_gateways(url: str, n_convs: int, seed: int, progress: Any) -> dict:
+@dataclasses.dataclass(frozen=True)
+class _SimTurn:
+    """One turn: the prompt's chained block hashes and what the worker caches after it
+    (prompt and reply). Same fields as prefixgate.replay.simulate.SimTurn."""
+
+    num_prompt_tokens: int
+    block_hashes: tuple[int, ...]
+    keep_hashes: tuple[int, ...]
+
+
+def _synthetic_conversations(n_convs: int, seed: int) -> list[list[_SimTurn]]:
+    """n_convs conversations × 6 turns behind a shared 512-token system prompt; user
+    messages 30-200 tokens, replies 50-400."""
+    from prefixgate.radix import BlockHasher
+
+    rng = random.Random(seed)
+    hasher = BlockHasher(BLOCK_SIZE, "bench-model", "")
+    system = _tokens(rng, 512)
+    convs = []
+    for _ in range(n_convs):
+        text, turns = list(system), []
+        for _ in range(6):
+            prompt = text + _tokens(rng, rng.randrange(30, 200))
+            text = prompt + _tokens(rng, rng.randrange(50, 400))
+            turns.append(_SimTurn(len(prompt), tuple(hasher.hash_blocks(prompt)),
+                                  tuple(hasher.hash_blocks(text))))
+        convs.append(turns)
+    return convs
+
+
+def _trace_conversations(path: str, model: str, limit: int) -> list[list[Any]]:
+    """A recorded trace's conversations, prepared by the replay tooling."""
+    from prefixgate.models import resolve_model
+    from prefixgate.replay.simulate import prepare_turns
+    from prefixgate.replay.traces import read_trace
+    from prefixgate.tokenizer import ChatTokenizer
+
+    trace = read_trace(path)
+    if limit:
+        trace = dataclasses.replace(trace, conversations=trace.conversations[:limit])
+    tokenizer = ChatTokenizer(resolve_model(model)) if trace.is_chat else None
+    return [c for c in prepare_turns(trace, BLOCK_SIZE, tokenizer, progress=True) if c]
+
+
+async def _two_gateways(url: str, convs: list[list[Any]], seed: int, progress: Any) -> dict:
     """Cached prompt tokens with one gateway, two sharing Redis, two learning alone."""
     import redis.asyncio as aioredis
 
     from prefixgate.gateway.index import PrefixIndex
     from prefixgate.gateway.redis_feed import RedisStreamFeed
-    from prefixgate.gateway.routing import LoadSnapshot, Router, RoutingConfig, make_turn
-    from prefixgate.radix import BlockHasher, RadixTree
+    from prefixgate.gateway.routing import LoadSnapshot, Router, RoutingConfig, Turn
+    from prefixgate.radix import RadixTree
     from prefixgate.registry import OwnershipEvent, RedisRegistry, WorkerRecord
 
-    num_workers, turns_per_conv, active = 8, 6, 32
-    rng = random.Random(seed)
-    system = _tokens(rng, 512)
-    # Conversation scripts: (user tokens, reply tokens) per turn.
-    scripts = [[(_tokens(rng, rng.randrange(30, 200)), _tokens(rng, rng.randrange(50, 400)))
-                for _ in range(turns_per_conv)] for _ in range(n_convs)]
+    num_workers, active = 8, 32
+    n_convs = len(convs)
     order_rng = random.Random(seed + 1)
     order: list[int] = []  # conversation of each step, interleaved `active` at a time
-    pending, nxt, progress_of = list(range(min(active, n_convs))), min(active, n_convs), {}
+    pending, nxt, done = list(range(min(active, n_convs))), min(active, n_convs), {}
     while pending:
         c = order_rng.choice(pending)
         order.append(c)
-        progress_of[c] = progress_of.get(c, 0) + 1
-        if progress_of[c] == turns_per_conv:
+        done[c] = done.get(c, 0) + 1
+        if done[c] == len(convs[c]):
             pending.remove(c)
             if nxt < n_convs:
                 pending.append(nxt)
                 nxt += 1
-    working_set = sum(len(system) + sum(len(u) + len(r) for u, r in s) for s in scripts)
-    capacity = working_set // BLOCK_SIZE // num_workers // 2  # the cache holds ~half
+    working_set = len({h for conv in convs for t in conv for h in t.keep_hashes})
+    capacity = max(1, working_set // num_workers // 2)  # the caches hold about half of it
     gateway_of_turn = [random.Random(seed + 2 + i).randrange(2) for i in range(len(order))]
-    hasher = BlockHasher(BLOCK_SIZE, "bench-model", "")
     ids = [f"worker-{i}" for i in range(num_workers)]
 
     async def one_run(mode: str) -> dict:
@@ -356,31 +405,25 @@ async def _two_gateways(url: str, n_convs: int, seed: int, progress: Any) -> dic
                 feeds.append(feed)
         caches = {w: RadixTree(1) for w in ids}
         loads = [LoadSnapshot(w) for w in ids]
-        text = {c: list(system) for c in range(n_convs)}
         turn_no = dict.fromkeys(range(n_convs), 0)
-        hit_tokens = prompt_tokens = 0
-        published = 0
+        hit_tokens = prompt_tokens = published = 0
         for step, c in enumerate(progress(order, desc=mode)):
-            user, reply = scripts[c][turn_no[c]]
+            t = convs[c][turn_no[c]]
             turn_no[c] += 1
-            prompt = text[c] + user
             g = 0 if n_gw == 1 else gateway_of_turn[step]
-            turn = make_turn(prompt, hasher, f"conv-{c}")
+            turn = Turn(t.num_prompt_tokens, f"conv-{c}", t.block_hashes, BLOCK_SIZE)
             w = routers[g].decide(loads, turn).ranked[0].worker_id
             routers[g].record(turn, w)
-            hs = list(turn.block_hashes)
             cache = caches[w]
-            cached = cache.match(hs).num_blocks * BLOCK_SIZE
-            hit_tokens += min(cached, len(prompt) - 1)
-            prompt_tokens += len(prompt)
-            # The worker caches the prompt and its reply, evicting LRU blocks beyond capacity.
-            text[c] = prompt + reply
-            full = hasher.hash_blocks(text[c])
-            res = cache.insert(full, full)
-            m = res.num_cached_blocks
+            cached = cache.match(t.block_hashes).num_blocks * BLOCK_SIZE
+            hit_tokens += min(cached, t.num_prompt_tokens - 1)
+            prompt_tokens += t.num_prompt_tokens
+            # The worker caches prompt and reply, evicting LRU blocks beyond its capacity.
+            keep = list(t.keep_hashes)
+            m = cache.insert(keep, keep).num_cached_blocks
             events = []
-            if m < len(full):
-                events.append(OwnershipEvent("store", full[m:], full[m - 1] if m else None))
+            if m < len(keep):
+                events.append(OwnershipEvent("store", keep[m:], keep[m - 1] if m else None))
             over = cache.num_blocks - capacity
             if over > 0:
                 events.append(OwnershipEvent("remove", cache.evict(over)))
@@ -407,7 +450,7 @@ async def _two_gateways(url: str, n_convs: int, seed: int, progress: Any) -> dic
     runs = {mode: await one_run(mode) for mode in ("one", "shared_redis", "independent")}
     base = runs["one"]["cached_tokens"]
     for mode in ("shared_redis", "independent"):
-        runs[mode]["loss_vs_one"] = round(1 - runs[mode]["cached_tokens"] / base, 4)
+        runs[mode]["loss_vs_one"] = round(1 - runs[mode]["cached_tokens"] / base, 6)
     return {"workers": num_workers, "conversations": n_convs, "turns": len(order),
             "capacity_blocks_per_worker": capacity, **runs}
 
@@ -429,14 +472,16 @@ def run(args: argparse.Namespace) -> dict:
     n_convs = args.conversations or (80 if quick else 300)
     out: dict[str, Any] = {"block_size": BLOCK_SIZE, "prompt_tokens": PROMPT_TOKENS,
                            "targets": TARGETS}
-    _log("decision latency")
-    out["latency"] = _latency(sizes, [8, 64], decisions, args.seed, progress)
-    _log("index memory (tracemalloc, 100k blocks, 8 workers)")
-    wl = _IndexWorkload(100_000, 8, args.seed, trace=True)
-    out["memory"] = {"indexed_blocks": wl.index.num_blocks,
-                     "bytes_per_block": round(wl.index_bytes / wl.index.num_blocks, 1)}
-    del wl
-    gc.collect()
+    out["latency"] = []
+    if not args.skip_latency:
+        _log("decision latency")
+        out["latency"] = _latency(sizes, [8, 64], decisions, args.seed, progress)
+        _log("index memory (tracemalloc, 100k blocks, 8 workers)")
+        wl = _IndexWorkload(100_000, 8, args.seed, trace=True)
+        out["memory"] = {"indexed_blocks": wl.index.num_blocks,
+                         "bytes_per_block": round(wl.index_bytes / wl.index.num_blocks, 1)}
+        del wl
+        gc.collect()
     redis = _Redis(args.redis_url)
     try:
         if not redis.url:
@@ -445,8 +490,13 @@ def run(args: argparse.Namespace) -> dict:
             _log("Redis round trips per turn and event ingestion")
             out.update(asyncio.run(_round_trips_and_ingestion(redis.url, args.seed, quick)))
             _log("two gateways against one")
-            out["two_gateways"] = asyncio.run(_two_gateways(redis.url, n_convs, args.seed,
+            if args.trace:
+                convs = _trace_conversations(args.trace, args.model, args.conversations)
+            else:
+                convs = _synthetic_conversations(n_convs, args.seed)
+            out["two_gateways"] = asyncio.run(_two_gateways(redis.url, convs, args.seed,
                                                             progress))
+            out["two_gateways"]["workload"] = args.trace or "synthetic"
     finally:
         redis.close()
     at_1m = [r for r in out["latency"] if r["size"] == 1_000_000]
