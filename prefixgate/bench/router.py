@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokenizer for a chat --trace")
     parser.add_argument("--skip-latency", action="store_true",
                         help="only the Redis and two-gateway parts")
+    parser.add_argument("--plot", default="",
+                        help="write a PNG: decision latency by index size, and prefix hits "
+                             "of one gateway, two sharing Redis, two learning alone")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -499,6 +502,9 @@ def run(args: argparse.Namespace) -> dict:
             out["two_gateways"]["workload"] = args.trace or "synthetic"
     finally:
         redis.close()
+    if args.plot:
+        plot(out, args.plot)
+        out["plot"] = args.plot
     at_1m = [r for r in out["latency"] if r["size"] == 1_000_000]
     out["meets"] = {
         "decision_p99_ms_at_1M_blocks": (max(r["decision_cpu"]["p99_ms"] for r in at_1m)
@@ -511,3 +517,53 @@ def run(args: argparse.Namespace) -> dict:
                                  if "two_gateways" in out else None),
     }
     return out
+
+
+def plot(result: dict, path: str) -> None:
+    """PNG of a `run` result: decision latency by index size (p50 wall, p99 CPU time, the
+    1 ms target) and, when present, the two-gateway hit rates."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [k for k in ("latency", "two_gateways") if result.get(k)]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
+    for ax, panel in zip(axes[0], panels, strict=True):
+        if panel == "latency":
+            for nw, color in ((8, "tab:blue"), (64, "tab:orange")):
+                rows = sorted((r for r in result["latency"] if r["workers"] == nw),
+                              key=lambda r: r["indexed_blocks"])
+                xs = [r["indexed_blocks"] for r in rows]
+                ax.plot(xs, [r["decision"]["p50_ms"] for r in rows], "o-", color=color,
+                        label=f"{nw} workers, p50")
+                ax.plot(xs, [r["decision_cpu"]["p99_ms"] for r in rows], "s--", color=color,
+                        label=f"{nw} workers, p99 (CPU time)")
+            ax.axhline(1.0, color="gray", linestyle=":", label="target p99 1 ms")
+            ax.set_xscale("log")
+            ax.set_ylim(bottom=0)
+            ax.set_xlabel("indexed blocks")
+            ax.set_ylabel("ms per decision (8k-token prompt, hashed)")
+            ax.set_title("Routing decision latency")
+            ax.legend(fontsize=8)
+        else:
+            tg = result["two_gateways"]
+            modes = [("one", "one gateway"), ("shared_redis", "two gateways,\nshared Redis"),
+                     ("independent", "two gateways,\neach learning alone")]
+            rates = [tg[m]["hit_rate"] for m, _ in modes]
+            bars = ax.bar([label for _, label in modes], rates,
+                          color=["tab:green", "tab:blue", "tab:red"])
+            for bar, (m, _) in zip(bars, modes, strict=True):
+                loss = tg[m].get("loss_vs_one")
+                text = f"{tg[m]['hit_rate']:.3f}" + (f"\nloss {loss:.1%}" if loss is not None else "")
+                ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), text,
+                        ha="center", va="bottom", fontsize=8)
+            ax.set_ylim(0, 1.1)
+            ax.set_ylabel("share of prompt tokens cached")
+            name = str(tg.get("workload", "synthetic")).rsplit("/", 1)[-1]
+            ax.set_title(f"Prefix hits, {tg['turns']} turns ({name}), {tg['workers']} workers")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
