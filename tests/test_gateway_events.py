@@ -9,7 +9,10 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from prefixgate.events import chains
 from prefixgate.gateway.feeds import WorkerStreamFeed
 from prefixgate.gateway.index import PrefixIndex
 from prefixgate.registry import WorkerRecord
@@ -114,3 +117,24 @@ def test_worker_stream_feed_follows_and_forgets(loop_thread, event_worker) -> No
     assert index.num_blocks == 0 and index.workers() == {}
     loop_thread.run(feed.close())
     loop_thread.run(channel.close())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 40)), max_size=60))
+def test_chains_rebuild_exactly_the_blocks(edges) -> None:
+    """`chains(blocks)`: every block once, each chain after the chain holding its parent
+    (or with a parent outside `blocks`), links inside a chain are parent -> child."""
+    blocks: dict[int, int | None] = {}
+    for h, parent in edges:  # a forest: a parent id smaller than its child, 0 = root
+        if h not in blocks:
+            blocks[h] = parent if 0 < parent < h else None
+    out = chains(blocks)
+    seen: set[int] = set()
+    for parent, hs in out:
+        assert parent is None or parent in seen or parent not in blocks
+        assert blocks[hs[0]] == parent
+        for a, b in zip(hs, hs[1:], strict=False):
+            assert blocks[b] == a
+        assert not seen & set(hs)
+        seen.update(hs)
+    assert seen == set(blocks)
