@@ -19,8 +19,8 @@ SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"]
 
 
 class FakeWorker:
-    """Answers like a worker; `mode` scripts Generate: "ok", "die_after_tokens",
-    "fail_first" (UNAVAILABLE before any token)."""
+    """Answers like a worker; `mode` scripts Generate: "ok", "slow" (a second per token),
+    "die_after_tokens", "fail_first" (UNAVAILABLE before any token)."""
 
     def __init__(self, worker_id: str, fingerprint: str, mode: str, queued: int = 0) -> None:
         self.worker_id, self.fingerprint, self.mode, self.queued = worker_id, fingerprint, mode, queued
@@ -49,7 +49,7 @@ class FakeWorker:
         for t in (11, 12):
             yield worker_pb2.GenerateEvent(chunk=worker_pb2.GenerateChunk(token_ids=[t],
                                                                           text=f"<{t}>"))
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(1.0 if self.mode == "slow" else 0.01)
         if self.mode == "die_after_tokens":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted loss mid-reply")
         yield worker_pb2.GenerateEvent(final=worker_pb2.GenerateFinal(
@@ -128,5 +128,31 @@ def test_failure_before_the_first_token_is_invisible(loop_thread, tiny_spec, fak
         assert [t for e in events for t in e.delta.token_ids] == [11, 12]
         assert events[-1].final.worker_id == "healthy2"
         assert failing.generate_calls == 1 and healthy.generate_calls == 1
+    finally:
+        loop_thread.loop.call_soon_threadsafe(stop.set)
+
+
+def test_registry_changes_do_not_cut_streaming_turns(loop_thread, tiny_spec, fakes) -> None:
+    """A worker registering again (new epoch, same address, as after a Redis restart) or
+    leaving the registry while a turn streams from it: the turn completes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from prefixgate.registry import EmbeddedRegistry, WorkerRecord
+
+    slow, addr = fakes("slow", "slow")
+    registry = EmbeddedRegistry()
+    gw, stop = start_gateway(loop_thread, tiny_spec, [addr], registry=registry,
+                             refresh_interval_s=0.1)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            for i, change in enumerate(("new epoch", "left")):
+                turn = pool.submit(_chat, gw, 1)
+                wait_for(lambda i=i: slow.generate_calls > i, what="the turn to start")
+                record = loop_thread.run(registry.register(WorkerRecord(addr, addr), 2**62))
+                if change == "left":
+                    loop_thread.run(registry.deregister(record))
+                events, err = turn.result(timeout=30)
+                assert err is None, (change, err)
+                assert [t for e in events for t in e.delta.token_ids] == [11, 12]
     finally:
         loop_thread.loop.call_soon_threadsafe(stop.set)

@@ -1,7 +1,9 @@
 """The gateway's view of its workers: connections, identity checks, load counters.
 
 Contract: `WorkerPool.refresh()` reads the registry, connects to new workers (GetInfo
-within `connect_timeout_s`) and closes channels of workers that left it. A worker whose
+within `connect_timeout_s`) and closes channels of workers that left it (turns already
+streaming get `close_grace_s` to finish). A worker registered again at the same address
+(a new epoch) keeps its connection and in-flight turns. A worker whose
 model fingerprint differs from the gateway's is refused: logged, listed in `refused`,
 never routed to (so is one whose block size differs: its block hashes would never match).
 Each refresh also polls every worker's GetStatus (its load, see `WorkerHandle`).
@@ -62,8 +64,10 @@ class WorkerPool:
     model_fingerprint: str
     connect_timeout_s: float = 2.0
     block_size: int = 0  # workers must use this block size (0: not checked)
+    close_grace_s: float = 30.0  # in-flight turns of a worker that left may finish this long
     workers: dict[str, WorkerHandle] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)  # worker id -> reason
+    _closing: set[asyncio.Task] = field(default_factory=set, repr=False)
 
     def healthy(self) -> list[WorkerHandle]:
         return [w for _, w in sorted(self.workers.items()) if w.up]
@@ -78,10 +82,17 @@ class WorkerPool:
         records = {r.worker_id: r for r in await self.registry.list_workers()}
         for wid in list(self.workers):
             w = self.workers[wid]
-            if wid not in records or records[wid].epoch != w.record.epoch \
-                    or records[wid].address != w.record.address:
-                await w.channel.close()
-                del self.workers[wid]
+            new = records.get(wid)
+            if new is not None and new.address == w.record.address:
+                # Same process address, maybe a new epoch (it registered again, e.g. after a
+                # Redis restart): keep the connection and the turns streaming over it.
+                w.record = new
+                continue
+            del self.workers[wid]
+            # Turns already streaming from it may finish; new ones no longer go there.
+            task = asyncio.create_task(w.channel.close(grace=self.close_grace_s))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
         for wid, record in records.items():
             if wid not in self.workers:
                 channel = grpc.aio.insecure_channel(record.address)
@@ -124,3 +135,5 @@ class WorkerPool:
         for w in self.workers.values():
             await w.channel.close()
         self.workers.clear()
+        for task in list(self._closing):
+            task.cancel()
