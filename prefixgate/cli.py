@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
          help="tokens after the dropped gap recomputed under --shifted-reuse blend")
     flag(w, "--reindex-backend", default="auto", choices=("auto", "torch", "triton"),
          help="KV re-rotation: triton kernel (auto: on CUDA when installed) or torch")
+    flag(w, "--device", default="auto",
+         help="torch device for the model and KV pool: cpu, cuda, cuda:N (auto: cuda if available)")
+    flag(w, "--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+         help="model and KV dtype (auto: float32 on CPU, bfloat16 on GPU)")
     flag(w, "--torch-threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     flag(w, "--drain-seconds", type=float, default=30.0,
          help="on SIGTERM, how long in-flight requests may finish")
@@ -252,7 +256,11 @@ async def _run_worker(args: argparse.Namespace) -> None:
     stop = _stop_event()
     spec = resolve_model(args.model, _cache_dir(args))
     tokenizer = ChatTokenizer(spec)
-    model = await asyncio.to_thread(load_model, spec)
+    device = args.device if args.device != "auto" else (
+        "cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (
+        torch.float32 if device == "cpu" else torch.bfloat16)
+    model = await asyncio.to_thread(load_model, spec, dtype, device)
     bytes_per_token = pool_config_for(model, args.block_size, 1).bytes_per_token
     num_blocks = args.num_blocks or num_blocks_for_memory(
         args.kv_cache_memory, bytes_per_token, args.block_size)

@@ -246,7 +246,7 @@ class RedisRegistry(Registry):
         import redis.asyncio as aioredis
 
         kwargs = dict(socket_connect_timeout=min(2.0, timeout_s), socket_timeout=timeout_s)
-        self.url = url
+        self.url = redact_url(url)  # for logs: never the password
         self.redis = aioredis.Redis.from_url(url, decode_responses=True, **kwargs)
         self.raw = aioredis.Redis.from_url(url, **kwargs)  # bytes: block hashes, the stream
         self.prefix = prefix
@@ -426,3 +426,16 @@ def _stream_position(info: object) -> tuple[bytes, int]:
 def make_registry(redis_url: str | None) -> Registry:
     """RedisRegistry when a URL is given, else the embedded one."""
     return RedisRegistry(redis_url) if redis_url else EmbeddedRegistry()
+
+
+def redact_url(url: str) -> str:
+    """`url` with any password replaced by ***, for logs."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))

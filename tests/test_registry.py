@@ -41,3 +41,11 @@ def test_register_renew_expire_and_fence(make) -> None:
         await reg.close()
 
     asyncio.run(scenario())
+
+
+def test_redis_password_never_reaches_logs() -> None:
+    from prefixgate.registry import RedisRegistry, redact_url
+
+    assert redact_url("redis://:s3cret@redis:6379/0") == "redis://:***@redis:6379/0"
+    assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    assert "s3cret" not in RedisRegistry("redis://:s3cret@127.0.0.1:1/0").url

@@ -3,8 +3,8 @@
 Contract: `ModelRunner(model, pool).forward(input_ids, positions, step, sample_indices)`
 runs the model once on the T new tokens of a step (`input_ids`, `positions`: length T;
 `step`: the StepMetadata for their sequences), writes their K/V into the pool, and returns
-the next-token logits [len(sample_indices), vocab] of the tokens at `sample_indices` (the
-last new token of each sequence that samples this step). Only Llama-family models with
+the next-token logits [len(sample_indices), vocab] (fp32, on the CPU) of the tokens at
+`sample_indices` (the last new token of each sequence that samples this step). Only Llama-family models with
 rotary embeddings are supported (the architecture of every built-in model).
 """
 
@@ -45,4 +45,5 @@ class ModelRunner:
             logits_to_keep=torch.tensor(sample_indices, dtype=torch.long, device=device),
             pg_step=step,
         )
-        return out.logits[0]
+        # Sampling runs on the CPU with per-request generators: hand it fp32 CPU logits.
+        return out.logits[0].float().cpu()

@@ -76,8 +76,11 @@ class StepMetadata:
         mask = (j[None, None, :] <= q_abs[:, :, None]) & (j[None, None, :] < ctx[:, None, None])
         # Padding query rows attend to key 0 only, so softmax never sees an empty row.
         mask |= (~valid_q[:, :, None]) & (j[None, None, :] == 0)
-        return StepMetadata(pool, slot_mapping, context_slots, query_index, token_seq,
-                            token_pos, mask[:, None])
+        # Built on the CPU (small), used where the pool lives.
+        dev = pool.k.device
+        return StepMetadata(pool, slot_mapping.to(dev), context_slots.to(dev),
+                            query_index.to(dev), token_seq.to(dev), token_pos.to(dev),
+                            mask[:, None].to(dev))
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
