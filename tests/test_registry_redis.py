@@ -190,3 +190,25 @@ def test_redis_restart_degrades_then_resyncs(own_redis) -> None:
         await feed.close()
 
     asyncio.run(scenario())
+
+
+def test_gateway_catches_up_after_a_disconnect_without_rebuilding(redis_flush) -> None:
+    async def scenario() -> None:
+        reg = RedisRegistry(redis_flush)
+        index = PrefixIndex()
+        feed = RedisStreamFeed(index, RedisRegistry(redis_flush), block_ms=50)
+        await follow(feed)
+        w = await reg.register(WorkerRecord("w", "h", "fp"), lease_ms=10_000)
+        hs = hashes(0, 64)
+        await reg.publish(w, [OwnershipEvent("store", hs[:8])])
+        await until(lambda: index.num_blocks == 8, what="first events")
+        await feed.close()  # disconnected
+        await reg.publish(w, [OwnershipEvent("store", hs[8:], hs[7]),
+                              OwnershipEvent("remove", hs[12:])])
+        await feed.sync([])  # reconnects from its cursor
+        await until(lambda: index.num_blocks == 12, what="catch-up")
+        assert feed.num_rebuilds == 1 and index.match(hs).cached_blocks == {"w": 12}
+        await feed.close()
+        await reg.close()
+
+    asyncio.run(scenario())
