@@ -85,7 +85,7 @@ def resolve_model(name: str, cache_dir: Path | None = None) -> ModelSpec:
         return _resolve_tiny_random(cache_dir)
     path = Path(name).expanduser()
     if path.is_dir():
-        return _resolve_hf_dir(path)
+        return _resolve_hf_dir(path, cache_dir)
     raise ModelError(
         f"unknown model {name!r}: use one of {', '.join(BUILTIN_MODELS)} "
         "or the path of a local Hugging Face checkpoint directory"
@@ -108,12 +108,25 @@ def _fingerprint(model_dir: Path, weights_identity: str) -> str:
     return h.hexdigest()
 
 
-def _file_digest(path: Path) -> str:
+def _file_digest(path: Path, cache_dir: Path | None = None) -> str:
+    """xxh3-128 of the file's bytes. With `cache_dir`, remembered by (path, size, mtime),
+    so a restart does not read gigabytes of weights again."""
+    st = path.stat()
+    memo = None
+    if cache_dir is not None:
+        key = xxhash.xxh3_64_hexdigest(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}")
+        memo = cache_dir / "digests" / key
+        if memo.is_file():
+            return memo.read_text().strip()
     h = xxhash.xxh3_128()
     with path.open("rb") as f:
         while chunk := f.read(1 << 24):
             h.update(chunk)
-    return h.hexdigest()
+    digest = h.hexdigest()
+    if memo is not None:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(memo, digest.encode())
+    return digest
 
 
 @contextlib.contextmanager
@@ -160,7 +173,7 @@ def smollm2_gguf_path() -> Path:
 
 def _resolve_smollm2(cache_dir: Path) -> ModelSpec:
     gguf_path = smollm2_gguf_path()
-    digest = _file_digest(gguf_path)
+    digest = _file_digest(gguf_path, cache_dir)
     model_dir = cache_dir / "models" / f"smollm2-135m-{digest[:16]}"
     with locked(model_dir):
         if not (model_dir / "config.json").is_file():
@@ -293,7 +306,7 @@ def _write_tiny_random_tokenizer_and_config(model_dir: Path) -> None:
 # --- local checkpoint directory ----------------------------------------------------------
 
 
-def _resolve_hf_dir(path: Path) -> ModelSpec:
+def _resolve_hf_dir(path: Path, cache_dir: Path) -> ModelSpec:
     missing = [f for f in ("config.json", "tokenizer.json", "tokenizer_config.json")
                if not (path / f).is_file()]
     if missing:
@@ -302,7 +315,7 @@ def _resolve_hf_dir(path: Path) -> ModelSpec:
     if not weights:
         raise ModelError(f"{path} has no *.safetensors weights")
     config = json.loads((path / "config.json").read_text())
-    weights_identity = "hf:" + ",".join(_file_digest(w) for w in weights)
+    weights_identity = "hf:" + ",".join(_file_digest(w, cache_dir) for w in weights)
     return ModelSpec(
         name=str(path),
         model_dir=path,

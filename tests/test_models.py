@@ -32,12 +32,18 @@ def test_checkpoint_dir_round_trip(tmp_path, tiny_spec, tiny_model) -> None:
     by content; different weights give a different fingerprint."""
     import shutil
 
-    d = tmp_path / "ckpt"
+    import os
+
+    d, cache = tmp_path / "ckpt", tmp_path / "cache"
     shutil.copytree(tiny_spec.model_dir, d, ignore=shutil.ignore_patterns("*.lock"))
-    a = resolve_model(str(d))
-    assert a.source == "hf-dir" and a.fingerprint == resolve_model(str(d)).fingerprint
-    (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-1] + b"\x01")
-    assert resolve_model(str(d)).fingerprint != a.fingerprint
+    a = resolve_model(str(d), cache)
+    assert a.source == "hf-dir" and a.fingerprint == resolve_model(str(d), cache).fingerprint
+    assert len(list((cache / "digests").iterdir())) == 1  # weights read once, then remembered
+    weights = d / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\x01")
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # as a real rewrite would
+    assert resolve_model(str(d), cache).fingerprint != a.fingerprint
 
 
 def test_gateway_side_never_imports_torch(tiny_spec) -> None:
@@ -45,7 +51,7 @@ def test_gateway_side_never_imports_torch(tiny_spec) -> None:
             "from prefixgate.tokenizer import ChatTokenizer; import prefixgate.gateway.server; "
             "import prefixgate.cli; import prefixgate.radix; "
             "import prefixgate.gateway.redis_feed, prefixgate.gateway.feeds, prefixgate.registry; "
-            "import prefixgate.worker.events; "
+            "import prefixgate.worker.events; import prefixgate.overflow; "
             "import prefixgate.replay.simulate, prefixgate.replay.targets, prefixgate.replay.report; "
             f"ChatTokenizer(resolve_model('tiny-random', __import__('pathlib').Path({str(tiny_spec.model_dir.parent.parent)!r})))"
             ".encode_messages([('user', 'hi')]); "
