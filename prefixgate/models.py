@@ -114,7 +114,7 @@ def _file_digest(path: Path, cache_dir: Path | None = None) -> str:
     st = path.stat()
     memo = None
     if cache_dir is not None:
-        key = xxhash.xxh3_64_hexdigest(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}")
+        key = xxhash.xxh3_64_hexdigest(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
         memo = cache_dir / "digests" / key
         if memo.is_file():
             return memo.read_text().strip()
