@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from prefixgate.gateway.routing import RoutingConfig
+from prefixgate.radix import BlockHasher
 from prefixgate.replay.loadgen import ArrivalConfig, Limits, build_request, run_load
 from prefixgate.replay.metrics import percentile, summarize
 from prefixgate.replay.record import TraceRecorder
@@ -113,15 +114,18 @@ def test_mooncake_reader_and_deterministic_token_synthesis(tmp_path) -> None:
 
 
 def test_recorded_trace_round_trip(tmp_path) -> None:
-    rec = TraceRecorder(tmp_path / "rec" / "trace.jsonl", 4, "fp")
+    hasher = BlockHasher(4, "fp")
+    rec = TraceRecorder(tmp_path / "rec" / "trace.jsonl", 4)
+
+    def record(t: float, cid: str, prompt: list[int], out: int, worker: str, cached: int):
+        rec.record(arrival_unix_s=t, conversation_id=cid, num_prompt_tokens=len(prompt),
+                   block_hashes=hasher.hash_blocks(prompt), output_tokens=out, worker_id=worker,
+                   cached_tokens=cached)
+
     prompt = list(range(10))
-    rec.record(arrival_unix_s=1000.0, conversation_id="c1", namespace="", prompt_token_ids=prompt,
-               output_tokens=3, worker_id="w0", cached_tokens=0)
-    rec.record(arrival_unix_s=1002.5, conversation_id="c1", namespace="",
-               prompt_token_ids=prompt + [1, 2, 3, 4, 5], output_tokens=2, worker_id="w0",
-               cached_tokens=8)
-    rec.record(arrival_unix_s=1001.0, conversation_id="c2", namespace="", prompt_token_ids=[5] * 3,
-               output_tokens=1, worker_id="w1", cached_tokens=0)
+    record(1000.0, "c1", prompt, 3, "w0", 0)
+    record(1002.5, "c1", prompt + [1, 2, 3, 4, 5], 2, "w0", 8)
+    record(1001.0, "c2", [5] * 3, 1, "w1", 0)
     rec.close()
     text = (tmp_path / "rec" / "trace.jsonl").read_text()
     assert "[0,1,2" not in text  # hashes, never the tokens

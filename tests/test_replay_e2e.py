@@ -91,13 +91,16 @@ def test_replay_mooncake_token_trace_open_loop(gateway, tmp_path) -> None:
 
 
 def test_replay_recorded_trace_reuses_the_conversation_prefix(gateway, tmp_path) -> None:
+    from prefixgate.radix import BlockHasher
     from prefixgate.replay.record import TraceRecorder
 
-    rec = TraceRecorder(tmp_path / "rec.jsonl", 16, "fp")
+    hasher = BlockHasher(16)
+    rec = TraceRecorder(tmp_path / "rec.jsonl", 16)
     first = list(range(100, 500))
     for i, prompt in enumerate((first, first + list(range(40)))):
-        rec.record(arrival_unix_s=100.0 + i, conversation_id="c1", namespace="",
-                   prompt_token_ids=prompt, output_tokens=4, worker_id="w", cached_tokens=0)
+        rec.record(arrival_unix_s=100.0 + i, conversation_id="c1", num_prompt_tokens=len(prompt),
+                   block_hashes=hasher.hash_blocks(prompt), output_tokens=4, worker_id="w",
+                   cached_tokens=0)
     rec.close()
     run = _replay("--trace", str(tmp_path / "rec.jsonl"), "--target", gateway,
                   "--arrival", "closed", "--vocab-size", "259", "--out", str(tmp_path / "o"))

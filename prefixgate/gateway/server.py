@@ -83,7 +83,7 @@ class ChatService:
             max_blocks=config.index_max_blocks, spread_fanout=config.routing.spread_fanout)
         self.router = Router(config.routing, self.index)
         self.config = config
-        self.recorder = (TraceRecorder(config.record_trace, config.block_size, spec.fingerprint)
+        self.recorder = (TraceRecorder(config.record_trace, config.block_size)
                          if config.record_trace else None)
         self._hashers: dict[str, BlockHasher] = {}
 
@@ -175,7 +175,7 @@ class ChatService:
                         self.recorder.record(
                             arrival_unix_s=time.time() - (time.monotonic() - arrival),
                             conversation_id=request.conversation_id,
-                            namespace=request.namespace, prompt_token_ids=prompt,
+                            num_prompt_tokens=len(prompt), block_hashes=turn.block_hashes,
                             output_tokens=final.usage.completion_tokens,
                             worker_id=worker.worker_id,
                             cached_tokens=final.usage.cached_tokens)
