@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("replay", help="replay a recorded trace against a gateway or an "
                                       "OpenAI-compatible server, or simulate routing",
-                       description=replay_cli.__doc__)
+                       description=replay_cli.DESCRIPTION)
     _common(r)
     replay_cli.add_arguments(r, flag)
     return parser

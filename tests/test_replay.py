@@ -426,8 +426,8 @@ def test_cli_simulate_and_combine(tmp_path, capsys) -> None:
     lines = [{"timestamp": i * 300, "input_length": 2048, "output_length": 4,
               "hash_ids": [i % 5, 10 + i % 5, 20 + i, 30 + i]} for i in range(40)]
     trace = _write_lines(tmp_path / "m.jsonl", [json.dumps(x) for x in lines])
-    assert main(["replay", "--simulate", "--trace", str(trace), "--workers", "2,4",
-                 "--capacity-tokens", "8192", "--policy", "prefix:shared_prefix_weight=1,round-robin",
+    assert main(["replay", "--simulate", "--trace", str(trace), "--sim-workers", "2,4",
+                 "--capacity-tokens", "8192", "--sim-policies", "prefix:shared_prefix_weight=1,round-robin",
                  "--out", str(tmp_path / "sim"), "--name", "s", "--json", "--no-progress",
                  "--no-plots"]) == 0
     runs = json.loads(capsys.readouterr().out)["runs"]
@@ -440,7 +440,7 @@ def test_cli_simulate_and_combine(tmp_path, capsys) -> None:
     assert runs[0]["summary"]["hit_rate"] > runs[1]["summary"]["hit_rate"]
     assert runs[0]["bounds"]["infinite_cache"] >= runs[0]["summary"]["hit_rate"]
     with pytest.raises(SystemExit, match="unknown routing field"):
-        main(["replay", "--simulate", "--trace", str(trace), "--policy", "prefix:bogus=1",
+        main(["replay", "--simulate", "--trace", str(trace), "--sim-policies", "prefix:bogus=1",
               "--out", str(tmp_path / "x"), "--no-progress"])
     assert main(["replay", "--combine", str(tmp_path / "sim" / "s.json"), "--out",
                  str(tmp_path / "c"), "--name", "c", "--no-plots"]) == 0

@@ -5,7 +5,8 @@ helper (every flag has a PREFIXGATE_<FLAG> variable); `run(args)` does one of
 
   * a real replay of --trace against --target (a prefixgate gateway host:port, or an
     OpenAI-compatible http(s):// base URL) under one arrival mode;
-  * --simulate: the routing simulator over --trace for every --policy and --workers count;
+  * --simulate: the routing simulator over --trace for every --sim-policies policy and
+    --sim-workers count;
   * --combine: one report from earlier reports' JSON files;
 
 then writes <out>/<name>.json, .md and plots, prints the Markdown (or, with --json, the JSON
@@ -19,6 +20,12 @@ import asyncio
 import json
 import sys
 from collections.abc import Callable
+
+DESCRIPTION = (
+    "Replay a recorded trace (ShareGPT, Mooncake, or a gateway's --record-trace file) against "
+    "a prefixgate gateway or an OpenAI-compatible server and report latency, prefix hit rate "
+    "and load balance (JSON, Markdown, PNG plots); or, with --simulate, compare the gateway's "
+    "routing policies on simulated workers without a model. See docs/traces.md.")
 
 
 def add_arguments(p: argparse.ArgumentParser, flag: Callable) -> None:
@@ -65,14 +72,14 @@ def add_arguments(p: argparse.ArgumentParser, flag: Callable) -> None:
     flag(p, "--simulate", action="store_true",
          help="no model: simulate workers (LRU block caches, service-time model) and compare "
               "routing policies on the trace")
-    flag(p, "--policy", action="append",
+    flag(p, "--sim-policies", action="append",
          help="simulated routing policies (default: all the gateway has); a policy may set "
               "routing weights: prefix:shared_prefix_weight=1:load_weight=0.5")
-    flag(p, "--workers", action="append",
+    flag(p, "--sim-workers", action="append",
          help="simulated worker counts, e.g. 8,32 (default: 8)")
     flag(p, "--capacity-tokens", type=int, default=2_048_000,
          help="simulated KV capacity per worker in tokens")
-    flag(p, "--block-size", type=int, default=0,
+    flag(p, "--sim-block-size", type=int, default=0,
          help="simulated cache block size in tokens (0: the trace's, 16 for chat traces)")
     flag(p, "--prefill-tokens-per-s", type=float, default=20_000.0,
          help="simulated prefill speed per worker (uncached prompt tokens per second)")

@@ -353,7 +353,7 @@ def _ints(items: Sequence[str]) -> list[int]:
     try:
         return [int(v) for item in items for v in str(item).split(",") if v]
     except ValueError:
-        raise SystemExit("prefixgate replay: --workers takes worker counts, e.g. 8,32") from None
+        raise SystemExit("prefixgate replay: --sim-workers takes worker counts, e.g. 8,32") from None
 
 
 def routing_config(spec: str, seed: int | None = None) -> RoutingConfig:
@@ -375,29 +375,29 @@ def routing_config(spec: str, seed: int | None = None) -> RoutingConfig:
 
 
 def run_simulations(trace: Trace, args: argparse.Namespace, *, progress: bool = True) -> list[dict]:
-    """Every --policy at every --workers count on `trace`; one report run each."""
+    """Every --sim-policies policy at every --sim-workers count on `trace`; one run each."""
     from tqdm import tqdm
 
     from prefixgate.replay.cli import _appended, arrival_config
 
-    policies = [p for item in _appended(args, "policy") for p in item.split(",") if p] \
+    policies = [p for item in _appended(args, "sim_policies") for p in item.split(",") if p] \
         or list(POLICIES)
     try:
         routings = {p: routing_config(p, args.seed) for p in policies}
     except ValueError as exc:
         raise SystemExit(f"prefixgate replay: {exc}") from None
-    counts = _ints(_appended(args, "workers")) or [8]
+    counts = _ints(_appended(args, "sim_workers")) or [8]
     if trace.is_chat:
         from prefixgate.models import resolve_model
         from prefixgate.tokenizer import ChatTokenizer
 
-        block_size = args.block_size or 16
+        block_size = args.sim_block_size or 16
         tokenizer = ChatTokenizer(resolve_model(args.tokenizer_model))
         convs = prepare_turns(trace, block_size, tokenizer, progress)
     else:
-        if args.block_size and args.block_size != trace.block_size:
+        if args.sim_block_size and args.sim_block_size != trace.block_size:
             raise SystemExit(f"prefixgate replay: a {trace.kind} trace has blocks of "
-                             f"{trace.block_size} tokens; --block-size must be that or 0")
+                             f"{trace.block_size} tokens; --sim-block-size must be that or 0")
         block_size = trace.block_size
         convs = prepare_turns(trace)
     arrival = arrival_config(args, trace)
