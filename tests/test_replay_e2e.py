@@ -90,6 +90,21 @@ def test_replay_mooncake_token_trace_open_loop(gateway, tmp_path) -> None:
     assert len(run["ttft_samples_s"]) == 3
 
 
+def test_failed_turns_are_counted_by_status(gateway, tmp_path) -> None:
+    trace = tmp_path / "m.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 100, "output_length": 3,
+                                 "hash_ids": [1]}) + "\n")
+    # Token ids up to 32000 are outside tiny-random's vocabulary: INVALID_ARGUMENT.
+    r = subprocess.run([*PG, "replay", "--no-progress", "--json", "--no-plots", "--trace",
+                        str(trace), "--target", gateway, "--vocab-size", "32000", "--out",
+                        str(tmp_path / "o")], capture_output=True, text=True, timeout=120,
+                       env=cli_env(), cwd=REPO)
+    assert r.returncode == 1, r.stderr[-2000:]  # every turn failed
+    s = json.loads(r.stdout)["runs"][0]["summary"]
+    assert s["errors"] == {"INVALID_ARGUMENT": 1} and s["turns_ok"] == 0
+    assert json.loads(r.stdout)["runs"][0]["turns"][0]["status"] == "INVALID_ARGUMENT"
+
+
 def test_replay_recorded_trace_reuses_the_conversation_prefix(gateway, tmp_path) -> None:
     from prefixgate.radix import BlockHasher
     from prefixgate.replay.record import TraceRecorder

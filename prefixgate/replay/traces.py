@@ -24,7 +24,7 @@ import gzip
 import io
 import json
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
@@ -80,7 +80,6 @@ class Trace:
     block_size: int = 0  # tokens per hash id (token traces); 0 for chat traces
     num_skipped: int = 0
     source: str = ""
-    meta: dict = field(default_factory=dict)
 
     @property
     def is_chat(self) -> bool:
@@ -99,7 +98,7 @@ class Trace:
         if max_conversations <= 0 or max_conversations >= len(self.conversations):
             return self
         return Trace(self.kind, self.conversations[:max_conversations], self.block_size,
-                     self.num_skipped, self.source, self.meta)
+                     self.num_skipped, self.source)
 
 
 # --- token synthesis ---------------------------------------------------------------------
