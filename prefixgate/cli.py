@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
               "the oldest turns (requests may choose per request)")
     flag(w, "--shifted-reuse", default="blend", choices=("recompute", "shift", "blend"),
          help="how an overflowing turn reuses its kept turns' cached KV (docs/reindex.md)")
-    flag(w, "--blend-tokens", type=int, default=32,
+    flag(w, "--blend-tokens", type=int, default=64,
          help="tokens after the dropped gap recomputed under --shifted-reuse blend")
     flag(w, "--reindex-backend", default="auto", choices=("auto", "torch", "triton"),
          help="KV re-rotation: triton kernel (auto: on CUDA when installed) or torch")

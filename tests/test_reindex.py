@@ -201,3 +201,33 @@ def test_triton_kernel_matches_torch(dtype: torch.dtype, interleaved: bool, rota
     tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
     torch.testing.assert_close(pools[1].k.float(), pools[0].k.float(), atol=tol, rtol=tol)
     assert torch.equal(pools[1].v, pools[0].v)
+
+
+def test_bench_smoke(tiny_spec, tiny_model, tmp_path) -> None:
+    """`prefixgate bench reindex` on the tiny model and a small synthetic ShareGPT file:
+    turns are picked, every mode is measured, recompute is its own baseline (KL 0)."""
+    import argparse
+    import json
+
+    from prefixgate.bench import reindex as bench
+    from prefixgate.tokenizer import ChatTokenizer
+
+    conv = [{"from": "human" if i % 2 == 0 else "gpt",
+             "value": f"message {i}: " + "words about the sea " * 4} for i in range(10)]
+    trace = tmp_path / "chats.jsonl"
+    trace.write_text("\n".join(json.dumps({"id": f"c{k}", "conversations": conv})
+                               for k in range(2)))
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--trace", str(trace), "--conversations", "2",
+                              "--blend-tokens", "8", "--kernel-tokens", "32",
+                              "--kernel-repeats", "1"])
+    quality = bench._quality(args, tiny_spec, ChatTokenizer(tiny_spec), tiny_model, 500)
+    assert len(quality["turns"]) == 2 and all(t["dropped_tokens"] > 0 for t in quality["turns"])
+    assert quality["recompute"]["kl_mean"] == 0.0
+    assert quality["recompute"]["greedy_match_of_32_mean"] == 32
+    assert quality["shift"]["cached_tokens_mean"] > quality["recompute"]["cached_tokens_mean"]
+    assert set(bench._target({"500": quality})) == {"500/blend-8"}
+    kernel = bench._kernel(args, tiny_model)
+    assert kernel["float32"]["torch_gb_s"] > 0
+    assert kernel.get("triton_interpreter_max_abs_diff", 0.0) < 1e-4

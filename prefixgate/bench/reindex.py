@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="reduced context windows (tokens) the conversations overflow")
     parser.add_argument("--conversations", type=int, default=4,
                         help="overflowing conversations measured per context")
-    parser.add_argument("--blend-tokens", type=int, nargs="+", default=[16, 32, 64],
+    parser.add_argument("--blend-tokens", type=int, nargs="+", default=[32, 64],
                         help="R of the blend modes measured")
     parser.add_argument("--max-new-tokens", type=int, default=256,
                         help="skip turns whose new user message is longer (its prefill is "
@@ -182,8 +182,6 @@ def _serve(engine, prompt: list[int], sampling, rid: str):
 
 
 def _summarise(results: dict[str, list[dict]]) -> dict:
-    import torch
-
     base = results["recompute"]
     out: dict = {"turns": [{k: r[k] for k in ("conversation", "prompt_tokens", "dropped_tokens",
                                               "new_tokens")} for r in base]}
@@ -212,7 +210,6 @@ def _summarise(results: dict[str, list[dict]]) -> dict:
             f"greedy_match_of_{GREEDY_TOKENS}_mean": round(statistics.fmean(match), 1),
             "cached_tokens_mean": round(statistics.fmean(r["cached_tokens"] for r in rows), 1),
         }
-    del torch
     return out
 
 

@@ -178,7 +178,7 @@ class EngineConfig:
     turn_prefix: tuple[int, ...] = ()
     # How an overflowing turn reuses its kept turns' KV: "recompute", "shift" or "blend".
     shifted_reuse: str = "blend"
-    blend_tokens: int = 32  # recomputed after the gap under "blend"
+    blend_tokens: int = 64  # recomputed after the gap under "blend" (docs/reindex.md)
     reindex_backend: str = "auto"  # "torch", "triton" or "auto" (triton on CUDA)
 
 
@@ -202,7 +202,6 @@ class _Sequence:
     overflow: OverflowPlan | None = None  # the turns dropped to fit the context
     # Blend: compute up to resume[0], then continue at resume[1] (moved K/V in between).
     resume: tuple[int, int] | None = None
-    num_shifted_tokens: int = 0  # prompt tokens served by moved (re-rotated) K/V
 
     @property
     def num_generated(self) -> int:
@@ -458,7 +457,6 @@ class PagedEngine(Engine):
             seq.num_computed_tokens = len(blocks) * bs
             self._update_hashes(seq)
             self._reuse_tail(seq)
-            seq.num_shifted_tokens = seq.num_computed_tokens - n_keep
             return
         fresh = self._blocks_for(end) - gap_block
         if self.pool.num_free_blocks < fresh:
@@ -485,11 +483,9 @@ class PagedEngine(Engine):
         seq.block_hashes = self._layout_hashes(tuple(seq.tokens), len(seq.tokens) // bs,
                                                gap_block, True, ns)
         seq.num_computed_tokens = end
-        seq.num_shifted_tokens = end - n_keep
         if mode == "blend":
             redo = min(self.config.blend_tokens, end - n_keep)
             seq.num_computed_tokens = n_keep
-            seq.num_shifted_tokens -= redo
             if n_keep + redo < end:
                 seq.resume = (n_keep + redo, end)
         log.info("request %s: moved %d cached tokens back by %d positions (%s)",
