@@ -12,6 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixgate.gateway.routing import RoutingConfig
 from prefixgate.radix import BlockHasher
@@ -445,3 +447,28 @@ def test_cli_simulate_and_combine(tmp_path, capsys) -> None:
     assert main(["replay", "--combine", str(tmp_path / "sim" / "s.json"), "--out",
                  str(tmp_path / "c"), "--name", "c", "--no-plots"]) == 0
     assert (tmp_path / "c" / "c.md").read_text().count("| round-robin x") == 2
+
+
+# --- properties --------------------------------------------------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(-1e6, 1e6, allow_nan=False), min_size=1, max_size=50),
+       st.floats(0, 100))
+def test_percentile_matches_numpy(values: list[float], q: float) -> None:
+    np = pytest.importorskip("numpy")
+    assert percentile(sorted(values), q) == pytest.approx(float(np.percentile(values, q)),
+                                                          rel=1e-9, abs=1e-6)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=6),
+       st.lists(st.integers(0, 2**64 - 1), max_size=4), st.integers(1, 16),
+       st.integers(2, 70000))
+def test_synthesised_prompts_share_exactly_their_shared_blocks(
+        shared: list[int], tail: list[int], block_size: int, vocab: int) -> None:
+    a = TraceTurn(hash_ids=tuple(shared + tail), num_prompt_tokens=0)
+    b = TraceTurn(hash_ids=tuple(shared + [t ^ 1 for t in tail]), num_prompt_tokens=0)
+    pa, pb = synth_prompt(a, block_size, vocab), synth_prompt(b, block_size, vocab)
+    n = len(shared) * block_size
+    assert len(pa) == len(pb) == (len(shared) + len(tail)) * block_size
+    assert pa[:n] == pb[:n] and all(0 <= t < vocab for t in pa)
