@@ -220,3 +220,32 @@ def test_redis_restart_gateway_keeps_routing_and_resyncs(loop_thread, tiny_spec,
     finally:
         for stop in (g_stop, a_stop, b_stop):
             loop_thread.loop.call_soon_threadsafe(stop.set)
+
+
+def test_shared_system_prompt_spreads_across_real_workers(loop_thread, tiny_spec,
+                                                          tiny_model) -> None:
+    """New conversations behind one system prompt, one at a time on idle workers: after
+    the prompt is shared by two conversations the rest spread over both workers, and each
+    conversation's next turn returns to its worker with its prefix cached."""
+    a, a_stop = start_worker(loop_thread, tiny_spec, tiny_model, "sa")
+    b, b_stop = start_worker(loop_thread, tiny_spec, tiny_model, "sb")
+    gw, g_stop, index = start_gateway_with_index(loop_thread, tiny_spec, [a, b])
+    hasher = BlockHasher(BLOCK, model_fingerprint=tiny_spec.fingerprint)
+    system = [3 + (5 * j) % 200 for j in range(96)]
+    try:
+        with grpc.insecure_channel(gw) as ch:
+            stub = chat_pb2_grpc.ChatServiceStub(ch)
+            wait_workers(stub, 2)
+            placed = {}
+            for c in range(6):
+                prompt = system + [10 + c] * 20
+                placed[c] = chat(stub, prompt, f"conv-{c}").worker_id
+                wait_for(lambda p=prompt, w=placed[c]: owners(index, hasher, p).get(w, 0) >= 7,
+                         what="the turn's blocks in the index")
+            assert set(placed.values()) == {"sa", "sb"}, placed
+            for c in range(6):
+                final = chat(stub, system + [10 + c] * 20 + [7, 7, 7, 7], f"conv-{c}")
+                assert final.worker_id == placed[c] and final.usage.cached_tokens >= 112
+    finally:
+        for stop in (g_stop, a_stop, b_stop):
+            loop_thread.loop.call_soon_threadsafe(stop.set)
