@@ -211,7 +211,11 @@ def _policy_flag(p: argparse.ArgumentParser) -> None:
     flag(p, "--running-weight", type=float, default=64.0,
          help="prefix policy: queued-token equivalents per running sequence")
     flag(p, "--shared-prefix-weight", type=float, default=0.0,
-         help="prefix policy: credit per cached token of a prefix many conversations share")
+         help="prefix policy: credit per cached token of a prefix many conversations share, "
+              "on a worker whose cache is fuller than the rest (see --occupancy-slack)")
+    flag(p, "--occupancy-slack", type=float, default=0.25,
+         help="prefix policy: a worker holding more than (1 + this) x the mean indexed "
+              "blocks gets only --shared-prefix-weight for shared prefixes")
     flag(p, "--spread-fanout", type=int, default=2,
          help="prefix policy: continuations after which a prefix counts as shared")
     flag(p, "--index-max-blocks", type=int, default=0,
@@ -324,6 +328,7 @@ def _gateway_config(args: argparse.Namespace, workers: Sequence[str], port: int)
                              policy=args.policy, prefix_weight=args.prefix_weight,
                              load_weight=args.load_weight, running_weight=args.running_weight,
                              shared_prefix_weight=args.shared_prefix_weight,
+                             occupancy_slack=args.occupancy_slack,
                              spread_fanout=args.spread_fanout),
                          index_max_blocks=args.index_max_blocks,
                          static_workers=tuple(workers),

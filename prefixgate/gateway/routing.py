@@ -95,7 +95,10 @@ class RoutingConfig:
     prefix_weight: float = 1.0  # score per cached prompt token
     load_weight: float = 1.0  # score per queued prefill token (and per running-weight unit)
     running_weight: float = 64.0  # token-equivalents of work per running sequence
-    shared_prefix_weight: float = 0.0  # credit per cached token of a shared prefix
+    shared_prefix_weight: float = 0.0  # credit per cached token of a shared prefix ...
+    # ... on a worker whose cache holds more than (1 + occupancy_slack) x the mean
+    # indexed blocks; at or below that, a shared prefix is credited in full.
+    occupancy_slack: float = 0.25
     spread_fanout: int = 2  # continuations after which a prefix counts as shared
     max_conversations: int = 100_000  # conversations remembered for the tie-breaker
 
@@ -103,7 +106,8 @@ class RoutingConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown routing policy {self.policy!r}: use one of "
                              f"{', '.join(POLICIES)}")
-        for name in ("prefix_weight", "load_weight", "running_weight", "shared_prefix_weight"):
+        for name in ("prefix_weight", "load_weight", "running_weight", "shared_prefix_weight",
+                     "occupancy_slack"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.spread_fanout < 1:
@@ -211,17 +215,27 @@ class Router:
     def _rank_prefix(self, workers: list[W], turn: Turn, cached: dict[str, int],
                      match: PrefixMatch | None) -> list[W]:
         cfg = self.config
-        credit = cfg.shared_prefix_weight if match is not None and match.shared else 1.0
         previous = self.previous_worker(turn.conversation_id)
         index = self.index
         key = turn.conversation_id or (str(turn.block_hashes[0]) if turn.block_hashes else "")
+        occupancy = {w.worker_id: index.num_owned_blocks(w.worker_id) if index is not None else 0
+                     for w in workers}
+        # A shared prefix pulls a turn only toward workers whose cache is not fuller than
+        # the rest: the first holder of a system prompt does not collect every new
+        # conversation, while caches that are all full (the steady state under a working
+        # set larger than memory) keep following shared prefixes.
+        limit = (1 + cfg.occupancy_slack) * sum(occupancy.values()) / max(1, len(workers))
+        shared = match is not None and match.shared
+
+        def credit(wid: str) -> float:
+            return cfg.shared_prefix_weight if shared and occupancy[wid] > limit else 1.0
 
         def sort_key(w: W) -> tuple:
             wid = w.worker_id
             load = w.num_queued_prefill_tokens + cfg.running_weight * w.num_running_requests
-            score = cfg.prefix_weight * credit * cached.get(wid, 0) - cfg.load_weight * load
+            score = cfg.prefix_weight * credit(wid) * cached.get(wid, 0) - cfg.load_weight * load
             return (-score, wid != previous,
-                    index.num_owned_blocks(wid) if index is not None else 0,
+                    occupancy[wid],
                     -_rendezvous(key, wid) if key else 0, wid)
 
         return sorted(workers, key=sort_key)
