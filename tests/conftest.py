@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
+from prefixgate.bench.redis_server import RedisServer
 from prefixgate.models import ModelSpec, resolve_model
-from prefixgate.rpc import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -88,31 +88,11 @@ def smollm2_model(smollm2_spec: ModelSpec):
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real redis-server on a free loopback port, for the whole session."""
-    binary = shutil.which("redis-server")
-    if binary is None:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    if not server.available():
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    port = free_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(workdir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    import redis
-
-    client = redis.Redis(port=port)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    client.close()
-    proc.terminate()
-    proc.wait(10)
+    yield server.start().url
+    server.stop()
 
 
 @pytest.fixture
@@ -127,38 +107,12 @@ def redis_flush(redis_url: str) -> str:
 def own_redis(tmp_path: Path):
     """A private redis-server this test may stop and start again (same port, empty after a
     restart): yields (url, start, stop)."""
-    binary = shutil.which("redis-server")
-    if binary is None:
+    server = RedisServer(tmp_path)
+    if not server.available():
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    port = free_port()
-    cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-           "no", "--dir", str(tmp_path)]
-    procs = []
-
-    def start():
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        import redis
-
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis(port=port).ping()
-                return
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    def stop():
-        procs[-1].terminate()
-        procs[-1].wait(10)
-
-    start()
-    yield f"redis://127.0.0.1:{port}/0", start, stop
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
+    server.start()
+    yield server.url, server.start, server.stop
+    server.stop()
 
 
 def make_engine(spec: ModelSpec, model, event_sink=None, **config):
@@ -228,3 +182,21 @@ def cli_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXGATE_")}
     env.update(extra)
     return env
+
+
+def start_up(args: list[str], env: dict[str, str], timeout_s: float = 120) -> subprocess.Popen:
+    """Start `prefixgate up ARGS` and return once it printed that it is up (its stdout
+    and stderr are merged into the returned process's stdout)."""
+    up = subprocess.Popen([sys.executable, "-m", "prefixgate", "up", *args], env=env, cwd=REPO,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout_s
+    lines: list[str] = []
+    while time.monotonic() < deadline:
+        lines.append(up.stdout.readline())
+        if "prefixgate is up" in lines[-1] or up.poll() is not None:
+            break
+    if "prefixgate is up" not in lines[-1]:
+        up.kill()
+        raise AssertionError("prefixgate up did not come up:\n" + "".join(lines))
+    return up
+

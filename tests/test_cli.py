@@ -12,7 +12,7 @@ import time
 import pytest
 
 from prefixgate.rpc import free_port
-from tests.conftest import REPO, cli_env
+from tests.conftest import cli_env, start_up
 
 PG = [sys.executable, "-m", "prefixgate"]
 
@@ -59,21 +59,11 @@ def test_up_chat_and_ctrl_c(tmp_path) -> None:
     cached tokens; Ctrl-C stops every process `up` started."""
     port = free_port()
     env = cli_env(PREFIXGATE_CACHE_DIR=str(tmp_path))
-    up = subprocess.Popen([*PG, "up", "--model", "tiny-random", "--workers", "2",
-                           "--port", str(port)], env=env, cwd=REPO,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    up = start_up(["--model", "tiny-random", "--workers", "2", "--port", str(port)], env)
     try:
-        deadline = time.monotonic() + 120
-        lines = []
-        while time.monotonic() < deadline:
-            line = up.stdout.readline()
-            lines.append(line)
-            if "prefixgate is up" in line or up.poll() is not None:
-                break
-        assert "prefixgate is up" in lines[-1], "".join(lines)
         chat = subprocess.run(
-            [*PG, "chat", "--address", f"127.0.0.1:{port}", "--message", "hello there, how are you doing today?",
-             "--message", "and again", "--max-tokens", "8"],
+            [*PG, "chat", "--address", f"127.0.0.1:{port}", "--message",
+             "hello there, how are you doing today?", "--message", "and again", "--max-tokens", "8"],
             capture_output=True, text=True, timeout=120, env=env)
         assert chat.returncode == 0, chat.stderr
         figures = re.findall(r"\[worker (\S+) \| prompt (\d+) tok \| cached (\d+) tok", chat.stdout)

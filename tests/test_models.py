@@ -30,9 +30,8 @@ def test_checkpoint_dir_needs_its_files(tmp_path) -> None:
 def test_checkpoint_dir_round_trip(tmp_path, tiny_spec, tiny_model) -> None:
     """A local checkpoint directory (here: tiny-random's files) resolves and fingerprints
     by content; different weights give a different fingerprint."""
-    import shutil
-
     import os
+    import shutil
 
     d, cache = tmp_path / "ckpt", tmp_path / "cache"
     shutil.copytree(tiny_spec.model_dir, d, ignore=shutil.ignore_patterns("*.lock"))

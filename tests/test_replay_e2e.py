@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from prefixgate.rpc import free_port
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, cli_env, start_up
 
 PG = [sys.executable, "-m", "prefixgate"]
 RECORDED: list[Path] = []
@@ -25,19 +24,9 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     env = cli_env(PREFIXGATE_CACHE_DIR=str(tmp_path_factory.mktemp("cache")))
     RECORDED[:] = [tmp_path_factory.mktemp("rec") / "recorded.jsonl"]
-    up = subprocess.Popen([*PG, "up", "--model", "tiny-random", "--workers", "2", "--port",
-                           str(port), "--policy", "prefix", "--record-trace", str(RECORDED[0])],
-                          env=env, cwd=REPO,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    up = start_up(["--model", "tiny-random", "--workers", "2", "--port", str(port), "--policy",
+                   "prefix", "--record-trace", str(RECORDED[0])], env)
     try:
-        deadline = time.monotonic() + 120
-        lines = []
-        while time.monotonic() < deadline:
-            line = up.stdout.readline()
-            lines.append(line)
-            if "prefixgate is up" in line or up.poll() is not None:
-                break
-        assert "prefixgate is up" in lines[-1], "".join(lines)
         yield f"127.0.0.1:{port}"
     finally:
         up.terminate()

@@ -33,9 +33,7 @@ import argparse
 import dataclasses
 import gc
 import random
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 import tracemalloc
@@ -193,39 +191,23 @@ def _latency(sizes: list[int], worker_counts: list[int], decisions: int, seed: i
 
 
 class _Redis:
-    """A redis-server for the benchmark: the given URL, or a private one."""
+    """A redis-server for the benchmark: the given URL, or a private one (url "" when
+    redis-server is not installed)."""
 
     def __init__(self, url: str) -> None:
-        self.proc: subprocess.Popen | None = None
+        from prefixgate.bench.redis_server import RedisServer
+
+        self.server: RedisServer | None = None
         self.url = url
-        if url:
-            return
-        binary = shutil.which("redis-server")
-        if binary is None:
-            return
-        from prefixgate.rpc import free_port
-
-        port = free_port()
-        self.proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1",
-                                      "--save", "", "--appendonly", "no"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import redis
-
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis(port=port).ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        self.url = f"redis://127.0.0.1:{port}/0"
+        if not url:
+            server = RedisServer()
+            if server.available():
+                self.server = server.start()
+                self.url = server.url
 
     def close(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(10)
+        if self.server is not None:
+            self.server.stop()
 
 
 async def _round_trips_and_ingestion(url: str, seed: int, quick: bool) -> dict:
