@@ -93,7 +93,7 @@ class PrefixCache:
             return -1, 0
         stored, block_id = tail
         n = 0
-        for a, b in zip(stored, tokens):  # at most block_size - 1 tokens
+        for a, b in zip(stored, tokens, strict=False):  # at most block_size - 1 tokens
             if a != b:
                 break
             n += 1
