@@ -248,3 +248,44 @@ def test_uniform_shift_is_exact_on_smollm2(smollm2_spec, smollm2_model) -> None:
     kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True,
                                     reduction="sum")
     assert kl < 1e-5
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.data())
+def test_random_overflowing_chats_never_leak_blocks(tiny_spec, tiny_model, data) -> None:
+    """Interleaved conversations of random lengths in random modes, on a pool small enough
+    to evict and preempt, some with several samples: every request ends, reports what it
+    dropped, and flushing frees every block (no reference left behind)."""
+    tok = ChatTokenizer(tiny_spec)
+    engine = _engine(tiny_spec, tiny_model, num_blocks=data.draw(st.integers(44, 84)),
+                     blend_tokens=data.draw(st.integers(1, 40)))
+    try:
+        chats = [[("system", "s" * data.draw(st.integers(1, 30)))] for _ in range(2)]
+        for step in range(data.draw(st.integers(2, 6))):
+            pending = []
+            for k, chat in enumerate(chats):  # both chats' turns run concurrently
+                chat.append(("user", "q" * data.draw(st.integers(20, 150))))
+                prompt = tok.encode_messages(chat)
+                n = data.draw(st.integers(1, 2))
+                events: queue.Queue = queue.Queue()
+                engine.submit(Request(f"r{step}.{k}", tuple(prompt), SamplingConfig(
+                    max_tokens=8, n=n, context_overflow="keep-system-drop-oldest",
+                    shifted_reuse=data.draw(st.sampled_from(["recompute", "shift", "blend"])))),
+                    events.put)
+                pending.append((prompt, n, events))
+            for prompt, n, events in pending:
+                finals = []
+                while len(finals) < n:
+                    ev = events.get(timeout=120)
+                    if isinstance(ev, FinalEvent):
+                        finals.append(ev)
+                plan = plan_overflow(prompt, 8, CONTEXT, engine.config.turn_prefix)
+                dropped = plan.dropped_tokens if plan else 0
+                assert all(f.dropped_tokens == dropped for f in finals)
+                assert all(f.prompt_tokens + dropped == len(prompt) for f in finals)
+            for chat in chats:
+                chat.append(("assistant", "a" * data.draw(st.integers(0, 60))))
+        engine.flush_cache()
+        assert engine.pool.num_free_blocks == engine.pool.config.num_blocks
+    finally:
+        engine.shutdown()
