@@ -170,6 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     flag(c, "--top-p", type=float, default=0.0, help="nucleus sampling mass (0: off)")
     flag(c, "--top-k", type=int, default=0, help="top-k sampling (0: off)")
     flag(c, "--seed", type=int, default=None, help="sampling seed")
+    flag(c, "--context-overflow", default="", choices=("", "fail", "keep-system-drop-oldest"),
+         help="when the conversation outgrows the context: fail, or drop its oldest turns "
+              "(empty: the worker's default)")
+    flag(c, "--shifted-reuse", default="", choices=("", "recompute", "shift", "blend"),
+         help="how a turn that dropped turns reuses the cache (empty: the worker's default)")
     flag(c, "--timeout", type=float, default=300.0, help="deadline per turn in seconds")
 
     b = sub.add_parser("bench", help="benchmarks (prints JSON with --json)",
@@ -476,8 +481,9 @@ async def _demo(address: str, num_workers: int) -> int:
 
 def _figures(r) -> str:
     rate = r.completion_tokens / (r.total_ms / 1e3) if r.total_ms else 0.0
+    dropped = f" | dropped {r.dropped_tokens} tok" if r.dropped_tokens else ""
     return (f"[worker {r.worker_id} | prompt {r.prompt_tokens} tok | cached {r.cached_tokens} "
-            f"tok | ttft {r.ttft_ms:.0f} ms | {r.completion_tokens} tok in "
+            f"tok{dropped} | ttft {r.ttft_ms:.0f} ms | {r.completion_tokens} tok in "
             f"{r.total_ms / 1e3:.2f} s ({rate:.1f} tok/s) | {r.finish_reason}]")
 
 
@@ -533,6 +539,15 @@ async def _converse(client, messages: Sequence[str] | None, conversation_id: str
     return results
 
 
+def _overflow_params(args: argparse.Namespace) -> dict:
+    """SamplingParams fields for --context-overflow / --shifted-reuse (enum values)."""
+    from prefixgate.protocol import OVERFLOW_FROM_PROTO, SHIFTED_REUSE_FROM_PROTO
+
+    by_name = lambda table, name: next(k for k, v in table.items() if v == name)  # noqa: E731
+    return {"context_overflow": by_name(OVERFLOW_FROM_PROTO, args.context_overflow),
+            "shifted_reuse": by_name(SHIFTED_REUSE_FROM_PROTO, args.shifted_reuse)}
+
+
 async def _run_chat(args: argparse.Namespace) -> None:
     from prefixgate.client import ChatClient
 
@@ -543,7 +558,8 @@ async def _run_chat(args: argparse.Namespace) -> None:
         raise SystemExit(f"prefixgate chat: no gateway answers at {args.address}") from None
     await _converse(client, _appended(args, "--message") or None, args.conversation_id,
                     args.system, {"max_tokens": args.max_tokens, "temperature": args.temperature,
-                                  "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed},
+                                  "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
+                                  **_overflow_params(args)},
                     namespace=args.namespace, timeout_s=args.timeout)
     await client.close()
 

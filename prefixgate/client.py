@@ -27,6 +27,7 @@ class TurnResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    dropped_tokens: int = 0  # oldest turns dropped to fit the context (context_overflow)
     finish_reason: str = ""
     worker_id: str = ""
     queue_ms: float = 0.0
@@ -74,6 +75,7 @@ class ChatClient:
                 result.prompt_tokens = f.usage.prompt_tokens
                 result.cached_tokens = f.usage.cached_tokens
                 result.completion_tokens = f.usage.completion_tokens
+                result.dropped_tokens = f.usage.dropped_tokens
                 result.finish_reason = FINISH_NAMES.get(f.finish_reason, "unspecified")
                 result.worker_id = f.worker_id
                 result.queue_ms, result.ttft_ms, result.total_ms = (

@@ -26,7 +26,7 @@ def cluster(loop_thread, tiny_spec, tiny_model):
     stub = chat_pb2_grpc.ChatServiceStub(channel)
     wait_for(lambda: stub.ListModels(chat_pb2.ListModelsRequest()).models[0].num_workers == 2,
              what="gateway to see both workers")
-    yield {"stub": stub, "workers": {"ov0": w0, "ov1": w1}}
+    yield {"stub": stub, "workers": {"ov0": w0, "ov1": w1}, "gateway": gw}
     channel.close()
     for stop in (gstop, stop0, stop1):
         loop_thread.loop.call_soon_threadsafe(stop.set)
@@ -88,3 +88,27 @@ def test_worker_default_policy_serves_direct_clients(cluster, tiny_spec) -> None
             list(worker_pb2_grpc.WorkerServiceStub(ch).Generate(
                 worker_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=sampling), timeout=60))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_chat_client_and_cli_show_dropped_tokens(cluster, loop_thread, tiny_spec) -> None:
+    from prefixgate.cli import _figures, _overflow_params, build_parser
+    from prefixgate.client import ChatClient
+
+    args = build_parser().parse_args(["chat", "--context-overflow", "keep-system-drop-oldest",
+                                      "--shifted-reuse", "blend"])
+    params = _overflow_params(args)
+    assert params == {"context_overflow": OVERFLOW, "shifted_reuse": common_pb2.SHIFTED_REUSE_BLEND}
+    default = _overflow_params(build_parser().parse_args(["chat"]))
+    assert default == {"context_overflow": 0, "shifted_reuse": 0}
+
+    async def turn():
+        client = ChatClient(cluster["gateway"])
+        try:
+            return await client.turn(_messages(12), sampling=common_pb2.SamplingParams(
+                max_tokens=4, **params), timeout_s=120)
+        finally:
+            await client.close()
+
+    result = loop_thread.run(turn())
+    assert result.dropped_tokens > 0
+    assert f"dropped {result.dropped_tokens} tok" in _figures(result)
