@@ -71,6 +71,14 @@ def test_overflowing_turn_is_refused_unless_asked_then_reuses_the_kept_turns(
     assert final.worker_id == previous.worker_id
     kept_of_previous = previous.usage.prompt_tokens - final.usage.dropped_tokens
     assert final.usage.cached_tokens >= kept_of_previous - 2 * 16
+    # The next overflowing turn drops more; it finds the moved (salted) run on that worker.
+    later = _chat(stub, _messages(fits + 2), context_overflow=OVERFLOW,
+                  shifted_reuse=common_pb2.SHIFTED_REUSE_BLEND)
+    assert later.worker_id == previous.worker_id
+    assert later.usage.dropped_tokens > final.usage.dropped_tokens
+    kept_of_final = final.usage.prompt_tokens - (later.usage.dropped_tokens
+                                                 - final.usage.dropped_tokens)
+    assert later.usage.cached_tokens >= kept_of_final - 64 - 2 * 16
 
 
 def test_worker_default_policy_serves_direct_clients(cluster, tiny_spec) -> None:
