@@ -133,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     _record_trace_flag(g)
     flag(g, "--drain-seconds", type=float, default=30.0,
          help="on SIGTERM, how long in-flight streams may finish")
+    _overflow_flag(g)
     flag(g, "--metrics-port", type=int, default=0,
          help="serve Prometheus metrics on this port at /metrics (0: off)")
 
@@ -147,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     flag(u, "--redis-url", default="",
          help="use this Redis as the registry (default: embedded, no Redis)")
     _policy_flag(u)
+    _overflow_flag(u)
     _record_trace_flag(u)
     flag(u, "--torch-threads", type=int, default=0,
          help="torch threads per worker (0: CPU count / workers)")
@@ -202,6 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     _common(r)
     replay_cli.add_arguments(r, flag)
     return parser
+
+
+def _overflow_flag(p: argparse.ArgumentParser) -> None:
+    flag(p, "--context-overflow", default="fail", choices=("fail", "keep-system-drop-oldest"),
+         help="requests that do not choose: over the context, fail or keep the system prompt "
+              "and drop the oldest turns (docs/reindex.md)")
 
 
 def _policy_flag(p: argparse.ArgumentParser) -> None:
@@ -338,7 +346,8 @@ def _gateway_config(args: argparse.Namespace, workers: Sequence[str], port: int)
                          index_max_blocks=args.index_max_blocks,
                          static_workers=tuple(workers),
                          drain_seconds=getattr(args, "drain_seconds", 30.0),
-                         record_trace=args.record_trace)
+                         record_trace=args.record_trace,
+                         context_overflow=args.context_overflow)
 
 
 async def _run_gateway(args: argparse.Namespace) -> None:
@@ -405,6 +414,7 @@ async def _run_up(args: argparse.Namespace) -> int:
             cmd = [sys.executable, "-m", "prefixgate", "worker", "--model", args.model,
                    "--port", str(port), "--worker-id", f"worker-{i}",
                    "--torch-threads", str(threads), "--block-size", str(args.block_size),
+                   "--context-overflow", args.context_overflow,
                    "--log-level", args.log_level]
             if args.cache_dir:
                 cmd += ["--cache-dir", args.cache_dir]

@@ -120,3 +120,18 @@ def test_chat_client_and_cli_show_dropped_tokens(cluster, loop_thread, tiny_spec
     result = loop_thread.run(turn())
     assert result.dropped_tokens > 0
     assert f"dropped {result.dropped_tokens} tok" in _figures(result)
+
+
+def test_gateway_default_policy_applies_to_every_worker(cluster, loop_thread, tiny_spec) -> None:
+    """A gateway started with --context-overflow keep-system-drop-oldest accepts an
+    overflowing turn that chose no policy, and makes the choice explicit, so even a worker
+    whose own default is "fail" serves it."""
+    w1 = cluster["workers"]["ov1"]  # its default is "fail"
+    gw, gstop = start_gateway(loop_thread, tiny_spec, [w1],
+                              context_overflow="keep-system-drop-oldest")
+    with grpc.insecure_channel(gw) as ch:
+        stub = chat_pb2_grpc.ChatServiceStub(ch)
+        wait_for(lambda: stub.ListModels(chat_pb2.ListModelsRequest()).models[0].num_workers == 1)
+        final = _chat(stub, _messages(12))
+    assert final.worker_id == "ov1" and final.usage.dropped_tokens > 0
+    loop_thread.loop.call_soon_threadsafe(gstop.set)

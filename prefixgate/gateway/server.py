@@ -44,7 +44,12 @@ from prefixgate.gateway.index import PrefixIndex
 from prefixgate.gateway.pool import WorkerPool
 from prefixgate.gateway.routing import Router, RoutingConfig, make_turn
 from prefixgate.models import ModelSpec
-from prefixgate.protocol import InvalidRequest, check_token_ids, sampling_from_proto
+from prefixgate.protocol import (
+    OVERFLOW_FROM_PROTO,
+    InvalidRequest,
+    check_token_ids,
+    sampling_from_proto,
+)
 from prefixgate.radix import BlockHasher
 from prefixgate.registry import Registry, WorkerRecord
 from prefixgate.replay.record import TraceRecorder
@@ -72,6 +77,13 @@ class GatewayConfig:
     drain_seconds: float = 30.0
     record_trace: str = ""  # append one line per finished turn here (prefixgate.replay.record)
     index_max_blocks: int = 0  # hard cap on the routing index (0: bounded by the workers)
+    # Overflow policy for requests that do not choose one: "fail" or
+    # "keep-system-drop-oldest". It is made explicit on the way to the worker, so every
+    # worker answers a turn alike whatever its own default.
+    context_overflow: str = "fail"
+
+
+OVERFLOW_TO_PROTO = {name: value for value, name in OVERFLOW_FROM_PROTO.items() if name}
 
 
 class ChatService:
@@ -117,7 +129,8 @@ class ChatService:
         arrival = time.monotonic()
         try:
             prompt = self._prompt(request)
-            sampling_from_proto(request.sampling, len(prompt), self.spec.max_context_tokens)
+            sampling_from_proto(request.sampling, len(prompt), self.spec.max_context_tokens,
+                                default_overflow=self.config.context_overflow)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         t0 = time.perf_counter()
@@ -131,6 +144,8 @@ class ChatService:
                                 "check that the workers' model matches the gateway's")
         gen = worker_pb2.GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt,
                                          sampling=request.sampling, namespace=request.namespace)
+        if not gen.sampling.context_overflow:
+            gen.sampling.context_overflow = OVERFLOW_TO_PROTO[self.config.context_overflow]
         failures = []
         policy = decision.policy
         for attempt, worker in enumerate(candidates):
