@@ -38,7 +38,8 @@ def collect(events: queue.Queue) -> tuple[list[int], FinalEvent]:
 
 def run(engine: PagedEngine, prompt: list[int], max_tokens: int = 16, rid: str = "r",
         **sampling) -> tuple[list[int], FinalEvent]:
-    return collect(submit(engine, prompt, rid, max_tokens, **sampling))
+    return engine.run_to_completion(
+        Request(rid, tuple(prompt), SamplingConfig(max_tokens=max_tokens, **sampling)), 120)
 
 
 def prompts(n: int, seed: int = 0, lo: int = 20, hi: int = 300) -> list[list[int]]:

@@ -21,7 +21,6 @@ from prefixgate.worker.engine import (
     FinishReason,
     PagedEngine,
     Request,
-    TokenEvent,
 )
 from prefixgate.worker.kv_pool import KVPool
 from prefixgate.worker.model_runner import ModelRunner, pool_config_for
@@ -111,17 +110,9 @@ def _engine(spec, model, **config) -> PagedEngine:
 
 def _generate(engine: PagedEngine, prompt: list[int], mode: str, rid: str,
               max_tokens: int = 12) -> tuple[list[int], FinalEvent]:
-    events: queue.Queue = queue.Queue()
     sampling = SamplingConfig(max_tokens=max_tokens, context_overflow="keep-system-drop-oldest",
                               shifted_reuse=mode)
-    engine.submit(Request(rid, tuple(prompt), sampling), events.put)
-    out: list[int] = []
-    while True:
-        ev = events.get(timeout=120)
-        if isinstance(ev, TokenEvent):
-            out += ev.token_ids
-        else:
-            return out, ev
+    return engine.run_to_completion(Request(rid, tuple(prompt), sampling), timeout_s=120)
 
 
 def _conversation(tok: ChatTokenizer, num_turns: int) -> list[list[int]]:

@@ -166,19 +166,9 @@ def _quality(args, spec, tok, model, context: int) -> dict:
 
 
 def _serve(engine, prompt: list[int], sampling, rid: str):
-    import queue
+    from prefixgate.worker.engine import Request
 
-    from prefixgate.worker.engine import Request, TokenEvent
-
-    events: queue.Queue = queue.Queue()
-    engine.submit(Request(rid, tuple(prompt), sampling), events.put)
-    tokens: list[int] = []
-    while True:
-        ev = events.get(timeout=600)
-        if isinstance(ev, TokenEvent):
-            tokens += ev.token_ids
-        else:
-            return tokens, ev
+    return engine.run_to_completion(Request(rid, tuple(prompt), sampling))
 
 
 def _summarise(results: dict[str, list[dict]]) -> dict:

@@ -167,12 +167,8 @@ def run(args: argparse.Namespace) -> dict:
             max_context_tokens=spec.max_context_tokens, model_fingerprint=spec.fingerprint))
 
         def generate_tokens(eng: PagedEngine, prompt: list[int], max_tokens: int):
-            q: queue.Queue = queue.Queue()
-            eng.submit(Request(f"m{next(counter)}", tuple(prompt),
-                               SamplingConfig(max_tokens=max_tokens)), q.put)
-            tokens: list[int] = []
-            while not isinstance(ev := q.get(timeout=600), FinalEvent):
-                tokens += ev.token_ids
+            tokens, ev = eng.run_to_completion(Request(
+                f"m{next(counter)}", tuple(prompt), SamplingConfig(max_tokens=max_tokens)))
             if tokens and tokens[-1] in tok.eos_token_ids:
                 tokens.pop()  # the template closes the reply itself
             return tokens, ev

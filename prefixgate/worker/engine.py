@@ -158,6 +158,21 @@ class Engine(ABC):
     @abstractmethod
     def shutdown(self) -> None: ...
 
+    def run_to_completion(self, request: Request, timeout_s: float = 600.0
+                          ) -> tuple[list[int], FinalEvent]:
+        """Submit `request` and block until it ends: (sample 0's token ids, its final
+        event). For benchmarks and tests; the gRPC service streams instead."""
+        events: queue.Queue[Event] = queue.Queue()
+        self.submit(request, events.put)
+        tokens: list[int] = []
+        while True:
+            ev = events.get(timeout=timeout_s)
+            if isinstance(ev, FinalEvent):
+                if ev.index == 0:
+                    return tokens, ev
+            elif ev.index == 0:
+                tokens += ev.token_ids
+
 
 @dataclass(frozen=True)
 class EngineConfig:
