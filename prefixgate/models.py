@@ -31,7 +31,7 @@ import importlib.util
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,19 +175,25 @@ def _resolve_smollm2(cache_dir: Path) -> ModelSpec:
     gguf_path = smollm2_gguf_path()
     digest = _file_digest(gguf_path, cache_dir)
     model_dir = cache_dir / "models" / f"smollm2-135m-{digest[:16]}"
+    _materialize(model_dir, lambda d: _write_gguf_tokenizer_and_config(gguf_path, d))
+    return _spec("smollm2-135m", model_dir, f"gguf:{digest}", "gguf", gguf_path)
+
+
+def _materialize(model_dir: Path, write: Callable[[Path], None]) -> None:
+    """Run `write(model_dir)` once per directory (config.json marks it done), under its lock."""
     with locked(model_dir):
         if not (model_dir / "config.json").is_file():
             model_dir.mkdir(parents=True, exist_ok=True)
-            _write_gguf_tokenizer_and_config(gguf_path, model_dir)
+            write(model_dir)
+
+
+def _spec(name: str, model_dir: Path, weights_identity: str, source: str,
+          gguf_path: Path | None = None) -> ModelSpec:
     config = json.loads((model_dir / "config.json").read_text())
-    return ModelSpec(
-        name="smollm2-135m",
-        model_dir=model_dir,
-        fingerprint=_fingerprint(model_dir, f"gguf:{digest}"),
-        max_context_tokens=int(config["max_position_embeddings"]),
-        source="gguf",
-        gguf_path=gguf_path,
-    )
+    return ModelSpec(name=name, model_dir=model_dir,
+                     fingerprint=_fingerprint(model_dir, weights_identity),
+                     max_context_tokens=int(config.get("max_position_embeddings", 2048)),
+                     source=source, gguf_path=gguf_path)
 
 
 def _write_gguf_tokenizer_and_config(gguf_path: Path, model_dir: Path) -> None:
@@ -258,18 +264,8 @@ def _write_gguf_tokenizer_and_config(gguf_path: Path, model_dir: Path) -> None:
 
 def _resolve_tiny_random(cache_dir: Path) -> ModelSpec:
     model_dir = cache_dir / "models" / f"tiny-random-seed{TINY_RANDOM_SEED}"
-    with locked(model_dir):
-        if not (model_dir / "config.json").is_file():
-            model_dir.mkdir(parents=True, exist_ok=True)
-            _write_tiny_random_tokenizer_and_config(model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    return ModelSpec(
-        name="tiny-random",
-        model_dir=model_dir,
-        fingerprint=_fingerprint(model_dir, f"tiny-random:seed={TINY_RANDOM_SEED}"),
-        max_context_tokens=int(config["max_position_embeddings"]),
-        source="tiny-random",
-    )
+    _materialize(model_dir, _write_tiny_random_tokenizer_and_config)
+    return _spec("tiny-random", model_dir, f"tiny-random:seed={TINY_RANDOM_SEED}", "tiny-random")
 
 
 def _write_tiny_random_tokenizer_and_config(model_dir: Path) -> None:
@@ -314,12 +310,5 @@ def _resolve_hf_dir(path: Path, cache_dir: Path) -> ModelSpec:
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         raise ModelError(f"{path} has no *.safetensors weights")
-    config = json.loads((path / "config.json").read_text())
     weights_identity = "hf:" + ",".join(_file_digest(w, cache_dir) for w in weights)
-    return ModelSpec(
-        name=str(path),
-        model_dir=path,
-        fingerprint=_fingerprint(path, weights_identity),
-        max_context_tokens=int(config.get("max_position_embeddings", 2048)),
-        source="hf-dir",
-    )
+    return _spec(str(path), path, weights_identity, "hf-dir")
