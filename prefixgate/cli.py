@@ -213,23 +213,25 @@ def _overflow_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _policy_flag(p: argparse.ArgumentParser) -> None:
-    from prefixgate.gateway.routing import POLICIES
+    from prefixgate.gateway.routing import POLICIES, RoutingConfig
 
-    flag(p, "--policy", default="prefix", choices=POLICIES,
+    d = RoutingConfig()  # the flags' defaults are the config's
+
+    flag(p, "--policy", default=d.policy, choices=POLICIES,
          help="routing policy (see docs/routing.md)")
-    flag(p, "--prefix-weight", type=float, default=1.0,
+    flag(p, "--prefix-weight", type=float, default=d.prefix_weight,
          help="prefix policy: score per cached prompt token")
-    flag(p, "--load-weight", type=float, default=1.0,
+    flag(p, "--load-weight", type=float, default=d.load_weight,
          help="prefix policy: score subtracted per queued prefill token")
-    flag(p, "--running-weight", type=float, default=64.0,
+    flag(p, "--running-weight", type=float, default=d.running_weight,
          help="prefix policy: queued-token equivalents per running sequence")
-    flag(p, "--shared-prefix-weight", type=float, default=0.0,
+    flag(p, "--shared-prefix-weight", type=float, default=d.shared_prefix_weight,
          help="prefix policy: credit per cached token of a prefix many conversations share, "
               "on a worker whose cache is fuller than the rest (see --occupancy-slack)")
-    flag(p, "--occupancy-slack", type=float, default=0.25,
+    flag(p, "--occupancy-slack", type=float, default=d.occupancy_slack,
          help="prefix policy: a worker holding more than (1 + this) x the mean indexed "
               "blocks gets only --shared-prefix-weight for shared prefixes")
-    flag(p, "--spread-fanout", type=int, default=2,
+    flag(p, "--spread-fanout", type=int, default=d.spread_fanout,
          help="prefix policy: continuations after which a prefix counts as shared")
     flag(p, "--index-max-blocks", type=int, default=0,
          help="cap on the gateway's routing index in blocks (0: bounded by the workers)")
