@@ -1,47 +1,51 @@
-"""Shared fixtures: models, a real redis-server, servers on loopback ports chosen at run time.
+"""Shared fixtures and the suite's environment and markers.
 
-Servers run on an asyncio loop in a background thread (`LoopThread`), so tests talk to
-them over real gRPC with ordinary synchronous stubs, as a separate client would.
+Environment: set here, before any test module imports torch or triton
+(`TRITON_INTERPRET=1`, so Triton kernels run in the interpreter on the CPU).
+
+Markers (declared in pyproject.toml) are applied from what a test uses, so they cannot
+drift from the truth:
+- `slow`: it loads the real SmolLM2 model (a `smollm2_*` fixture) or runs the CLI;
+- `redis`: it needs a real redis-server (`redis_url`, `redis_flush`, `own_redis`);
+- `integration`: it talks real gRPC on loopback or runs processes (`loop_thread`, e2e/);
+- `faults`: the fault suite (everything under tests/faults/).
+`bash scripts/test.sh -m "not slow and not faults"` is the quick loop.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
-import subprocess
-import sys
-import threading
-import time
-from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
-from typing import Any
 
-import pytest
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
-from prefixgate.bench.redis_server import RedisServer
-from prefixgate.models import ModelSpec, resolve_model
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+import pytest  # noqa: E402
+
+from prefixgate.bench.redis_server import RedisServer  # noqa: E402
+from prefixgate.models import ModelSpec, resolve_model  # noqa: E402
+from tests.helpers import LoopThread  # noqa: E402
+
+_SLOW_FIXTURES = {"smollm2_spec", "smollm2_model"}
+_REDIS_FIXTURES = {"redis_url", "redis_flush", "own_redis"}
+_INTEGRATION_FIXTURES = {"loop_thread"}
 
 
-class LoopThread:
-    """An asyncio event loop running in a daemon thread."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Awaitable, timeout: float = 120) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def spawn(self, coro: Awaitable) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        path = Path(str(item.fspath))
+        if used & _SLOW_FIXTURES:
+            item.add_marker(pytest.mark.slow)
+        if used & _REDIS_FIXTURES:
+            item.add_marker(pytest.mark.redis)
+        if used & (_INTEGRATION_FIXTURES | _REDIS_FIXTURES) or "e2e" in path.parts:
+            item.add_marker(pytest.mark.integration)
+        if "e2e" in path.parts:
+            item.add_marker(pytest.mark.slow)
+        if "faults" in path.parts:
+            item.add_marker(pytest.mark.faults)
 
 @pytest.fixture(scope="session")
 def loop_thread() -> Iterator[LoopThread]:
@@ -113,75 +117,6 @@ def own_redis(tmp_path: Path):
     server.start()
     yield server.url, server.start, server.stop
     server.stop()
-
-
-def make_engine(spec: ModelSpec, model, event_sink=None, **config):
-    """A PagedEngine for `spec` (EngineConfig fields as keyword arguments) reporting its
-    KV events to `event_sink`."""
-    from prefixgate.tokenizer import ChatTokenizer
-    from prefixgate.worker.engine import EngineConfig, PagedEngine
-
-    tokenizer = ChatTokenizer(spec)
-    config.setdefault("num_blocks", 512)
-    return PagedEngine(model, tokenizer, EngineConfig(
-        eos_token_ids=tokenizer.eos_token_ids, max_context_tokens=spec.max_context_tokens,
-        model_fingerprint=spec.fingerprint, **config), event_sink=event_sink)
-
-
-def start_worker(loop_thread: LoopThread, spec: ModelSpec, model, worker_id: str,
-                 events=None, **engine_config) -> tuple[str, asyncio.Event]:
-    """Start a WorkerService on a free loopback port; returns (address, stop event). Its
-    engine reports KV events to `events` (default: a new EventLog), as in `prefixgate
-    worker`; gateways follow them by WatchEvents."""
-    from prefixgate.worker.events import EventLog
-    from prefixgate.worker.server import WorkerConfig, WorkerService, serve
-
-    events = events if events is not None else EventLog()
-    engine = make_engine(spec, model, event_sink=events, **engine_config)
-    service = WorkerService(engine, spec, WorkerConfig(worker_id=worker_id, drain_seconds=1),
-                            vocab_size=engine.tokenizer.vocab_size, events=events)
-
-    async def start() -> tuple[int, asyncio.Event]:
-        stop = asyncio.Event()
-        started = asyncio.get_running_loop().create_future()
-        asyncio.create_task(serve(service, stop, started))
-        return await started, stop
-
-    port, stop = loop_thread.run(start())
-    return f"127.0.0.1:{port}", stop
-
-
-def start_gateway(loop_thread: LoopThread, spec: ModelSpec, workers: list[str],
-                  registry=None, **config_kwargs) -> tuple[str, asyncio.Event]:
-    """Start a gateway on a free loopback port; returns (address, stop event). It is
-    ready when it has probed its workers once."""
-    from prefixgate.gateway.server import GatewayConfig, serve
-    from prefixgate.registry import EmbeddedRegistry
-
-    config = GatewayConfig(static_workers=tuple(workers), drain_seconds=1, **config_kwargs)
-
-    async def start() -> tuple[int, asyncio.Event]:
-        stop = asyncio.Event()
-        started = asyncio.get_running_loop().create_future()
-        asyncio.create_task(serve(spec, registry or EmbeddedRegistry(), config, stop, started))
-        return await started, stop
-
-    port, stop = loop_thread.run(start())
-    return f"127.0.0.1:{port}", stop
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 20, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def cli_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXGATE_")}
-    env.update(extra)
-    return env
 
 
 def start_up(args: list[str], env: dict[str, str], timeout_s: float = 120) -> subprocess.Popen:

@@ -4,7 +4,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 def test_stubs_are_fresh(tmp_path: Path) -> None:

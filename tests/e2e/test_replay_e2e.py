@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from prefixgate.rpc import free_port
-from tests.conftest import REPO, cli_env, start_up
+from tests.helpers import REPO, cli_env, start_up
 
 PG = [sys.executable, "-m", "prefixgate"]
 RECORDED: list[Path] = []

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from prefixgate.rpc import free_port
-from tests.conftest import cli_env, start_up
+from tests.helpers import cli_env, start_up
 
 PG = [sys.executable, "-m", "prefixgate"]
 

@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
-from tests.conftest import start_gateway, start_worker, wait_for
+from tests.helpers import start_gateway, start_worker, wait_for
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from prefixgate.gateway.index import PrefixIndex
 from prefixgate.registry import WorkerRecord
 from prefixgate.v1 import worker_pb2, worker_pb2_grpc
 from prefixgate.worker.events import EventLog
-from tests.conftest import wait_for
+from tests.helpers import wait_for
 
 
 class _NoEngine:

@@ -10,7 +10,7 @@ import pytest
 from prefixgate.overflow import user_turn_prefix
 from prefixgate.tokenizer import ChatTokenizer
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
-from tests.conftest import start_gateway, start_worker, wait_for
+from tests.helpers import start_gateway, start_worker, wait_for
 
 OVERFLOW = common_pb2.CONTEXT_OVERFLOW_KEEP_SYSTEM_DROP_OLDEST
 

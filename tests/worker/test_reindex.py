@@ -4,9 +4,8 @@ interpreter against the torch path."""
 
 from __future__ import annotations
 
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
 
 import pytest
 import torch

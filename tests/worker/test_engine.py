@@ -15,7 +15,7 @@ from prefixgate.worker.engine import FinalEvent, FinishReason, PagedEngine, Requ
 from prefixgate.worker.kv_pool import KVPool
 from prefixgate.worker.model_runner import ModelRunner, pool_config_for
 from prefixgate.worker.paged_attention import StepMetadata
-from tests.conftest import make_engine
+from tests.helpers import make_engine
 
 
 def submit(engine: PagedEngine, prompt: list[int], rid: str, max_tokens: int = 16,

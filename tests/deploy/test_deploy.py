@@ -28,7 +28,7 @@ import yaml
 
 from prefixgate.cli import build_parser
 from prefixgate.v1 import chat_pb2, worker_pb2
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 try:
     import tomllib

@@ -14,7 +14,7 @@ import redis
 
 from prefixgate.rpc import free_port
 from prefixgate.v1 import common_pb2
-from tests.conftest import REPO, cli_env, wait_for
+from tests.helpers import REPO, cli_env, wait_for
 
 PG = [sys.executable, "-m", "prefixgate"]
 FOUR = common_pb2.SamplingParams(max_tokens=4)

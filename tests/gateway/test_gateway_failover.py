@@ -13,7 +13,7 @@ import pytest
 from prefixgate import rpc
 from prefixgate.gateway.routing import RoutingConfig
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2, worker_pb2
-from tests.conftest import start_gateway, wait_for
+from tests.helpers import start_gateway, wait_for
 
 SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"]
 

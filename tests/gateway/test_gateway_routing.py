@@ -13,7 +13,7 @@ import grpc
 from prefixgate.gateway.index import PrefixIndex
 from prefixgate.radix import BlockHasher
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2
-from tests.conftest import start_worker, wait_for
+from tests.helpers import start_worker, wait_for
 
 BLOCK = 16
 
