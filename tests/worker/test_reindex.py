@@ -4,9 +4,6 @@ interpreter against the torch path."""
 
 from __future__ import annotations
 
-
-
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
