@@ -117,21 +117,3 @@ def own_redis(tmp_path: Path):
     server.start()
     yield server.url, server.start, server.stop
     server.stop()
-
-
-def start_up(args: list[str], env: dict[str, str], timeout_s: float = 120) -> subprocess.Popen:
-    """Start `prefixgate up ARGS` and return once it printed that it is up (its stdout
-    and stderr are merged into the returned process's stdout)."""
-    up = subprocess.Popen([sys.executable, "-m", "prefixgate", "up", *args], env=env, cwd=REPO,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + timeout_s
-    lines: list[str] = []
-    while time.monotonic() < deadline:
-        lines.append(up.stdout.readline())
-        if "prefixgate is up" in lines[-1] or up.poll() is not None:
-            break
-    if "prefixgate is up" not in lines[-1]:
-        up.kill()
-        raise AssertionError("prefixgate up did not come up:\n" + "".join(lines))
-    return up
-
