@@ -4,14 +4,25 @@
   descriptor. Unlike the generated `add_*_to_server`, a request that fails to parse (for
   example a string field that is not UTF-8) is answered with INVALID_ARGUMENT and a
   message, not with gRPC's INTERNAL "Exception deserializing request!".
+  With a `guard`, every call is first checked with `guard(method_name, metadata)`
+  (prefixgate.auth): `auth.Unauthenticated` is answered UNAUTHENTICATED and
+  `auth.PermissionDenied` PERMISSION_DENIED, with the guard's message.
 - `add_health_and_reflection` adds the standard health service (grpc.health.v1) and
   server reflection; the returned servicer's statuses are the server's readiness.
+- TLS (`TLSConfig`): `bind` adds a server's port (TLS when the config has a certificate;
+  mutual TLS, client certificates required, when it also names a client CA) and `channel`
+  opens a client channel (TLS when the config names a CA or a client certificate).
+  Without TLS, binding a non-loopback address logs that traffic is in clear text.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import socket
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -20,6 +31,13 @@ from google.protobuf import message_factory
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from prefixgate.auth import AuthError, PermissionDenied
+
+log = logging.getLogger(__name__)
+
+# guard(method name, invocation metadata): raises auth.AuthError to refuse the call.
+Guard = Callable[[str, Sequence[tuple[str, Any]]], object]
 
 
 class _Malformed:
@@ -40,29 +58,41 @@ _MALFORMED_MESSAGE = ("the request is not a valid protobuf message ({}); check t
                       "string field is valid UTF-8")
 
 
-def _unary(handler: Callable) -> Callable:
+async def _admit(name: str, guard: Guard | None, request: Any,
+                 context: grpc.aio.ServicerContext) -> None:
+    """Abort the call unless `guard` lets it in and `request` parsed."""
+    if guard is not None:
+        try:
+            guard(name, context.invocation_metadata() or ())
+        except AuthError as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED
+                                if isinstance(exc, PermissionDenied)
+                                else grpc.StatusCode.UNAUTHENTICATED, str(exc))
+    if isinstance(request, _Malformed):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            _MALFORMED_MESSAGE.format(request.error))
+
+
+def _unary(name: str, handler: Callable, guard: Guard | None) -> Callable:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if isinstance(request, _Malformed):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                _MALFORMED_MESSAGE.format(request.error))
+        await _admit(name, guard, request, context)
         return await handler(request, context)
     return wrapped
 
 
-def _stream(handler: Callable) -> Callable:
+def _stream(name: str, handler: Callable, guard: Guard | None) -> Callable:
     async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        if isinstance(request, _Malformed):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                _MALFORMED_MESSAGE.format(request.error))
+        await _admit(name, guard, request, context)
         async for event in handler(request, context):
             yield event
     return wrapped
 
 
 def add_service(server: grpc.aio.Server, service: _descriptor.ServiceDescriptor,
-                servicer: object) -> None:
+                servicer: object, guard: Guard | None = None) -> None:
     """Register `servicer` (an object with one async method per RPC, named as in the
-    proto) for `service`. Only unary and server-streaming methods are supported."""
+    proto) for `service`, every call checked by `guard` first when given. Only unary and
+    server-streaming methods are supported."""
     handlers = {}
     for method in service.methods:
         request_cls = message_factory.GetMessageClass(method.input_type)
@@ -71,9 +101,11 @@ def add_service(server: grpc.aio.Server, service: _descriptor.ServiceDescriptor,
         kwargs = dict(request_deserializer=_safe_deserializer(request_cls),
                       response_serializer=response_cls.SerializeToString)
         if method.server_streaming:
-            handlers[method.name] = grpc.unary_stream_rpc_method_handler(_stream(impl), **kwargs)
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                _stream(method.name, impl, guard), **kwargs)
         else:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(_unary(impl), **kwargs)
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _unary(method.name, impl, guard), **kwargs)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
@@ -103,3 +135,70 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """PEM files. A server needs cert_file and key_file; its ca_file, when set, is the CA
+    its clients' certificates must chain to (mutual TLS). A client trusts ca_file (empty:
+    the system's roots) and presents cert_file/key_file when set (for mutual TLS)."""
+
+    cert_file: str = ""
+    key_file: str = ""
+    ca_file: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert_file or self.key_file or self.ca_file)
+
+
+def _read(path: str) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
+def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
+    if not (tls.cert_file and tls.key_file):
+        raise ValueError("a TLS server needs both a certificate and its key "
+                         "(--tls-cert and --tls-key)")
+    return grpc.ssl_server_credentials(
+        [(_read(tls.key_file), _read(tls.cert_file))], root_certificates=_read(tls.ca_file),
+        require_client_auth=bool(tls.ca_file))
+
+
+def channel_credentials(tls: TLSConfig) -> grpc.ChannelCredentials:
+    if bool(tls.cert_file) != bool(tls.key_file):
+        raise ValueError("a client certificate needs its key, and the key its certificate")
+    return grpc.ssl_channel_credentials(root_certificates=_read(tls.ca_file),
+                                        private_key=_read(tls.key_file),
+                                        certificate_chain=_read(tls.cert_file))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def bind(server: grpc.aio.Server, host: str, port: int, tls: TLSConfig | None, what: str) -> int:
+    """Add the listening port (TLS per `tls`); returns the bound port."""
+    address = f"{host}:{port}"
+    if tls is not None and tls.enabled:
+        bound = server.add_secure_port(address, server_credentials(tls))
+        log.info("%s: TLS on %s%s", what, address,
+                 " (mutual: client certificates required)" if tls.ca_file else "")
+        return bound
+    if not is_loopback(host):
+        log.warning("%s: listening on %s without TLS: traffic (prompts included) is in clear "
+                    "text; pass --tls-cert/--tls-key", what, address)
+    return server.add_insecure_port(address)
+
+
+def channel(address: str, tls: TLSConfig | None = None,
+            options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+    """A client channel to `address`, over TLS when `tls` says so."""
+    if tls is not None and tls.enabled:
+        return grpc.aio.secure_channel(address, channel_credentials(tls), options=options)
+    return grpc.aio.insecure_channel(address, options=options)
