@@ -10,14 +10,67 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from prefixgate.v1 import common_pb2
+from prefixgate.v1 import chat_pb2, common_pb2, worker_pb2
 
 DEFAULT_MAX_TOKENS = 256
 ROLES = ("system", "user", "assistant")
+# Workers sample in float32 and divide by the temperature after subtracting the largest
+# logit, so every scaled logit is <= 0 and the largest is exactly 0. That holds for any
+# temperature that is a normal float32 (>= 2**-126); below it the division runs on
+# subnormals or zero (0/0: NaN), so smaller temperatures are refused (0 means greedy).
+MIN_TEMPERATURE = 2.0 ** -126
 
 
 class InvalidRequest(ValueError):
     """Bad input; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may carry, checked at the edge (gateway and worker) before any
+    large allocation: the gRPC servers refuse a message over `max_request_bytes` before
+    parsing it, and the field checks below run before tokenizing or routing. Every
+    client-chosen string ends up in logs, metrics or per-namespace maps, hence the bounds
+    (units: characters, items, bytes)."""
+
+    max_request_bytes: int = 4 << 20  # one serialized request (gRPC max receive size)
+    max_id_chars: int = 256  # conversation_id, namespace, request_id, model
+    max_messages: int = 4096
+    max_stop: int = 16  # stop strings
+    max_stop_chars: int = 256  # per stop string
+    max_stop_token_ids: int = 256
+
+
+DEFAULT_LIMITS = RequestLimits()
+
+
+def clip(text: str, max_chars: int = 64) -> str:
+    """`text` cut for a log line or an error message (client strings can be megabytes)."""
+    if len(text) <= max_chars:
+        return text
+    return f"{text[:max_chars]}...(+{len(text) - max_chars} chars)"
+
+
+def check_id(field_name: str, value: str, limits: RequestLimits = DEFAULT_LIMITS) -> None:
+    """Raise unless the client-chosen identifier `value` is at most `max_id_chars` long."""
+    if len(value) > limits.max_id_chars:
+        raise InvalidRequest(f"{field_name} is {len(value)} characters long: at most "
+                             f"{limits.max_id_chars} are accepted")
+
+
+def check_stops(msg: common_pb2.SamplingParams, limits: RequestLimits = DEFAULT_LIMITS) -> None:
+    """Raise unless the stop strings and stop token ids are within `limits` (every stop
+    string is searched for after each token, so their count and length are bounded)."""
+    if len(msg.stop) > limits.max_stop:
+        raise InvalidRequest(f"sampling.stop has {len(msg.stop)} strings: at most "
+                             f"{limits.max_stop} are accepted")
+    longest = max((len(s) for s in msg.stop), default=0)
+    if longest > limits.max_stop_chars:
+        raise InvalidRequest(f"a sampling.stop string is {longest} characters long: at most "
+                             f"{limits.max_stop_chars} are accepted")
+    if len(msg.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidRequest(f"sampling.stop_token_ids has {len(msg.stop_token_ids)} ids: at "
+                             f"most {limits.max_stop_token_ids} are accepted")
 
 
 @dataclass(frozen=True)
@@ -54,7 +107,8 @@ SHIFTED_REUSE_FROM_PROTO = {
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, num_prompt_tokens: int,
-                        max_context_tokens: int, default_overflow: str = "fail") -> SamplingConfig:
+                        max_context_tokens: int, default_overflow: str = "fail",
+                        limits: RequestLimits = DEFAULT_LIMITS) -> SamplingConfig:
     """Validate `msg` for a prompt of `num_prompt_tokens` tokens in a context window of
     `max_context_tokens`. An unset max_tokens becomes min(256, what the context leaves).
     Under context_overflow "keep-system-drop-oldest" (from `msg`, else `default_overflow`)
@@ -75,7 +129,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, num_prompt_tokens: int,
                 f"{max_context_tokens} tokens, so at most {limit} tokens can be generated")
         max_tokens = msg.max_tokens if msg.HasField("max_tokens") else \
             min(DEFAULT_MAX_TOKENS, max_context_tokens // 2)
-        return _sampling(msg, max_tokens, overflow, reuse)
+        return _sampling(msg, max_tokens, overflow, reuse, limits)
     if num_prompt_tokens >= max_context_tokens:
         raise InvalidRequest(
             f"the prompt is {num_prompt_tokens} tokens but the model's context window is "
@@ -93,17 +147,23 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, num_prompt_tokens: int,
         max_tokens = msg.max_tokens
     else:
         max_tokens = min(DEFAULT_MAX_TOKENS, room)
-    return _sampling(msg, max_tokens, overflow, reuse)
+    return _sampling(msg, max_tokens, overflow, reuse, limits)
 
 
 def _sampling(msg: common_pb2.SamplingParams, max_tokens: int, overflow: str,
-              reuse: str) -> SamplingConfig:
+              reuse: str, limits: RequestLimits) -> SamplingConfig:
     if not math.isfinite(msg.temperature) or msg.temperature < 0:
         raise InvalidRequest("sampling.temperature must be >= 0 (0 means greedy)")
+    if 0 < msg.temperature < MIN_TEMPERATURE:
+        raise InvalidRequest(
+            f"sampling.temperature={msg.temperature:.3g} is below {MIN_TEMPERATURE:.3g}, the "
+            "smallest value the workers' float32 sampling can divide by: use 0 for greedy "
+            "decoding or a temperature of at least that")
     if not math.isfinite(msg.top_p) or not 0 <= msg.top_p <= 1:
         raise InvalidRequest("sampling.top_p must be in (0, 1] (0 or unset means 1)")
     if msg.n > MAX_SAMPLES:
         raise InvalidRequest(f"sampling.n={msg.n} is too many: at most {MAX_SAMPLES} samples")
+    check_stops(msg, limits)
     return SamplingConfig(
         n=max(1, msg.n),
         max_tokens=max_tokens,
@@ -141,3 +201,25 @@ def check_messages(messages: list[tuple[str, str]]) -> None:
             raise InvalidRequest(f"messages[{i}].content is empty: every message needs text")
     if messages[-1][0] == "assistant":
         raise InvalidRequest("the last message is from the assistant: end with a user message")
+
+
+def check_chat_fields(request: chat_pb2.ChatRequest,
+                      limits: RequestLimits = DEFAULT_LIMITS) -> None:
+    """Raise unless a ChatRequest's identifiers, message count and stop lists are within
+    `limits`. Cheap (no tokenizing): the gateway runs it first."""
+    check_id("conversation_id", request.conversation_id, limits)
+    check_id("namespace", request.namespace, limits)
+    check_id("model", request.model, limits)
+    if request.WhichOneof("input") == "messages" and \
+            len(request.messages.messages) > limits.max_messages:
+        raise InvalidRequest(f"the request has {len(request.messages.messages)} messages: at "
+                             f"most {limits.max_messages} are accepted (drop the oldest turns)")
+    check_stops(request.sampling, limits)
+
+
+def check_generate_fields(request: worker_pb2.GenerateRequest,
+                          limits: RequestLimits = DEFAULT_LIMITS) -> None:
+    """Raise unless a GenerateRequest's identifiers and stop lists are within `limits`."""
+    check_id("request_id", request.request_id, limits)
+    check_id("namespace", request.namespace, limits)
+    check_stops(request.sampling, limits)

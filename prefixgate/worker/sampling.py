@@ -1,10 +1,16 @@
 """Token sampling: greedy, temperature, top-k, top-p, with a per-request seed.
 
 Contract: `Sampler(params).sample(logits)` takes the next-token logits of one sequence
-(shape [vocab], any float dtype) and returns one token id. With temperature 0 it is the
-argmax. Otherwise the result depends only on the logits and the request's seed (a
-private torch.Generator per request), so the same seed gives the same output whatever
+(shape [vocab], any float dtype) and returns one token id in [0, vocab). With temperature
+0 it is the argmax. Otherwise the result depends only on the logits and the request's seed
+(a private torch.Generator per request), so the same seed gives the same output whatever
 else the worker runs. Filters apply in the order temperature, top-k, top-p.
+
+It never raises for parameters `prefixgate.protocol` accepts, whatever the logits hold:
+NaN counts as -inf, +inf as the largest float32; the largest logit is subtracted before
+dividing by the temperature (>= protocol.MIN_TEMPERATURE, a normal float32), so scaled
+logits are <= 0 with the largest exactly 0, softmax never sees inf - inf, and the kept
+mass is never zero. Logits with no finite value at all (a broken model) give token 0.
 """
 
 from __future__ import annotations
@@ -25,9 +31,14 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor) -> int:
         p = self.params
+        logits = torch.nan_to_num(logits.float(), nan=float("-inf"), neginf=float("-inf"),
+                                  posinf=torch.finfo(torch.float32).max)
+        top = torch.argmax(logits)
+        if not torch.isfinite(logits[top]):
+            return 0
         if p.temperature <= 0:
-            return int(torch.argmax(logits))
-        logits = logits.float() / p.temperature
+            return int(top)
+        logits = (logits - logits[top]) / p.temperature
         if 0 < p.top_k < logits.numel():
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
