@@ -13,6 +13,10 @@ Hashes are `prefixgate.radix.BlockHasher` chained hashes salted with the model f
 and the request's namespace, so a gateway hashing the same prompt finds the same values.
 A sink must not block the engine: it buffers and publishes elsewhere (batched).
 
+`OwnershipEvent` is the record of one such change as it travels: a worker's publisher
+buffers them, the Worker API's WatchEvents stream and the Redis registry carry them, and
+gateways apply them to their routing index. The one record for every hop.
+
 `chains(blocks)` turns a set of cached blocks (hash -> parent hash) back into `stored`
 chains in an order a reader can apply (snapshots of a worker's cache).
 """
@@ -21,6 +25,19 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OwnershipEvent:
+    """One change of a worker's cached blocks.
+
+    kind: "store" (`block_hashes` as one chain extending `parent_hash`; None: the root),
+    "remove" (`block_hashes`, in any order) or "clear" (every block; no hashes)."""
+
+    kind: str
+    block_hashes: Sequence[int] = ()
+    parent_hash: int | None = None
 
 
 class KVEventSink(ABC):

@@ -213,11 +213,12 @@ class _Redis:
 async def _round_trips_and_ingestion(url: str, seed: int, quick: bool) -> dict:
     import redis.asyncio as aioredis
 
+    from prefixgate.events import OwnershipEvent
     from prefixgate.gateway.index import PrefixIndex
     from prefixgate.gateway.redis_feed import RedisStreamFeed
     from prefixgate.gateway.routing import LoadSnapshot, Router, RoutingConfig, make_turn
     from prefixgate.radix import BlockHasher
-    from prefixgate.registry import OwnershipEvent, RedisRegistry, WorkerRecord
+    from prefixgate.registry import RedisRegistry, WorkerRecord
 
     raw = aioredis.Redis.from_url(url)
     await raw.flushall()
@@ -347,11 +348,12 @@ async def _two_gateways(url: str, convs: list[list[Any]], seed: int, progress: A
     """Cached prompt tokens with one gateway, two sharing Redis, two learning alone."""
     import redis.asyncio as aioredis
 
+    from prefixgate.events import OwnershipEvent
     from prefixgate.gateway.index import PrefixIndex
     from prefixgate.gateway.redis_feed import RedisStreamFeed
     from prefixgate.gateway.routing import LoadSnapshot, Router, RoutingConfig, Turn
     from prefixgate.radix import RadixTree
-    from prefixgate.registry import OwnershipEvent, RedisRegistry, WorkerRecord
+    from prefixgate.registry import RedisRegistry, WorkerRecord
 
     num_workers, active = 8, 32
     n_convs = len(convs)

@@ -52,8 +52,8 @@ from prefixgate.protocol import (
 )
 from prefixgate.radix import BlockHasher
 from prefixgate.registry import Registry, WorkerRecord
-from prefixgate.replay.record import TraceRecorder
 from prefixgate.tokenizer import ChatTokenizer
+from prefixgate.trace_recorder import TraceRecorder
 from prefixgate.v1 import chat_pb2, common_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class GatewayConfig:
     static_workers: tuple[str, ...] = ()
     refresh_interval_s: float = 2.0
     drain_seconds: float = 30.0
-    record_trace: str = ""  # append one line per finished turn here (prefixgate.replay.record)
+    record_trace: str = ""  # append one line per finished turn here (prefixgate.trace_recorder)
     index_max_blocks: int = 0  # hard cap on the routing index (0: bounded by the workers)
     # Overflow policy for requests that do not choose one: "fail" or
     # "keep-system-drop-oldest". It is made explicit on the way to the worker, so every
@@ -290,6 +290,8 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
         await rpc.set_serving(health, [SERVICE.full_name], False)
         await feed.close()
         await server.stop(config.drain_seconds)
+        if service.recorder is not None:
+            await asyncio.to_thread(service.recorder.close)
         await pool.close()
         await registry.close()
 

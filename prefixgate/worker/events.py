@@ -32,8 +32,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from prefixgate.events import KVEventSink, chains
-from prefixgate.registry import OwnershipEvent, RedisRegistry, WorkerRecord
+from prefixgate.events import KVEventSink, OwnershipEvent, chains
+from prefixgate.registry import RedisRegistry, WorkerRecord
 
 log = logging.getLogger(__name__)
 

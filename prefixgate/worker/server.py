@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import grpc
 
 from prefixgate import rpc
+from prefixgate.events import OwnershipEvent
 from prefixgate.models import ModelSpec
 from prefixgate.protocol import InvalidRequest, check_token_ids, sampling_from_proto
-from prefixgate.registry import OwnershipEvent
 from prefixgate.v1 import common_pb2, worker_pb2
 from prefixgate.worker.engine import Engine, FinalEvent, FinishReason, Request, TokenEvent
 from prefixgate.worker.events import EventLog

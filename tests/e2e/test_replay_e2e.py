@@ -96,7 +96,7 @@ def test_failed_turns_are_counted_by_status(gateway, tmp_path) -> None:
 
 def test_replay_recorded_trace_reuses_the_conversation_prefix(gateway, tmp_path) -> None:
     from prefixgate.radix import BlockHasher
-    from prefixgate.replay.record import TraceRecorder
+    from prefixgate.trace_recorder import TraceRecorder
 
     hasher = BlockHasher(16)
     rec = TraceRecorder(tmp_path / "rec.jsonl", 16)

@@ -19,7 +19,6 @@ from prefixgate.gateway.routing import RoutingConfig
 from prefixgate.radix import BlockHasher
 from prefixgate.replay.loadgen import ArrivalConfig, Limits, build_request, run_load
 from prefixgate.replay.metrics import percentile, summarize
-from prefixgate.replay.record import TraceRecorder
 from prefixgate.replay.report import write_report
 from prefixgate.replay.simulate import SimConfig, bounds, prepare_turns, simulate
 from prefixgate.replay.targets import OpenAITarget, Target, TurnRecord, TurnRequest
@@ -32,6 +31,7 @@ from prefixgate.replay.traces import (
     synth_block_tokens,
     synth_prompt,
 )
+from prefixgate.trace_recorder import TraceRecorder
 
 SHAREGPT = [
     {"id": "a", "conversations": [

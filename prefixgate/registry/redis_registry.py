@@ -1,0 +1,221 @@
+"""Membership and block ownership in Redis, shared by any number of gateways and workers.
+
+Contract
+--------
+The `Registry` interface (registry/base.py), plus ownership. Keys (prefix `pg:`):
+  pg:workers              set of worker ids
+  pg:worker:{id}          hash: address, model_fingerprint, epoch, capacity_blocks
+  pg:lease:{id}           epoch, expires after lease_ms (PX)
+  pg:epoch:{id}           counter (INCR on each registration)
+  pg:kv:{id}              hash: block hash -> parent hash (8 bytes each, little-endian;
+                          parent 0 = root): the blocks the worker's current epoch holds
+  pg:events               stream of ownership changes (one entry per published batch or
+                          lifecycle change; fields in registry/wire.py)
+
+The block -> owners relation is stored per owner (pg:kv:{id}) so that reaping a worker is
+one DEL and a gateway's bootstrap reads one hash per worker; gateways invert it into their
+in-memory index and never query Redis to route.
+  publish(record, events)  one EVALSHA per batch: if the lease still holds the record's
+                           epoch, apply the batch to pg:kv:{id} and XADD it to pg:events
+                           (MAXLEN ~ stream_maxlen); else change nothing and return False
+                           (the worker lost its lease: it registers again, which clears
+                           its blocks, and republishes a snapshot).
+  register                 atomically: new epoch, lease, record, pg:kv:{id} emptied, a
+                           "join" entry (gateways forget the older epoch's blocks).
+  deregister / reap_expired  atomically: record, lease and pg:kv:{id} removed, a "leave"
+                           or "reap" entry; fenced by epoch and idempotent (Lua), so any
+                           number of gateways may reap the same dead worker.
+The scripts are in registry/lua.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from prefixgate.events import OwnershipEvent
+from prefixgate.registry import lua
+from prefixgate.registry.base import Registry, WorkerRecord
+from prefixgate.registry.wire import (
+    StreamEntry,
+    decode_entry,
+    pack_hashes,
+    parent_bytes,
+    stream_position,
+    unpack_hashes,
+)
+
+
+class RedisRegistry(Registry):
+    """Membership and block ownership in Redis (see the module docstring).
+
+    `stream_maxlen` bounds pg:events (entries, trimmed approximately); a gateway that falls
+    further behind rebuilds from the pg:kv hashes. `max_batch_events` bounds one publish
+    (Lua's argument stack)."""
+
+    max_batch_events = 1000
+
+    def __init__(self, url: str, prefix: str = "pg:", stream_maxlen: int = 100_000,
+                 timeout_s: float = 5.0) -> None:
+        import redis.asyncio as aioredis
+
+        kwargs = dict(socket_connect_timeout=min(2.0, timeout_s), socket_timeout=timeout_s)
+        self.url = redact_url(url)  # for logs: never the password
+        self.redis = aioredis.Redis.from_url(url, decode_responses=True, **kwargs)
+        self.raw = aioredis.Redis.from_url(url, **kwargs)  # bytes: block hashes, the stream
+        self.prefix = prefix
+        self.stream_maxlen = stream_maxlen
+        self.timeout_s = timeout_s
+        self._register = self.redis.register_script(lua.REGISTER)
+        self._renew = self.redis.register_script(lua.RENEW)
+        self._remove = self.redis.register_script(lua.REMOVE)
+        self._publish = self.raw.register_script(lua.PUBLISH)
+        self._dump_kv = self.raw.register_script(lua.DUMP_KV)
+
+    def _key(self, kind: str, worker_id: str = "") -> str:
+        return f"{self.prefix}{kind}" + (f":{worker_id}" if worker_id else "")
+
+    @property
+    def events_key(self) -> str:
+        return self._key("events")
+
+    # ------------------------------------------------------------------ membership
+
+    async def register(self, record: WorkerRecord, lease_ms: int) -> WorkerRecord:
+        wid = record.worker_id
+        epoch = await self._register(
+            keys=[self._key("workers"), self._key("worker", wid), self._key("lease", wid),
+                  self._key("epoch", wid), self._key("kv", wid), self.events_key],
+            args=[wid, record.address, record.model_fingerprint, lease_ms, self.stream_maxlen,
+                  record.capacity_blocks])
+        return replace(record, epoch=int(epoch))
+
+    async def renew(self, record: WorkerRecord, lease_ms: int) -> bool:
+        return bool(await self._renew(keys=[self._key("lease", record.worker_id)],
+                                      args=[record.epoch, lease_ms]))
+
+    async def _remove_worker(self, worker_id: str, kind: str, epoch: int = 0) -> bool:
+        return bool(await self._remove(
+            keys=[self._key("workers"), self._key("worker", worker_id),
+                  self._key("lease", worker_id), self._key("kv", worker_id), self.events_key],
+            args=[worker_id, kind, epoch, self.stream_maxlen]))
+
+    async def deregister(self, record: WorkerRecord) -> None:
+        await self._remove_worker(record.worker_id, "leave", record.epoch)
+
+    async def reap_expired(self) -> list[str]:
+        """Remove every listed worker whose lease expired (its blocks too); returns the ids
+        this call reaped (another gateway may have reaped the rest)."""
+        ids = sorted(await self.redis.smembers(self._key("workers")))
+        if not ids:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for wid in ids:
+                pipe.exists(self._key("lease", wid))
+            alive = await pipe.execute()
+        reaped = []
+        for wid, live in zip(ids, alive, strict=True):
+            # A lease may also hold a stale epoch only transiently; the script decides.
+            if not live and await self._remove_worker(wid, "reap"):
+                reaped.append(wid)
+        return reaped
+
+    async def list_workers(self) -> list[WorkerRecord]:
+        ids = sorted(await self.redis.smembers(self._key("workers")))
+        if not ids:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for wid in ids:
+                pipe.hgetall(self._key("worker", wid))
+                pipe.get(self._key("lease", wid))
+            replies = await pipe.execute()
+        out = []
+        for wid, info, lease in zip(ids, replies[::2], replies[1::2], strict=True):
+            if info and lease is not None and lease == info.get("epoch"):
+                out.append(WorkerRecord(wid, info["address"], info.get("model_fingerprint", ""),
+                                        int(info["epoch"]), int(info.get("capacity_blocks", 0))))
+        return out
+
+    # ------------------------------------------------------------------ ownership
+
+    async def publish(self, record: WorkerRecord, events: Sequence[OwnershipEvent]) -> bool:
+        """Apply a batch (at most `max_batch_events`) for `record`'s epoch; False when its
+        lease no longer holds that epoch (nothing was changed)."""
+        if len(events) > self.max_batch_events:
+            raise ValueError(f"at most {self.max_batch_events} events per batch")
+        args: list = [record.worker_id, record.epoch, self.stream_maxlen]
+        for ev in events:
+            args += [ev.kind, parent_bytes(ev.parent_hash), pack_hashes(ev.block_hashes)]
+        wid = record.worker_id
+        return bool(await self._publish(
+            keys=[self._key("lease", wid), self._key("kv", wid), self.events_key], args=args))
+
+    async def server_id(self) -> str:
+        """The Redis server's run id: it changes when Redis restarts (data may be gone)."""
+        info = await self.redis.info("server")
+        return str(info.get("run_id", ""))
+
+    async def ownership_snapshot(self) -> tuple[bytes, int, dict[str, tuple[int, dict[int, int | None]]]]:
+        """(stream id to follow from, entries ever added to the stream up to it, {worker
+        id: (epoch, {block: parent})}) for the workers with a current lease. The stream
+        position is read before the blocks, so replaying the stream after it over the
+        snapshot converges (events are idempotent)."""
+        async with self.raw.pipeline(transaction=True) as pipe:
+            pipe.xinfo_stream(self.events_key)
+            pipe.smembers(self._key("workers"))
+            info, members = await pipe.execute(raise_on_error=False)
+        last_id, added = stream_position(info)
+        ids = sorted(m.decode() for m in members)
+        async with self.raw.pipeline(transaction=True) as pipe:
+            for wid in ids:
+                pipe.hget(self._key("worker", wid), "epoch")
+                pipe.get(self._key("lease", wid))
+                await self._dump_kv(keys=[self._key("kv", wid)], client=pipe)
+            replies = await pipe.execute()
+        out: dict[str, tuple[int, dict[int, int | None]]] = {}
+        for i, wid in enumerate(ids):
+            epoch, lease, dump = replies[3 * i: 3 * i + 3]
+            if epoch is None or lease != epoch:
+                continue
+            pairs = unpack_hashes(dump or b"")
+            blocks = dict(zip(pairs[::2], [p or None for p in pairs[1::2]], strict=True))
+            out[wid] = (int(epoch), blocks)
+        return last_id, added, out
+
+    async def stream_state(self) -> tuple[bytes, int, int]:
+        """(last entry id, entries ever added, entries held now) of the event stream
+        (b"0-0", 0, 0 when it does not exist). Entries are only removed by trimming,
+        oldest first, so a reader that consumed c entries missed some when
+        added - held > c."""
+        async with self.raw.pipeline(transaction=False) as pipe:
+            pipe.xinfo_stream(self.events_key)
+            (info,) = await pipe.execute(raise_on_error=False)
+        last_id, added = stream_position(info)
+        return last_id, added, int(info.get("length", 0)) if isinstance(info, dict) else 0
+
+    async def read_events(self, after_id: bytes, block_ms: int, count: int = 1000,
+                          ) -> list[StreamEntry]:
+        """Stream entries after `after_id`, waiting up to `block_ms` for the first."""
+        reply = await self.raw.xread({self.events_key: after_id}, count=count, block=block_ms)
+        out: list[StreamEntry] = []
+        for _key, entries in reply or ():
+            for entry_id, f in entries:
+                out.append(decode_entry(entry_id, f))
+        return out
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+        await self.raw.aclose()
+
+
+def redact_url(url: str) -> str:
+    """`url` with any password replaced by ***, for logs."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
