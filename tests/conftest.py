@@ -25,7 +25,7 @@ import pytest  # noqa: E402
 
 from prefixgate.bench.redis_server import RedisServer  # noqa: E402
 from prefixgate.models import ModelSpec, resolve_model  # noqa: E402
-from tests.helpers import LoopThread  # noqa: E402
+from tests.helpers import ENGINES, LoopThread  # noqa: E402
 
 _SLOW_FIXTURES = {"smollm2_spec", "smollm2_model"}
 _REDIS_FIXTURES = {"redis_url", "redis_flush", "own_redis"}
@@ -46,6 +46,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         if "faults" in path.parts:
             item.add_marker(pytest.mark.faults)
+
+@pytest.fixture(autouse=True)
+def engine_integrity() -> Iterator[None]:
+    """After every test, each engine it made (tests.helpers.make_engine/track) must
+    account for every KV block: pool references = prefix cache + block tables."""
+    ENGINES.clear()
+    yield
+    engines = list(ENGINES)
+    ENGINES.clear()
+    for engine in engines:
+        engine.check_integrity()
+
 
 @pytest.fixture(scope="session")
 def loop_thread() -> Iterator[LoopThread]:

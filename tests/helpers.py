@@ -41,17 +41,28 @@ class LoopThread:
         self.thread.join(10)
 
 
+# Engines made during the current test: conftest checks their integrity after it.
+ENGINES: list = []
+
+
+def track(engine):
+    """Have `engine`'s pool integrity (`PagedEngine.check_integrity`) checked when the
+    current test ends; returns it."""
+    ENGINES.append(engine)
+    return engine
+
+
 def make_engine(spec: ModelSpec, model, event_sink=None, **config):
     """A PagedEngine for `spec` (EngineConfig fields as keyword arguments) reporting its
-    KV events to `event_sink`."""
+    KV events to `event_sink`, checked for integrity when the test ends."""
     from prefixgate.tokenizer import ChatTokenizer
     from prefixgate.worker.engine import EngineConfig, PagedEngine
 
     tokenizer = ChatTokenizer(spec)
     config.setdefault("num_blocks", 512)
-    return PagedEngine(model, tokenizer, EngineConfig(
+    return track(PagedEngine(model, tokenizer, EngineConfig(
         eos_token_ids=tokenizer.eos_token_ids, max_context_tokens=spec.max_context_tokens,
-        model_fingerprint=spec.fingerprint, **config), event_sink=event_sink)
+        model_fingerprint=spec.fingerprint, **config), event_sink=event_sink))
 
 
 def start_worker(loop_thread: LoopThread, spec: ModelSpec, model, worker_id: str,

@@ -94,3 +94,10 @@ class KVPool:
 
     def refcount(self, block: int) -> int:
         return self._refs[block]
+
+    def check_free_list(self) -> None:
+        """Raise AssertionError unless the free list holds each unreferenced block once."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is on the free list twice"
+        unreferenced = {b for b, n in enumerate(self._refs) if n == 0}
+        assert free == unreferenced, f"free list != unreferenced blocks: {free ^ unreferenced}"

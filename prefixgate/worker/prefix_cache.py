@@ -15,7 +15,7 @@ and what events carry. The tree holds one pool reference on each block it contai
   duplicate computed concurrently) have the caller's reference released. Emits `stored`.
 - `evict(num_blocks)` frees up to that many unlocked blocks, least recently used leaves
   first, emitting `removed`; `flush()` drops every unlocked block (`cleared` when the
-  tree ends up empty).
+  tree ends up empty) and returns the number of tokens it dropped.
 - Tails: a finished request's last, partial block (fewer than block_size tokens) is kept
   too, keyed by the hash of the full block before it (or the namespace's root hash).
   Without it every turn would recompute up to block_size - 1 tokens of the previous
@@ -119,14 +119,23 @@ class PrefixCache:
         return freed + len(ids)
 
     def flush(self) -> int:
-        """Drop every unlocked block and every tail; returns the number of blocks dropped."""
-        tails = [b for _, b in self._tails.values()]
+        """Drop every unlocked block and every tail; returns the number of cached tokens
+        dropped (block_size per full block, a tail's own length per tail)."""
+        tail_tokens = sum(len(tokens) for tokens, _ in self._tails.values())
+        self.pool.release([b for _, b in self._tails.values()])
         self._tails.clear()
-        self.pool.release(tails)
         if self.tree.num_locked_blocks == 0:
             ids = self.tree.clear()
             self._hash_of.clear()
             self.pool.release(ids)
             self.events.cleared()
-            return len(ids) + len(tails)
-        return self.evict(self.tree.num_evictable_blocks) + len(tails)
+            num_blocks = len(ids)
+        else:
+            num_blocks = self.evict(self.tree.num_evictable_blocks)
+        return num_blocks * self.pool.config.block_size + tail_tokens
+
+    def referenced_blocks(self) -> list[int]:
+        """Every block the cache holds a pool reference on (tree blocks and tails), once
+        per reference; for integrity checks."""
+        assert len(self._hash_of) == self.tree.num_blocks, "block index out of step with the tree"
+        return [*self._hash_of, *(b for _, b in self._tails.values())]

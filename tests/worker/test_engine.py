@@ -15,7 +15,7 @@ from prefixgate.worker.engine import FinalEvent, FinishReason, PagedEngine, Requ
 from prefixgate.worker.kv_pool import KVPool
 from prefixgate.worker.model_runner import ModelRunner, pool_config_for
 from prefixgate.worker.paged_attention import StepMetadata
-from tests.helpers import make_engine
+from tests.helpers import make_engine, track
 
 
 def submit(engine: PagedEngine, prompt: list[int], rid: str, max_tokens: int = 16,
@@ -49,6 +49,7 @@ def prompts(n: int, seed: int = 0, lo: int = 20, hi: int = 300) -> list[list[int
 
 
 def assert_no_leak(engine: PagedEngine) -> None:
+    engine.check_integrity()
     engine.flush_cache()
     assert engine.pool.num_free_blocks == engine.pool.config.num_blocks
     assert engine.cache.num_blocks == 0
@@ -172,9 +173,9 @@ def test_events_report_every_stored_and_removed_block(tiny_spec, tiny_model) -> 
     tok = ChatTokenizer(tiny_spec)
     from prefixgate.worker.engine import EngineConfig
 
-    engine = PagedEngine(tiny_model, tok, EngineConfig(
+    engine = track(PagedEngine(tiny_model, tok, EngineConfig(
         num_blocks=24, max_num_batched_tokens=64, eos_token_ids=tok.eos_token_ids,
-        model_fingerprint=tiny_spec.fingerprint), event_sink=mirror)
+        model_fingerprint=tiny_spec.fingerprint), event_sink=mirror))
     hasher = BlockHasher(16, tiny_spec.fingerprint, "")
     for i, p in enumerate(prompts(6, seed=5, lo=40, hi=150)):
         out, _ = run(engine, p, rid=f"e{i}", max_tokens=8)

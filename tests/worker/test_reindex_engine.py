@@ -26,6 +26,7 @@ from prefixgate.worker.kv_pool import KVPool
 from prefixgate.worker.model_runner import ModelRunner, pool_config_for
 from prefixgate.worker.paged_attention import StepMetadata
 from prefixgate.worker.reindex import RopeSpec, reindex_slots
+from tests.helpers import track
 
 TURN = (1, 2)  # a made-up user-turn prefix for the pure policy tests
 
@@ -102,10 +103,10 @@ CONTEXT = 320
 def _engine(spec, model, **config) -> PagedEngine:
     tok = ChatTokenizer(spec)
     config.setdefault("num_blocks", 256)
-    return PagedEngine(model, tok, EngineConfig(
+    return track(PagedEngine(model, tok, EngineConfig(
         eos_token_ids=(), max_context_tokens=CONTEXT, model_fingerprint=spec.fingerprint,
         turn_prefix=user_turn_prefix(tok),
-        block_size=8, **config))
+        block_size=8, **config)))
 
 
 def _generate(engine: PagedEngine, prompt: list[int], mode: str, rid: str,
@@ -274,6 +275,7 @@ def test_random_overflowing_chats_never_leak_blocks(tiny_spec, tiny_model, data)
                 dropped = plan.dropped_tokens if plan else 0
                 assert all(f.dropped_tokens == dropped for f in finals)
                 assert all(f.prompt_tokens + dropped == len(prompt) for f in finals)
+            engine.check_integrity()
             for chat in chats:
                 chat.append(("assistant", "a" * data.draw(st.integers(0, 60))))
         engine.flush_cache()
