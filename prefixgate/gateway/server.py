@@ -16,13 +16,22 @@ each worker's WatchEvents stream. A Redis outage leaves routing on the last know
 workers, reported by the health service "prefixgate.registry" (NOT_SERVING while degraded;
 the gateway itself stays SERVING) and the `prefixgate:registry_degraded` gauge.
 
-Failure handling, by what the client has already seen:
-  - nothing yet: a worker that is unreachable or fails is marked down and the turn goes
-    to the next ranked worker, within the client's deadline; invisible to the client;
-  - some text: the stream ends with UNAVAILABLE saying how many tokens were sent and that
-    a retry is safe (no text is ever duplicated or silently cut);
+Failure handling (docs/reliability.md):
+  - a failure that belongs to the request (INVALID_ARGUMENT, or any status a worker marks
+    with trailing metadata `prefixgate-error-scope: request`, protocol.ERROR_SCOPE_KEY)
+    goes back to the client as the worker said it: never retried on another worker (it
+    would fail there too) and never held against the worker;
+  - any other failure before the first token is retried once (`MAX_RETRIES`) on the next
+    ranked worker, within the client's deadline; more would let one poison request walk
+    the fleet. Only a transport failure (UNAVAILABLE) marks the worker down until its next
+    probe: health comes from probes and transport errors (gateway/pool.py);
+  - after some text: the stream ends with UNAVAILABLE saying how many tokens were sent and
+    that a retry is safe (no text is ever duplicated or silently cut);
   - no worker at all: UNAVAILABLE, at once.
 The deadline is the client's: DEADLINE_EXCEEDED when it passes.
+Request fields are bounded (`GatewayConfig.limits`, protocol.RequestLimits): the server
+refuses a message over `max_request_bytes` before parsing it, and identifiers, message
+count and stop lists are checked before tokenizing.
 """
 
 from __future__ import annotations
@@ -45,13 +54,17 @@ from prefixgate.gateway.pool import WorkerPool
 from prefixgate.gateway.routing import Router, RoutingConfig, make_turn
 from prefixgate.models import ModelSpec
 from prefixgate.protocol import (
+    ERROR_SCOPE_KEY,
+    ERROR_SCOPE_REQUEST,
     OVERFLOW_FROM_PROTO,
     InvalidRequest,
-    check_token_ids,
+    RequestLimits,
+    check_chat_fields,
     sampling_from_proto,
 )
 from prefixgate.radix import BlockHasher
 from prefixgate.registry import Registry, WorkerRecord
+from prefixgate.token_ids import pack, packed_token_ids, repeated_token_ids
 from prefixgate.tokenizer import ChatTokenizer
 from prefixgate.trace_recorder import TraceRecorder
 from prefixgate.v1 import chat_pb2, common_pb2, worker_pb2
@@ -60,9 +73,8 @@ log = logging.getLogger(__name__)
 
 SERVICE = chat_pb2.DESCRIPTOR.services_by_name["ChatService"]
 REGISTRY_HEALTH = "prefixgate.registry"  # health name: NOT_SERVING while Redis is unreachable
-# Worker statuses that mean "this worker cannot serve now; another may".
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
-              grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
+# Other workers a turn is tried on after a failure not attributed to the request.
+MAX_RETRIES = 1
 
 
 @dataclass(frozen=True)
@@ -81,6 +93,7 @@ class GatewayConfig:
     # "keep-system-drop-oldest". It is made explicit on the way to the worker, so every
     # worker answers a turn alike whatever its own default.
     context_overflow: str = "fail"
+    limits: RequestLimits = RequestLimits()  # what one request may carry
 
 
 OVERFLOW_TO_PROTO = {name: value for value, name in OVERFLOW_FROM_PROTO.items() if name}
@@ -111,23 +124,27 @@ class ChatService:
                 namespace=namespace)
         return h
 
-    def _prompt(self, request: chat_pb2.ChatRequest) -> list[int]:
+    def _prompt(self, request: chat_pb2.ChatRequest) -> memoryview:
+        """The prompt as packed token ids (prefixgate/token_ids.py): hashed and forwarded
+        to the worker as these bytes, never as a list."""
         if request.model and request.model != self.spec.name:
             raise InvalidRequest(f"model {request.model!r} is not served here: this gateway "
                                  f"serves {self.spec.name!r} (or leave model empty)")
         which = request.WhichOneof("input")
         if which == "messages":
-            return self.tokenizer.encode_messages(
-                [(m.role, m.content) for m in request.messages.messages])
+            return pack(self.tokenizer.encode_messages(
+                [(m.role, m.content) for m in request.messages.messages]))
+        if which == "packed_prompt_token_ids":
+            return packed_token_ids(request.packed_prompt_token_ids, self.tokenizer.vocab_size)
         if which == "prompt_token_ids":
-            ids = list(request.prompt_token_ids.token_ids)
-            check_token_ids(ids, self.tokenizer.vocab_size)
-            return ids
+            return repeated_token_ids(request.prompt_token_ids.token_ids,
+                                      self.tokenizer.vocab_size)
         raise InvalidRequest("the request has no input: set messages or prompt_token_ids")
 
     async def Chat(self, request: chat_pb2.ChatRequest, context: grpc.aio.ServicerContext):
         arrival = time.monotonic()
         try:
+            check_chat_fields(request, self.config.limits)
             prompt = self._prompt(request)
             sampling_from_proto(request.sampling, len(prompt), self.spec.max_context_tokens,
                                 default_overflow=self.config.context_overflow)
@@ -142,13 +159,14 @@ class ChatService:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "no worker is available: start a worker (prefixgate worker) or "
                                 "check that the workers' model matches the gateway's")
-        gen = worker_pb2.GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt,
+        gen = worker_pb2.GenerateRequest(request_id=uuid.uuid4().hex,
+                                         packed_prompt_token_ids=prompt.obj,
                                          sampling=request.sampling, namespace=request.namespace)
         if not gen.sampling.context_overflow:
             gen.sampling.context_overflow = OVERFLOW_TO_PROTO[self.config.context_overflow]
         failures = []
         policy = decision.policy
-        for attempt, worker in enumerate(candidates):
+        for attempt, worker in enumerate(candidates[:1 + MAX_RETRIES]):
             remaining = context.time_remaining()
             if remaining is not None and remaining <= 0:
                 break
@@ -209,21 +227,19 @@ class ChatService:
                                            grpc.aio.Metadata(), "stream ended without a final event")
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
-                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                if code == grpc.StatusCode.INVALID_ARGUMENT or _request_scoped(exc):
                     await context.abort(code, exc.details() or "invalid request")
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     await context.abort(code, "the deadline passed before the reply was complete; "
                                               "retry with a longer deadline")
-                if sent_tokens:
+                if code == grpc.StatusCode.UNAVAILABLE:  # transport: the worker, not the turn
                     self.pool.mark_down(worker, f"{code.name}: {exc.details()}")
+                if sent_tokens:
                     await context.abort(
                         grpc.StatusCode.UNAVAILABLE,
                         f"worker {worker.worker_id} was lost after {sent_tokens} tokens of the "
                         "reply were sent; the reply is incomplete: discard it and retry the turn "
                         "(retrying is safe)")
-                if code not in _RETRYABLE:
-                    raise
-                self.pool.mark_down(worker, f"{code.name}: {exc.details()}")
                 failures.append(f"{worker.worker_id}: {code.name}")
             finally:
                 worker.in_flight -= 1
@@ -255,7 +271,8 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
     pool = WorkerPool(registry, spec.fingerprint, block_size=config.block_size)
     service = ChatService(spec, tokenizer, pool, config, index)
     feed = make_feed(registry, service.index)
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", config.limits.max_request_bytes)])
     rpc.add_service(server, SERVICE, service)
     health = rpc.add_health_and_reflection(server, [SERVICE.full_name])
     port = server.add_insecure_port(f"{config.host}:{config.port}")
@@ -294,6 +311,12 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
             await asyncio.to_thread(service.recorder.close)
         await pool.close()
         await registry.close()
+
+
+def _request_scoped(exc: grpc.aio.AioRpcError) -> bool:
+    """True when the worker marked its failure as belonging to the request."""
+    return any(key == ERROR_SCOPE_KEY and value == ERROR_SCOPE_REQUEST
+               for key, value in (exc.trailing_metadata() or ()))
 
 
 def _freeze_long_lived(num_blocks: int, frozen_blocks: int) -> int:

@@ -3,7 +3,8 @@
 Shared by the gateway and the worker; pure Python (stdlib + xxhash), no torch, no I/O.
 
 * `BlockHasher` (hashing.py): chained, salted u64 hashes of full token blocks, with a
-  byte-level spec so other languages can reproduce them.
+  byte-level spec so other languages can reproduce them; `packed(data)` views token ids
+  sent as little-endian u32 bytes as a sequence that hashes without per-id objects.
 * `RadixTree[V]` (tree.py): longest-prefix match over whole blocks, insert, ref-counted
   locks, LRU leaf eviction in O(log n) per block, subtree removal, snapshots. Each block
   carries one V (the worker: a KV block id).
@@ -11,7 +12,7 @@ Shared by the gateway and the worker; pure Python (stdlib + xxhash), no torch, n
   set of workers holding them (the gateway), with per-owner updates that never scan.
 """
 
-from prefixgate.radix.hashing import HASH_VERSION, BlockHasher
+from prefixgate.radix.hashing import HASH_VERSION, BlockHasher, packed, tokens_to_bytes
 from prefixgate.radix.owners import OwnerIndex, OwnerMatch
 from prefixgate.radix.tree import InsertResult, LockedError, MatchResult, Node, RadixTree
 
@@ -25,4 +26,6 @@ __all__ = [
     "OwnerIndex",
     "OwnerMatch",
     "RadixTree",
+    "packed",
+    "tokens_to_bytes",
 ]

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-__all__ = ["BlockHasher", "HASH_VERSION", "SALT_PREFIX"]
+__all__ = ["BlockHasher", "HASH_VERSION", "SALT_PREFIX", "packed", "tokens_to_bytes"]
 
 HASH_VERSION = 1
 SALT_PREFIX = b"prefixgate.block.v1\x00"
@@ -72,6 +72,17 @@ def tokens_to_bytes(token_ids: Sequence[int]) -> bytes:
     if _BIG_ENDIAN:  # the spec is little-endian on every host
         arr.byteswap()
     return arr.tobytes()
+
+
+def packed(data: bytes) -> memoryview:
+    """`data` (token ids as consecutive little-endian u32, the spec's own byte form) as a
+    read-only sequence of token ids without copying: len() is the number of ids, and
+    `BlockHasher.hash_blocks` hashes it straight from these bytes. ValueError when the
+    length is not a multiple of 4. (Indexing it reads host byte order: equal to the ids
+    on every little-endian host; the hashes are right on any host.)"""
+    if len(data) % 4:
+        raise ValueError(f"packed token ids are {len(data)} bytes, not a multiple of 4")
+    return memoryview(data).cast("B").cast(_U32)
 
 
 @dataclass(frozen=True)
@@ -105,8 +116,12 @@ class BlockHasher:
         """How many full blocks `num_tokens` tokens make (the tail is not hashed)."""
         return num_tokens // self.block_size
 
-    def hash_blocks(self, token_ids: Sequence[int], parent_hash: int | None = None) -> list[int]:
+    def hash_blocks(self, token_ids: Sequence[int] | memoryview,
+                    parent_hash: int | None = None) -> list[int]:
         """One u64 hash per FULL block of `token_ids`, chained from `parent_hash`.
+
+        `token_ids` is any sequence of ints, or packed ids (`packed(data)`: a memoryview
+        of 4-byte items), which are hashed from their bytes with no per-id Python object.
 
         `parent_hash` defaults to `root_hash` (the sequence starts at position 0); pass
         the last hash of a prefix to hash its continuation. Raises ValueError for a
@@ -119,7 +134,10 @@ class BlockHasher:
         h = self._salt if parent_hash is None else parent_hash
         if not 0 <= h < 2**64:
             raise ValueError(f"parent_hash must be an unsigned 64-bit int, got {h}")
-        data = tokens_to_bytes(token_ids[: n * self.block_size])
+        if isinstance(token_ids, memoryview) and token_ids.itemsize == 4:
+            data = token_ids.cast("B")  # already the spec's little-endian u32 bytes
+        else:
+            data = tokens_to_bytes(token_ids[: n * self.block_size])
         step = 4 * self.block_size
         seed = self._salt
         out: list[int] = []

@@ -28,20 +28,22 @@ class TokenIds(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("messages", "prompt_token_ids", "conversation_id", "namespace", "sampling", "model")
+    __slots__ = ("messages", "prompt_token_ids", "packed_prompt_token_ids", "conversation_id", "namespace", "sampling", "model")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     messages: Messages
     prompt_token_ids: TokenIds
+    packed_prompt_token_ids: bytes
     conversation_id: str
     namespace: str
     sampling: _common_pb2.SamplingParams
     model: str
-    def __init__(self, messages: _Optional[_Union[Messages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., conversation_id: _Optional[str] = ..., namespace: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
+    def __init__(self, messages: _Optional[_Union[Messages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., packed_prompt_token_ids: _Optional[bytes] = ..., conversation_id: _Optional[str] = ..., namespace: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ChatDelta(_message.Message):
     __slots__ = ("text", "token_ids", "index")

@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "namespace")
+    __slots__ = ("request_id", "prompt_token_ids", "packed_prompt_token_ids", "sampling", "namespace")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    packed_prompt_token_ids: bytes
     sampling: _common_pb2.SamplingParams
     namespace: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., namespace: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., packed_prompt_token_ids: _Optional[bytes] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("token_ids", "text", "index")
@@ -86,6 +88,12 @@ class WorkerStatus(_message.Message):
     kv_used_tokens: int
     kv_capacity_tokens: int
     def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ...) -> None: ...
+
+class WatchStatusRequest(_message.Message):
+    __slots__ = ("min_interval_ms",)
+    MIN_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    min_interval_ms: int
+    def __init__(self, min_interval_ms: _Optional[int] = ...) -> None: ...
 
 class FlushCacheRequest(_message.Message):
     __slots__ = ()

@@ -59,6 +59,11 @@ class WorkerServiceStub:
                 request_serializer=prefixgate_dot_v1_dot_worker__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=prefixgate_dot_v1_dot_worker__pb2.KVEventBatch.FromString,
                 _registered_method=True)
+        self.WatchStatus = channel.unary_stream(
+                '/prefixgate.v1.WorkerService/WatchStatus',
+                request_serializer=prefixgate_dot_v1_dot_worker__pb2.WatchStatusRequest.SerializeToString,
+                response_deserializer=prefixgate_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -103,6 +108,14 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchStatus(self, request, context):
+        """The worker's load, pushed: the current status at once, then each change, at most one
+        message per min_interval_ms. Gateways route on it (a worker without it is polled).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +143,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=prefixgate_dot_v1_dot_worker__pb2.WatchEventsRequest.FromString,
                     response_serializer=prefixgate_dot_v1_dot_worker__pb2.KVEventBatch.SerializeToString,
+            ),
+            'WatchStatus': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchStatus,
+                    request_deserializer=prefixgate_dot_v1_dot_worker__pb2.WatchStatusRequest.FromString,
+                    response_serializer=prefixgate_dot_v1_dot_worker__pb2.WorkerStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -267,6 +285,33 @@ class WorkerService:
             '/prefixgate.v1.WorkerService/WatchEvents',
             prefixgate_dot_v1_dot_worker__pb2.WatchEventsRequest.SerializeToString,
             prefixgate_dot_v1_dot_worker__pb2.KVEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/prefixgate.v1.WorkerService/WatchStatus',
+            prefixgate_dot_v1_dot_worker__pb2.WatchStatusRequest.SerializeToString,
+            prefixgate_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,7 +6,9 @@ Contract
   input), submits it to the engine and streams one GenerateChunk per engine TokenEvent,
   then one GenerateFinal. A client that goes away (or whose deadline passes) cancels the
   request in the engine, which frees its resources.
-- GetInfo/GetStatus/FlushCache answer from the engine without waiting for it.
+- GetInfo/GetStatus/FlushCache answer from the engine without waiting for it; WatchStatus
+  pushes the status on change (prefixgate/status.py).
+- The prompt comes repeated or packed (prefixgate/token_ids.py).
 - WatchEvents streams the worker's KV events from its `EventLog` (worker/events.py, the
   sink the engine reports to): a snapshot of the cached blocks first unless the caller
   resumes a cursor of this incarnation the log still holds, then live batches; the
@@ -27,7 +29,16 @@ import grpc
 from prefixgate import rpc
 from prefixgate.events import OwnershipEvent
 from prefixgate.models import ModelSpec
-from prefixgate.protocol import InvalidRequest, check_token_ids, sampling_from_proto
+from prefixgate.protocol import (
+    REQUEST_SCOPED,
+    InvalidRequest,
+    RequestLimits,
+    check_generate_fields,
+    clip,
+    sampling_from_proto,
+)
+from prefixgate.status import watch_status
+from prefixgate.token_ids import prompt_token_ids
 from prefixgate.v1 import common_pb2, worker_pb2
 from prefixgate.worker.engine import Engine, FinalEvent, FinishReason, Request, TokenEvent
 from prefixgate.worker.events import EventLog
@@ -50,6 +61,7 @@ class WorkerConfig:
     port: int = 0
     block_size: int = 16
     drain_seconds: float = 30.0
+    limits: RequestLimits = RequestLimits()  # what one request may carry
 
 
 class WorkerService:
@@ -66,14 +78,20 @@ class WorkerService:
 
     async def Generate(self, request: worker_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext):
-        prompt = list(request.prompt_token_ids)
+        # Failures that belong to this request carry REQUEST_SCOPED in their trailing
+        # metadata: the gateway returns them to the client, never retries them elsewhere.
         try:
-            check_token_ids(prompt, self.vocab_size)
+            check_generate_fields(request, self.config.limits)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), REQUEST_SCOPED)
+        try:
+            prompt = prompt_token_ids(request.prompt_token_ids,
+                                      request.packed_prompt_token_ids, self.vocab_size)
             sampling = sampling_from_proto(request.sampling, len(prompt),
                                            self.spec.max_context_tokens,
                                            self.engine.context_overflow)
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), REQUEST_SCOPED)
         # An over-long prompt accepted under context overflow is cut to fit the context.
         need = min(len(prompt) + sampling.max_tokens, self.spec.max_context_tokens)
         if need > self.engine.capacity_tokens:
@@ -81,12 +99,13 @@ class WorkerService:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the request needs KV for {need} tokens (prompt {len(prompt)} + max_tokens "
                 f"{sampling.max_tokens}) but worker {self.config.worker_id} holds "
-                f"{self.engine.capacity_tokens}: lower max_tokens or shorten the prompt")
+                f"{self.engine.capacity_tokens}: lower max_tokens or shorten the prompt",
+                REQUEST_SCOPED)
         request_id = request.request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent | FinalEvent] = asyncio.Queue()
         self.engine.submit(
-            Request(request_id, tuple(prompt), sampling, request.namespace),
+            Request(request_id, tuple(prompt.tolist()), sampling, request.namespace),
             lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
         finished = False
         finals: dict[int, FinalEvent] = {}  # one per sample; the stream ends after all n
@@ -99,9 +118,14 @@ class WorkerService:
                     continue
                 if ev.finish_reason is FinishReason.ERROR:
                     finished = True
-                    await context.abort(grpc.StatusCode.INTERNAL,
-                                        f"worker {self.config.worker_id} failed on this request "
-                                        "(see its log); retrying on another worker is safe")
+                    # The engine attributed the failure to this request (it retried the
+                    # step without it and the others went on): retrying elsewhere would
+                    # fail the same way.
+                    await context.abort(
+                        grpc.StatusCode.INTERNAL,
+                        f"worker {self.config.worker_id} failed on this request alone (its log "
+                        f"has request {clip(request_id)}); other requests went on. It is not "
+                        "retried: the same request would fail again", REQUEST_SCOPED)
                 finals[ev.index] = ev
             finished = True
             first = finals[0]
@@ -129,6 +153,15 @@ class WorkerService:
             kv_capacity_tokens=status.kv_capacity_tokens)
 
     async def GetStatus(self, request, context) -> worker_pb2.WorkerStatus:
+        return self._status()
+
+    async def WatchStatus(self, request: worker_pb2.WatchStatusRequest, context):
+        """Push the load: now, then on change (prefixgate/status.py)."""
+        async for status in watch_status(self._status, request.min_interval_ms,
+                                         lambda: self._closing):
+            yield status
+
+    def _status(self) -> worker_pb2.WorkerStatus:
         s = self.engine.status()
         return worker_pb2.WorkerStatus(
             num_running_requests=s.num_running_requests,
@@ -185,7 +218,8 @@ class WorkerService:
         return out
 
     def close_watchers(self) -> None:
-        """End every WatchEvents stream (shutdown: they would otherwise hold the drain)."""
+        """End every WatchEvents and WatchStatus stream (shutdown: they would otherwise
+        hold the drain; status streams end within their interval)."""
         self._closing = True
         for wake in self._watchers:
             wake.set()
@@ -208,7 +242,8 @@ def _chunks(chains: list[OwnershipEvent], max_hashes: int = 65536) -> list[list[
 async def serve(service: WorkerService, stop: asyncio.Event,
                 started: asyncio.Future[int] | None = None) -> None:
     """Serve until `stop` is set, then drain. `started` receives the bound port."""
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", service.config.limits.max_request_bytes)])
     rpc.add_service(server, SERVICE, service)
     health = rpc.add_health_and_reflection(server, [SERVICE.full_name])
     cfg = service.config
