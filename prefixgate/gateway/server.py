@@ -52,6 +52,7 @@ from prefixgate.gateway.feeds import EventFeed, WorkerStreamFeed
 from prefixgate.gateway.index import PrefixIndex
 from prefixgate.gateway.pool import WorkerPool
 from prefixgate.gateway.routing import Router, RoutingConfig, make_turn
+from prefixgate.gateway.status import StatusFollower
 from prefixgate.models import ModelSpec
 from prefixgate.protocol import (
     ERROR_SCOPE_KEY,
@@ -85,7 +86,9 @@ class GatewayConfig:
     routing: RoutingConfig = RoutingConfig()
     # Workers given by address (embedded registry); with Redis, workers register themselves.
     static_workers: tuple[str, ...] = ()
-    refresh_interval_s: float = 2.0
+    refresh_interval_s: float = 2.0  # registry, worker probes, index feeds
+    # Worker load is pushed at most this often (WatchStatus; polled where unsupported).
+    status_interval_ms: int = 50
     drain_seconds: float = 30.0
     record_trace: str = ""  # append one line per finished turn here (prefixgate.trace_recorder)
     index_max_blocks: int = 0  # hard cap on the routing index (0: bounded by the workers)
@@ -271,6 +274,7 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
     pool = WorkerPool(registry, spec.fingerprint, block_size=config.block_size)
     service = ChatService(spec, tokenizer, pool, config, index)
     feed = make_feed(registry, service.index)
+    status = StatusFollower(config.status_interval_ms)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", config.limits.max_request_bytes)])
     rpc.add_service(server, SERVICE, service)
@@ -292,6 +296,7 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
                 await feed.sync(pool.healthy())
             except Exception:
                 log.exception("index feed sync failed")
+            status.sync(pool.healthy())
             await rpc.set_serving(health, [SERVICE.full_name], bool(pool.healthy()))
             # Not set_serving: that would also flip the gateway's overall status.
             await health.set(REGISTRY_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -306,6 +311,7 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
     finally:
         await rpc.set_serving(health, [SERVICE.full_name], False)
         await feed.close()
+        await status.close()
         await server.stop(config.drain_seconds)
         if service.recorder is not None:
             await asyncio.to_thread(service.recorder.close)
