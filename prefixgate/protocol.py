@@ -223,3 +223,12 @@ def check_generate_fields(request: worker_pb2.GenerateRequest,
     check_id("request_id", request.request_id, limits)
     check_id("namespace", request.namespace, limits)
     check_stops(request.sampling, limits)
+
+
+# Trailing metadata a worker sets on a failed Generate whose failure belongs to the
+# request (bad input, or an engine error bisected to it): the gateway returns the status
+# to the client as it is, never retries it on another worker (it would fail there too)
+# and never marks the worker down for it.
+ERROR_SCOPE_KEY = "prefixgate-error-scope"
+ERROR_SCOPE_REQUEST = "request"
+REQUEST_SCOPED = ((ERROR_SCOPE_KEY, ERROR_SCOPE_REQUEST),)

@@ -7,22 +7,33 @@ streaming get `close_grace_s` to finish). A worker registered again at the same 
 model fingerprint differs from the gateway's is refused: logged, listed in `refused`,
 never routed to (so is one whose block size differs: its block hashes would never match).
 Each refresh also polls every worker's GetStatus (its load, see `WorkerHandle`).
-`healthy()` lists the workers a turn may be routed to, sorted by id; a
-worker that failed a call is marked down until a refresh reaches it again.
+`healthy()` lists the workers a turn may be routed to, sorted by id.
+
+Health comes from probes and transport errors only, never from one request's outcome:
+a worker is down when its probe (GetInfo, then the grpc.health.v1 check of the worker
+service, NOT_SERVING while it drains) fails, or when the gateway's call to it fails at the
+transport (`mark_down`, for UNAVAILABLE); the next successful probe brings it back. A
+worker missing from the registry is dropped once it is down or has been missing for
+`absent_grace_s`: a registry that comes back empty (Redis restarted) never drops live
+workers before they register again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prefixgate.registry import Registry, WorkerRecord
 from prefixgate.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
 
 @dataclass
@@ -38,6 +49,7 @@ class WorkerHandle:
     in_flight_prompt_tokens: int = 0
     # The worker's own figures from its last polled GetStatus (all gateways' requests).
     status: worker_pb2.WorkerStatus | None = None
+    absent_since: float | None = None  # monotonic time it was first missing from the registry
 
     @property
     def worker_id(self) -> str:
@@ -65,6 +77,9 @@ class WorkerPool:
     connect_timeout_s: float = 2.0
     block_size: int = 0  # workers must use this block size (0: not checked)
     close_grace_s: float = 30.0  # in-flight turns of a worker that left may finish this long
+    # A live worker missing from the registry stays this long (a registry that restarted
+    # empty lists it again once it re-registers, within one lease renewal).
+    absent_grace_s: float = 10.0
     workers: dict[str, WorkerHandle] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)  # worker id -> reason
     _closing: set[asyncio.Task] = field(default_factory=set, repr=False)
@@ -80,14 +95,19 @@ class WorkerPool:
 
     async def refresh(self) -> None:
         records = {r.worker_id: r for r in await self.registry.list_workers()}
+        now = time.monotonic()
         for wid in list(self.workers):
             w = self.workers[wid]
             new = records.get(wid)
             if new is not None and new.address == w.record.address:
                 # Same process address, maybe a new epoch (it registered again, e.g. after a
                 # Redis restart): keep the connection and the turns streaming over it.
-                w.record = new
+                w.record, w.absent_since = new, None
                 continue
+            if new is None and w.up:  # missing: kept while it answers, for a grace period
+                w.absent_since = w.absent_since or now
+                if now - w.absent_since < self.absent_grace_s:
+                    continue
             del self.workers[wid]
             # Turns already streaming from it may finish; new ones no longer go there.
             task = asyncio.create_task(w.channel.close(grace=self.close_grace_s))
@@ -104,8 +124,12 @@ class WorkerPool:
         try:
             info = await w.stub.GetInfo(worker_pb2.GetInfoRequest(),
                                         timeout=self.connect_timeout_s)
+            serving = await self._serving(w)
         except grpc.aio.AioRpcError as exc:
             self.mark_down(w, f"{exc.code().name}: {exc.details()}")
+            return
+        if not serving:
+            self.mark_down(w, "its health check says it is not serving (draining)")
             return
         reason = ""
         if info.model_fingerprint != self.model_fingerprint:
@@ -130,6 +154,19 @@ class WorkerPool:
             log.info("worker %s at %s is up (%s)", info.worker_id, w.record.address,
                      info.model_name)
         w.info, w.up = info, True
+
+    async def _serving(self, w: WorkerHandle) -> bool:
+        """The worker's grpc.health.v1 status for the worker service (a worker without
+        the health service counts as serving once it answered GetInfo)."""
+        try:
+            health = await health_pb2_grpc.HealthStub(w.channel).Check(
+                health_pb2.HealthCheckRequest(service=WORKER_SERVICE),
+                timeout=self.connect_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return True
+            raise
+        return health.status == health_pb2.HealthCheckResponse.SERVING
 
     async def close(self) -> None:
         for w in self.workers.values():
