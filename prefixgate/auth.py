@@ -40,7 +40,7 @@ import hashlib
 import hmac
 import logging
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,6 +194,19 @@ class InternalCredential:
         if not hmac.compare_digest(hashlib.sha256(token.encode()).digest(), self._digest):
             raise Unauthenticated("wrong internal credential: the caller's "
                                   "--internal-token-file differs from this worker's")
+
+
+Metadata = Iterable[tuple[str, "str | bytes"]]
+
+
+def tokens_guard(store: TokenStore) -> Callable[[str, Metadata], Tenant]:
+    """An `rpc.add_service` guard: every call needs a token of `store`."""
+    return lambda _method, metadata: store.authenticate(metadata_value(metadata, "authorization"))
+
+
+def internal_guard(credential: InternalCredential) -> Callable[[str, Metadata], None]:
+    """An `rpc.add_service` guard: every call needs the internal credential."""
+    return lambda _method, metadata: credential.check(metadata_value(metadata, "authorization"))
 
 
 def load_tokens(config: AuthConfig, what: str) -> TokenStore | None:

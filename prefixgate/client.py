@@ -2,7 +2,9 @@
 
 Contract: `ChatClient(address).turn(...)` sends one turn and returns a `TurnResult` with
 the whole reply text, its token ids and the figures of the final event; `on_text` is
-called with each text delta as it arrives. gRPC errors propagate as grpc.aio.AioRpcError.
+called with each text delta as it arrives. `tls` (rpc.TLSConfig: the gateway's CA, a
+client certificate for mutual TLS) and `token` (sent as `authorization: Bearer <token>`)
+are for gateways that require them. gRPC errors propagate as grpc.aio.AioRpcError.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from prefixgate import rpc
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2
 
 FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
@@ -37,8 +40,9 @@ class TurnResult:
 
 
 class ChatClient:
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.aio.insecure_channel(address)
+    def __init__(self, address: str, tls: rpc.TLSConfig | None = None, token: str = "") -> None:
+        self.channel = rpc.channel(address, tls,
+                                   (("authorization", f"Bearer {token}"),) if token else ())
         self.stub = chat_pb2_grpc.ChatServiceStub(self.channel)
 
     async def wait_ready(self, timeout_s: float) -> None:

@@ -58,6 +58,12 @@ _MALFORMED_MESSAGE = ("the request is not a valid protobuf message ({}); check t
                       "string field is valid UTF-8")
 
 
+async def abort_refused(context: grpc.aio.ServicerContext, exc: AuthError) -> None:
+    """End the call with the status of `exc` (UNAUTHENTICATED or PERMISSION_DENIED)."""
+    await context.abort(grpc.StatusCode.PERMISSION_DENIED if isinstance(exc, PermissionDenied)
+                        else grpc.StatusCode.UNAUTHENTICATED, str(exc))
+
+
 async def _admit(name: str, guard: Guard | None, request: Any,
                  context: grpc.aio.ServicerContext) -> None:
     """Abort the call unless `guard` lets it in and `request` parsed."""
@@ -65,9 +71,7 @@ async def _admit(name: str, guard: Guard | None, request: Any,
         try:
             guard(name, context.invocation_metadata() or ())
         except AuthError as exc:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED
-                                if isinstance(exc, PermissionDenied)
-                                else grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            await abort_refused(context, exc)
     if isinstance(request, _Malformed):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                             _MALFORMED_MESSAGE.format(request.error))
@@ -196,9 +200,34 @@ def bind(server: grpc.aio.Server, host: str, port: int, tls: TLSConfig | None, w
     return server.add_insecure_port(address)
 
 
+def _with_metadata(metadata: Sequence[tuple[str, str]]) -> list:
+    """Client interceptors adding fixed metadata (a credential) to every unary-unary and
+    unary-stream call (grpc.aio files an interceptor under one kind only: one of each)."""
+    extra = tuple(metadata)
+
+    def details_of(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, grpc.aio.Metadata(*(details.metadata or ()), *extra),
+            details.credentials, details.wait_for_ready)
+
+    class Unary(grpc.aio.UnaryUnaryClientInterceptor):
+        async def intercept_unary_unary(self, continuation, details, request):
+            return await continuation(details_of(details), request)
+
+    class Stream(grpc.aio.UnaryStreamClientInterceptor):
+        async def intercept_unary_stream(self, continuation, details, request):
+            return await continuation(details_of(details), request)
+
+    return [Unary(), Stream()]
+
+
 def channel(address: str, tls: TLSConfig | None = None,
+            metadata: Sequence[tuple[str, str]] = (),
             options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
-    """A client channel to `address`, over TLS when `tls` says so."""
+    """A client channel to `address`, over TLS when `tls` says so, sending `metadata`
+    (e.g. `auth.InternalCredential.metadata`) with every call."""
+    interceptors = _with_metadata(metadata) if metadata else None
     if tls is not None and tls.enabled:
-        return grpc.aio.secure_channel(address, channel_credentials(tls), options=options)
-    return grpc.aio.insecure_channel(address, options=options)
+        return grpc.aio.secure_channel(address, channel_credentials(tls), options=options,
+                                       interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)

@@ -66,16 +66,19 @@ def make_engine(spec: ModelSpec, model, event_sink=None, **config):
 
 
 def start_worker(loop_thread: LoopThread, spec: ModelSpec, model, worker_id: str,
-                 events=None, **engine_config) -> tuple[str, asyncio.Event]:
+                 events=None, worker_config: dict | None = None,
+                 **engine_config) -> tuple[str, asyncio.Event]:
     """Start a WorkerService on a free loopback port; returns (address, stop event). Its
     engine reports KV events to `events` (default: a new EventLog), as in `prefixgate
-    worker`; gateways follow them by WatchEvents."""
+    worker`; gateways follow them by WatchEvents. `worker_config`: more WorkerConfig
+    fields (tls, auth, ...)."""
     from prefixgate.worker.events import EventLog
     from prefixgate.worker.server import WorkerConfig, WorkerService, serve
 
     events = events if events is not None else EventLog()
     engine = make_engine(spec, model, event_sink=events, **engine_config)
-    service = WorkerService(engine, spec, WorkerConfig(worker_id=worker_id, drain_seconds=1),
+    service = WorkerService(engine, spec, WorkerConfig(worker_id=worker_id, drain_seconds=1,
+                                                         **(worker_config or {})),
                             vocab_size=engine.tokenizer.vocab_size, events=events)
 
     async def start() -> tuple[int, asyncio.Event]:

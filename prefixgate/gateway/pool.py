@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from prefixgate import rpc
+from prefixgate.auth import InternalCredential
 from prefixgate.registry import Registry, WorkerRecord
 from prefixgate.v1 import worker_pb2, worker_pb2_grpc
 
@@ -82,6 +84,8 @@ class WorkerPool:
     absent_grace_s: float = 10.0
     workers: dict[str, WorkerHandle] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)  # worker id -> reason
+    tls: rpc.TLSConfig | None = None  # worker channels over TLS (rpc.channel)
+    credential: InternalCredential | None = None  # sent on every worker call
     _closing: set[asyncio.Task] = field(default_factory=set, repr=False)
 
     def healthy(self) -> list[WorkerHandle]:
@@ -115,7 +119,8 @@ class WorkerPool:
             task.add_done_callback(self._closing.discard)
         for wid, record in records.items():
             if wid not in self.workers:
-                channel = grpc.aio.insecure_channel(record.address)
+                channel = rpc.channel(record.address, self.tls,
+                                      self.credential.metadata if self.credential else ())
                 self.workers[wid] = WorkerHandle(record, channel,
                                                  worker_pb2_grpc.WorkerServiceStub(channel))
         await asyncio.gather(*(self._probe(w) for w in self.workers.values()))

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2
 
-from prefixgate import rpc
+from prefixgate import auth, rpc
 from prefixgate.gateway import metrics
 from prefixgate.gateway.feeds import EventFeed, WorkerStreamFeed
 from prefixgate.gateway.index import PrefixIndex
@@ -96,6 +96,9 @@ class GatewayConfig:
     # "keep-system-drop-oldest". It is made explicit on the way to the worker, so every
     # worker answers a turn alike whatever its own default.
     context_overflow: str = "fail"
+    tls: rpc.TLSConfig = rpc.TLSConfig()  # the Chat API's certificate (+ client CA: mTLS)
+    worker_tls: rpc.TLSConfig = rpc.TLSConfig()  # to workers: their CA, our client cert
+    auth: auth.AuthConfig = auth.AuthConfig()  # tokens (public), internal credential
     limits: RequestLimits = RequestLimits()  # what one request may carry
 
 
@@ -115,6 +118,21 @@ class ChatService:
         self.recorder = (TraceRecorder(config.record_trace, config.block_size)
                          if config.record_trace else None)
         self._hashers: dict[str, BlockHasher] = {}
+        self.tokens: auth.TokenStore | None = None  # serve() loads them from config.auth
+
+    async def _namespace(self, request: chat_pb2.ChatRequest,
+                         context: grpc.aio.ServicerContext) -> str:
+        """The namespace the turn runs in: with tokens, the token's (auth.bind_namespace:
+        another tenant's namespace is PERMISSION_DENIED)."""
+        if self.tokens is None:
+            return request.namespace
+        try:
+            tenant = self.tokens.authenticate(
+                auth.metadata_value(context.invocation_metadata(), "authorization"))
+            return auth.bind_namespace(tenant, request.namespace)
+        except auth.AuthError as exc:
+            await rpc.abort_refused(context, exc)
+            raise
 
     def _hasher(self, namespace: str) -> BlockHasher:
         """The workers' hasher for `namespace` (block size, model fingerprint, namespace)."""
@@ -146,6 +164,7 @@ class ChatService:
 
     async def Chat(self, request: chat_pb2.ChatRequest, context: grpc.aio.ServicerContext):
         arrival = time.monotonic()
+        namespace = await self._namespace(request, context)
         try:
             check_chat_fields(request, self.config.limits)
             prompt = self._prompt(request)
@@ -154,7 +173,7 @@ class ChatService:
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         t0 = time.perf_counter()
-        turn = make_turn(prompt, self._hasher(request.namespace), request.conversation_id)
+        turn = make_turn(prompt, self._hasher(namespace), request.conversation_id)
         decision = self.router.decide(self.pool.healthy(), turn)
         metrics.DECISION_SECONDS.observe(time.perf_counter() - t0)
         candidates = decision.ranked
@@ -164,7 +183,7 @@ class ChatService:
                                 "check that the workers' model matches the gateway's")
         gen = worker_pb2.GenerateRequest(request_id=uuid.uuid4().hex,
                                          packed_prompt_token_ids=prompt.obj,
-                                         sampling=request.sampling, namespace=request.namespace)
+                                         sampling=request.sampling, namespace=namespace)
         if not gen.sampling.context_overflow:
             gen.sampling.context_overflow = OVERFLOW_TO_PROTO[self.config.context_overflow]
         failures = []
@@ -271,15 +290,20 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
     for address in config.static_workers:
         # Static workers stay listed; the pool's probes decide whether they are up.
         await registry.register(WorkerRecord(address, address), lease_ms=2**62)
-    pool = WorkerPool(registry, spec.fingerprint, block_size=config.block_size)
+    internal = (auth.InternalCredential.from_file(config.auth.internal_token_file)
+                if config.auth.internal_token_file else None)
+    pool = WorkerPool(registry, spec.fingerprint, block_size=config.block_size,
+                      tls=config.worker_tls, credential=internal)
     service = ChatService(spec, tokenizer, pool, config, index)
     feed = make_feed(registry, service.index)
     status = StatusFollower(config.status_interval_ms)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", config.limits.max_request_bytes)])
-    rpc.add_service(server, SERVICE, service)
+    service.tokens = auth.load_tokens(config.auth, "gateway")
+    rpc.add_service(server, SERVICE, service,
+                    None if service.tokens is None else auth.tokens_guard(service.tokens))
     health = rpc.add_health_and_reflection(server, [SERVICE.full_name])
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = rpc.bind(server, config.host, config.port, config.tls, "gateway")
     await server.start()
     log.info("gateway serving %s on %s:%d (policy %s)", spec.name, config.host, port,
              config.routing.policy)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from prefixgate import rpc
+from prefixgate import auth, rpc
 from prefixgate.events import OwnershipEvent
 from prefixgate.models import ModelSpec
 from prefixgate.protocol import (
@@ -61,6 +61,8 @@ class WorkerConfig:
     port: int = 0
     block_size: int = 16
     drain_seconds: float = 30.0
+    tls: rpc.TLSConfig = rpc.TLSConfig()  # certificate (+ client CA: only gateways with one)
+    auth: auth.AuthConfig = auth.AuthConfig()  # internal credential every call must carry
     limits: RequestLimits = RequestLimits()  # what one request may carry
 
 
@@ -244,10 +246,12 @@ async def serve(service: WorkerService, stop: asyncio.Event,
     """Serve until `stop` is set, then drain. `started` receives the bound port."""
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", service.config.limits.max_request_bytes)])
-    rpc.add_service(server, SERVICE, service)
+    internal = auth.load_internal(service.config.auth, f"worker {service.config.worker_id}")
+    rpc.add_service(server, SERVICE, service,
+                    None if internal is None else auth.internal_guard(internal))
     health = rpc.add_health_and_reflection(server, [SERVICE.full_name])
     cfg = service.config
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    port = rpc.bind(server, cfg.host, cfg.port, cfg.tls, f"worker {cfg.worker_id}")
     await server.start()
     await rpc.set_serving(health, [SERVICE.full_name], True)
     log.info("worker %s serving %s on %s:%d", cfg.worker_id, service.spec.name, cfg.host, port)
