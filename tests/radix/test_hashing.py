@@ -9,7 +9,7 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixgate.radix import BlockHasher
+from prefixgate.radix import BlockHasher, packed, tokens_to_bytes
 
 # (block_size, model_fingerprint, namespace, tokens) -> (root_hash, block hashes).
 # These pin spec version 1; if they change, every cache and every other-language
@@ -136,3 +136,18 @@ def test_rejects_bad_config_and_parent():
         BlockHasher(2).hash_blocks([1, 2], parent_hash=-1)
     with pytest.raises(ValueError):
         BlockHasher(2).hash_blocks([1, 2], parent_hash=2**64)
+
+
+@given(block_size=st.integers(1, 8), tokens=st.lists(st.integers(0, 2**32 - 1), max_size=60),
+       parent=st.one_of(st.none(), st.integers(0, 2**64 - 1)))
+def test_packed_ids_hash_like_the_list(block_size, tokens, parent):
+    # Packed ids (the wire form) are hashed from their bytes: same hashes as the ints.
+    hasher = BlockHasher(block_size, "fp", "ns")
+    view = packed(tokens_to_bytes(tokens))
+    assert len(view) == len(tokens)
+    assert hasher.hash_blocks(view, parent) == hasher.hash_blocks(tokens, parent)
+
+
+def test_packed_rejects_a_partial_id():
+    with pytest.raises(ValueError, match="multiple of 4"):
+        packed(b"\x01\x00\x00")
