@@ -21,6 +21,15 @@ them between steps, so every structure below is touched by that thread only. A s
 3. finishes sequences: their computed blocks go to the prefix cache (reuse planner), so
    the next turn of the conversation hits all of it.
 
+Containment (docs/reliability.md): an exception inside a step is attributed to the
+request that caused it, and only that request fails (FinishReason.ERROR, every sample
+of it; its blocks are released, none of its K/V is cached); the others go on with their
+caches intact. Admission fails the sequence being admitted; a failed model forward is
+retried on halves of the batch until the failing sequence is alone (the forward writes
+K/V only into each sequence's own slots and nothing advances until it succeeds, so a
+retry is safe); sampling and streaming fail the one sequence. Only an exception nothing
+can be attributed to (scheduling) fails every running request, as before.
+
 A request with `sampling.n > 1` computes its prompt once: sample 0 forks the others when
 its prompt is done (they share its full blocks and copy its partial one).
 
@@ -194,8 +203,8 @@ class PagedEngine(Engine):
                     msg = None
             try:
                 self._step()
-            except Exception:  # never let one bad step kill the engine: fail its requests
-                log.exception("engine step failed")
+            except Exception:  # unattributed (see Containment): fail the step's requests
+                log.exception("engine step failed; failing every running request")
                 for seq in list(self.scheduler.running):
                     self._finish(seq, FinishReason.ERROR)
             self._publish_status()
@@ -250,12 +259,60 @@ class PagedEngine(Engine):
                 if seq.request_id in self._cancelled:
                     self._finish(seq, FinishReason.CANCELLED)
             self._cancelled.clear()
-        self.scheduler.admit()
+        self._admit()
         batch = self.scheduler.schedule()
         if batch:
             self._run(batch)
 
+    def _admit(self) -> None:
+        """Admit waiting sequences; one whose admission raises fails alone."""
+        while True:
+            before = self.scheduler.sequences()
+            try:
+                self.scheduler.admit()
+                return
+            except Exception as exc:
+                # The failing sequence is the one being admitted: popped from the queue but
+                # not running yet, or still at its head.
+                live = set(map(id, self.scheduler.sequences()))
+                lost = [s for s in before if id(s) not in live]
+                self._fail(lost[0] if lost else self.scheduler.waiting[0], exc)
+
+    def _fail(self, seq: Sequence, exc: Exception) -> None:
+        """End `seq`'s request (all its samples) with ERROR: the step raised on it."""
+        log.error("request %s failed in the engine and alone (the others go on): %s: %s",
+                  clip(seq.request_id), type(exc).__name__, exc, exc_info=exc)
+        for other in [seq, *self.scheduler.sequences()]:
+            if other.request is seq.request and (other is seq or other.block_table or
+                                                 other in self.scheduler.waiting):
+                self.scheduler.remove(other)
+                self._finish(other, FinishReason.ERROR)
+                seq = other if other is seq else seq
+
     def _run(self, batch: Batch) -> None:
+        for seq, row in self._forward(batch):
+            try:
+                if seq.request.sampling.n > 1 and seq.index == 0 and not seq.num_generated:
+                    for child in self._fork(seq):
+                        self._append(child, child.sampler.sample(row))
+                self._append(seq, seq.sampler.sample(row))
+            except Exception as exc:
+                self._fail(seq, exc)
+
+    def _forward(self, batch: Batch) -> list[tuple[Sequence, torch.Tensor]]:
+        """Run the model on `batch`: (sequence, next-token logits) for every sequence whose
+        last pending token was computed. A forward that raises is retried on each half of
+        the batch; a sequence that fails alone fails its request."""
+        try:
+            return self._forward_once(batch)
+        except Exception as exc:
+            if len(batch) == 1:
+                self._fail(batch[0][0], exc)
+                return []
+        mid = len(batch) // 2
+        return self._forward(batch[:mid]) + self._forward(batch[mid:])
+
+    def _forward_once(self, batch: Batch) -> list[tuple[Sequence, torch.Tensor]]:
         input_ids: list[int] = []
         positions: list[int] = []
         sample_indices: list[int] = []
@@ -272,15 +329,11 @@ class PagedEngine(Engine):
                 samplers.append(seq)
         step = StepMetadata.build(self.pool, [s.block_table for s, _ in batch],
                                   [s.num_computed_tokens + n for s, n in batch],
-                                  [n for _, n in batch])
+                                  [n for _, n in batch], self.config.attention_backend)
         logits = self.runner.forward(input_ids, positions, step, sample_indices)
         for seq, n in batch:
             seq.advance(n)
-        for row, seq in zip(logits, samplers, strict=True):
-            if seq.request.sampling.n > 1 and seq.index == 0 and not seq.num_generated:
-                for child in self._fork(seq):
-                    self._append(child, child.sampler.sample(row))
-            self._append(seq, seq.sampler.sample(row))
+        return list(zip(samplers, logits, strict=True))
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Samples 1..n-1 of a request whose prompt was just computed: they share the

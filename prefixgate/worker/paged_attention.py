@@ -3,26 +3,37 @@
 One step runs the model once on a flat batch: the new tokens of every scheduled sequence
 (a prefill chunk or one decode token each) concatenated into input_ids of shape [1, T],
 with their absolute positions as position_ids (so RoPE is applied per token, and cached
-keys are stored already rotated). transformers calls `paged_attention_forward` in every
-layer with that layer's q, k, v for the T new tokens. It
+keys are stored already rotated). Nothing is padded: sequence b owns rows
+`cu_seqlens_q[b]:cu_seqlens_q[b + 1]` of the batch. transformers calls
+`paged_attention_forward` in every layer with that layer's q, k, v for the T new tokens;
+it
 
-  writes  the T new keys and values into their slots of the pool (one index_copy per
-          layer: `StepMetadata.slot_mapping`), exactly once;
-  reads   each sequence's whole context through its block table: one gather per layer
-          builds padded K/V [B, kv_heads, max_context, head_dim] from the pool's blocks,
-          then one scaled-dot-product attention call computes every sequence's queries
-          against its own context under a causal mask (query i of a sequence with
-          context_len c and q_len n sits at position c - n + i and sees keys 0..that).
+  writes  the T new keys and values into their pool slots (`StepMetadata.slot_mapping`,
+          one index_copy per layer), exactly once, before attending;
+  attends each sequence's queries to its own context, read through its block table, by
+          the step's backend (`BACKENDS[step.backend]`, same metadata for every backend).
 
-No per-request cache object exists: the pool is the cache, block tables are the only
-per-request state, and the batch may change every step. No Python loop runs over tokens
-or blocks (the metadata tensors are built once per step; layers reuse them). A GPU
-kernel can replace `_attend` behind the same metadata.
+The pool is the cache: no per-request cache object exists, block tables are the only
+per-request state, and the batch may change every step. The metadata tensors are built
+once per step (`StepMetadata.build`); every layer reuses them.
+
+Backends
+--------
+An attention backend is a function `(query, k_cache, v_cache, step, scale) -> out`:
+query [T, H, D] (the step's new tokens, any strides), k_cache/v_cache
+[num_slots, KVH, D] (one layer of the pool, this step's K/V already written), out
+[T, H, D] contiguous, dtype of query. H is a multiple of KVH (GQA: query head h reads KV
+head h // (H // KVH)). "torch" (below) runs anywhere: one batched attention for the
+decode rows (padded only to the longest decode context, never to a prefill chunk) and
+one attention per prefill chunk; it gathers each context's slots, which a kernel that
+reads blocks in place (worker/kernels/) avoids. Other backends register themselves in
+`BACKENDS`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -35,52 +46,88 @@ ATTN_IMPLEMENTATION = "prefixgate_paged"
 
 @dataclass
 class StepMetadata:
-    """Tensors describing one step (B sequences, T new tokens in all)."""
+    """What one step's attention needs, for B sequences and T new tokens in all.
+
+    The contract every backend is written against (the torch path here, the Triton
+    kernels in worker/kernels/). Tensors live on the pool's device; int32 unless noted.
+
+    - `cu_seqlens_q` [B + 1]: cumulative query lengths, 0 first, T last. Sequence b's
+      new tokens are rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of the flat batch (q_len_b
+      >= 1 of them).
+    - `context_lens` [B]: tokens of sequence b's context *including* its new ones, so
+      its query i sits at absolute position context_lens[b] - q_len_b + i and attends to
+      the keys at positions 0..that position (causal; the new tokens' own K/V are in the
+      pool before attention runs).
+    - `block_tables` [B, max_num_blocks]: pool block ids of each sequence, position p
+      of sequence b at slot block_tables[b, p // block_size] * block_size
+      + p % block_size. Entries past ceil(context_lens[b] / block_size) are padding
+      (0) and must not be read.
+    - `slot_mapping` [T] int64: pool slot each new token's K and V are written to (int64:
+      torch's index_copy_ takes no other).
+    - `num_decodes`: sequences 0..num_decodes-1 have exactly one new token (the
+      scheduler puts decodes first); a backend may run them as a decode batch and the
+      rest as variable-length prefill. Later sequences may also have one token.
+    - `max_query_len`, `max_context_len`: host ints (kernel grid sizes).
+    - `block_size`: tokens per block (the pool's).
+    - `backend`: key of `BACKENDS` that attends this step.
+    """
 
     pool: KVPool
-    slot_mapping: torch.Tensor  # [T] pool slot each new token's K/V is written to
-    context_slots: torch.Tensor  # [B, max_context] pool slot of each context position
-    query_index: torch.Tensor  # [B, max_q] index into the T new tokens (padding: 0)
-    token_seq: torch.Tensor  # [T] which sequence each new token belongs to
-    token_pos: torch.Tensor  # [T] its index among that sequence's new tokens
-    mask: torch.Tensor  # [B, 1, max_q, max_context] True where attention is allowed
+    cu_seqlens_q: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    max_query_len: int
+    max_context_len: int
+    block_size: int
+    backend: str = "torch"
+    # Host copies of the per-sequence lengths (the torch path loops over prefill chunks).
+    query_lens_host: list[int] = field(default_factory=list, repr=False)
+    context_lens_host: list[int] = field(default_factory=list, repr=False)
+    _torch_plan: _TorchPlan | None = field(default=None, repr=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_host)
 
     @staticmethod
     def build(pool: KVPool, block_tables: list[list[int]], context_lens: list[int],
-              query_lens: list[int]) -> StepMetadata:
+              query_lens: list[int], backend: str = "torch") -> StepMetadata:
         """`context_lens[b]` counts sequence b's tokens including its `query_lens[b]` new
-        ones; `block_tables[b]` covers ceil(context_lens[b] / block_size) blocks."""
+        ones; `block_tables[b]` covers at least ceil(context_lens[b] / block_size)
+        blocks."""
         bs = pool.config.block_size
         num_seqs = len(block_tables)
-        max_ctx, max_q = max(context_lens), max(query_lens)
-        max_blocks = (max_ctx + bs - 1) // bs
-        table = torch.zeros((num_seqs, max_blocks), dtype=torch.long)
-        for b, blocks in enumerate(block_tables):
-            n = min(len(blocks), max_blocks)
-            table[b, :n] = torch.tensor(blocks[:n], dtype=torch.long)
-        offsets = torch.arange(bs, dtype=torch.long)
-        context_slots = (table[:, :, None] * bs + offsets).reshape(num_seqs, -1)[:, :max_ctx]
-        ctx = torch.tensor(context_lens, dtype=torch.long)
-        qlen = torch.tensor(query_lens, dtype=torch.long)
-        q_start = torch.cumsum(qlen, 0) - qlen
-        i = torch.arange(max_q, dtype=torch.long)
-        valid_q = i[None, :] < qlen[:, None]  # [B, max_q]
-        query_index = torch.where(valid_q, q_start[:, None] + i[None, :], 0)
-        token_seq = torch.repeat_interleave(torch.arange(num_seqs), qlen)
-        token_pos = torch.arange(int(qlen.sum())) - q_start[token_seq]
+        max_blocks = max(-(-c // bs) for c in context_lens)
+        table = torch.zeros((num_seqs, max_blocks), dtype=torch.int32)
+        for b, (blocks, c) in enumerate(zip(block_tables, context_lens, strict=True)):
+            n = -(-c // bs)
+            assert len(blocks) >= n, f"sequence {b}: {len(blocks)} blocks for {c} tokens"
+            table[b, :n] = torch.tensor(blocks[:n], dtype=torch.int32)
+        qlen = torch.tensor(query_lens, dtype=torch.int64)
+        ctx = torch.tensor(context_lens, dtype=torch.int64)
+        cu = torch.zeros(num_seqs + 1, dtype=torch.int64)
+        torch.cumsum(qlen, 0, out=cu[1:])
         # Slots written this step: the last q_len positions of each context.
-        write_pos = ctx[token_seq] - qlen[token_seq] + token_pos
-        slot_mapping = context_slots[token_seq, write_pos]
-        q_abs = ctx[:, None] - qlen[:, None] + i[None, :]  # [B, max_q] absolute positions
-        j = torch.arange(max_ctx, dtype=torch.long)
-        mask = (j[None, None, :] <= q_abs[:, :, None]) & (j[None, None, :] < ctx[:, None, None])
-        # Padding query rows attend to key 0 only, so softmax never sees an empty row.
-        mask |= (~valid_q[:, :, None]) & (j[None, None, :] == 0)
-        # Built on the CPU (small), used where the pool lives.
-        dev = pool.k.device
-        return StepMetadata(pool, slot_mapping.to(dev), context_slots.to(dev),
-                            query_index.to(dev), token_seq.to(dev), token_pos.to(dev),
-                            mask[:, None].to(dev))
+        token_seq = torch.repeat_interleave(torch.arange(num_seqs), qlen)
+        pos = torch.arange(int(cu[-1])) - cu[token_seq] + ctx[token_seq] - qlen[token_seq]
+        slot_mapping = table[token_seq, pos // bs].long() * bs + pos % bs
+        num_decodes = 0
+        while num_decodes < num_seqs and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        dev = pool.k.device  # built on the CPU (small), used where the pool lives
+        return StepMetadata(
+            pool=pool, cu_seqlens_q=cu.to(torch.int32).to(dev),
+            context_lens=ctx.to(torch.int32).to(dev), block_tables=table.to(dev),
+            slot_mapping=slot_mapping.to(dev), num_decodes=num_decodes,
+            max_query_len=max(query_lens), max_context_len=max(context_lens),
+            block_size=bs, backend=backend, query_lens_host=list(query_lens),
+            context_lens_host=list(context_lens))
+
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StepMetadata, float],
+                       torch.Tensor]
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -96,19 +143,80 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     k_layer, v_layer = pool.k[layer], pool.v[layer]  # [slots, KVH, D]
     k_layer.index_copy_(0, pg_step.slot_mapping, key[0].transpose(0, 1).to(k_layer.dtype))
     v_layer.index_copy_(0, pg_step.slot_mapping, value[0].transpose(0, 1).to(v_layer.dtype))
-    out = _attend(query[0], k_layer, v_layer, pg_step, scaling)  # [H, T, D]
-    return out.transpose(0, 1).unsqueeze(0), None
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = BACKENDS[pg_step.backend](query[0].transpose(0, 1), k_layer, v_layer, pg_step, scale)
+    return out.unsqueeze(0), None
 
 
-def _attend(query: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
-            step: StepMetadata, scaling: float | None) -> torch.Tensor:
-    """query [H, T, D] -> [H, T, D], each sequence against its own paged context."""
-    q = query[:, step.query_index].permute(1, 0, 2, 3)  # [B, H, max_q, D]
-    k = k_layer[step.context_slots].permute(0, 2, 1, 3).to(q.dtype)  # [B, KVH, max_ctx, D]
-    v = v_layer[step.context_slots].permute(0, 2, 1, 3).to(q.dtype)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, scale=scaling,
-                                         enable_gqa=q.shape[1] != k.shape[1])
-    return out[step.token_seq, :, step.token_pos].transpose(0, 1)  # [H, T, D]
+# --- the torch backend --------------------------------------------------------------------
 
+@dataclass
+class _TorchPlan:
+    """Index tensors of the torch path, built at the first layer and shared by all."""
+
+    decode_slots: torch.Tensor | None  # [num_decodes, max decode context] (padding: 0)
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max] True: a real key; None: all
+    prefill: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # rows, slots, mask
+
+
+def _context_slots(step: StepMetadata, b: int, num_tokens: int) -> torch.Tensor:
+    bs = step.block_size
+    blocks = step.block_tables[b, :-(-num_tokens // bs)].long()
+    return (blocks[:, None] * bs + torch.arange(bs, device=blocks.device)).reshape(-1)[:num_tokens]
+
+
+def _torch_plan(step: StepMetadata) -> _TorchPlan:
+    nd, bs = step.num_decodes, step.block_size
+    dev = step.block_tables.device
+    decode_slots = decode_mask = None
+    if nd:
+        ctx = step.context_lens_host[:nd]
+        longest = max(ctx)
+        blocks = step.block_tables[:nd, :-(-longest // bs)].long()
+        decode_slots = (blocks[:, :, None] * bs + torch.arange(bs, device=dev)
+                        ).reshape(nd, -1)[:, :longest]
+        if min(ctx) < longest:
+            lens = step.context_lens[:nd, None]
+            decode_mask = (torch.arange(longest, device=dev)[None, :] < lens)[:, None, None]
+    prefill = []
+    start = nd
+    for b in range(nd, step.num_seqs):
+        q_len, c = step.query_lens_host[b], step.context_lens_host[b]
+        mask = None
+        if q_len != c:  # a chunk after cached or earlier-computed tokens: offset causal
+            i = torch.arange(q_len, device=dev)[:, None]
+            mask = torch.arange(c, device=dev)[None, :] <= i + (c - q_len)
+        prefill.append((start, start + q_len, _context_slots(step, b, c), mask))
+        start += q_len
+    return _TorchPlan(decode_slots, decode_mask, prefill)
+
+
+def torch_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    step: StepMetadata, scale: float) -> torch.Tensor:
+    """The reference backend (any device): query [T, H, D] -> [T, H, D]."""
+    if step._torch_plan is None:
+        step._torch_plan = _torch_plan(step)
+    plan = step._torch_plan
+    num_tokens, num_heads, _ = query.shape
+    gqa = num_heads != k_cache.shape[1]
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if plan.decode_slots is not None:
+        nd = step.num_decodes
+        k = k_cache[plan.decode_slots].to(query.dtype).transpose(1, 2)  # [nd, KVH, ctx, D]
+        v = v_cache[plan.decode_slots].to(query.dtype).transpose(1, 2)
+        q = query[:nd, :, None]  # [nd, H, 1, D]
+        out[:nd] = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask,
+                                                  scale=scale, enable_gqa=gqa)[:, :, 0]
+    for lo, hi, slots, mask in plan.prefill:
+        k = k_cache[slots].to(query.dtype).transpose(0, 1)  # [KVH, ctx, D]
+        v = v_cache[slots].to(query.dtype).transpose(0, 1)
+        q = query[lo:hi].transpose(0, 1)  # [H, q_len, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           scale=scale, enable_gqa=gqa)
+        out[lo:hi] = o.transpose(0, 1)
+    return out
+
+
+BACKENDS: dict[str, AttentionFn] = {"torch": torch_attention}
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
