@@ -139,3 +139,34 @@ def start_up(args: list[str], env: dict[str, str], timeout_s: float = 120) -> su
         up.kill()
         raise AssertionError("prefixgate up did not come up:\n" + "".join(lines))
     return up
+
+
+def start_emulated_worker(loop_thread: LoopThread, spec: ModelSpec, worker_id: str,
+                          events=None, **emulation) -> tuple[str, asyncio.Event, Any]:
+    """Start an emulated worker (prefixgate.emulate: no model) behind the real
+    WorkerService on a free loopback port; returns (address, stop event, its engine).
+    `emulation`: EmulationConfig fields (block size 16 and 512 blocks unless given)."""
+    from prefixgate.emulate.engine import EmulatedEngine, EmulationConfig
+    from prefixgate.tokenizer import ChatTokenizer
+    from prefixgate.worker.events import EventLog
+    from prefixgate.worker.server import WorkerConfig, WorkerService, serve
+
+    events = events if events is not None else EventLog()
+    vocab_size = ChatTokenizer(spec).vocab_size
+    emulation.setdefault("block_size", 16)
+    emulation.setdefault("capacity_blocks", 512)
+    engine = EmulatedEngine(EmulationConfig(
+        model_fingerprint=spec.fingerprint, vocab_size=vocab_size,
+        max_context_tokens=spec.max_context_tokens, **emulation), events)
+    service = WorkerService(engine, spec, WorkerConfig(
+        worker_id=worker_id, drain_seconds=1, block_size=emulation["block_size"]),
+        vocab_size=vocab_size, events=events)
+
+    async def start() -> tuple[int, asyncio.Event]:
+        stop = asyncio.Event()
+        started = asyncio.get_running_loop().create_future()
+        asyncio.create_task(serve(service, stop, started))
+        return await started, stop
+
+    port, stop = loop_thread.run(start())
+    return f"127.0.0.1:{port}", stop, engine

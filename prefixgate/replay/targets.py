@@ -51,6 +51,10 @@ class TurnRecord:
     cached_tokens: int = 0
     completion_tokens: int = 0
     worker: str = ""
+    # The gateway's decision, when it reports it (-1: not reported): cached tokens it
+    # predicted on the chosen worker and on the best-cached worker.
+    predicted_cached_tokens: int = -1
+    best_predicted_cached_tokens: int = -1
 
     @property
     def ok(self) -> bool:
@@ -116,6 +120,8 @@ class GatewayTarget(Target):
         clock.fill(rec)
         rec.prompt_tokens, rec.cached_tokens = r.prompt_tokens, r.cached_tokens
         rec.completion_tokens, rec.worker = r.completion_tokens, r.worker_id
+        rec.predicted_cached_tokens = getattr(r, "predicted_cached_tokens", -1)
+        rec.best_predicted_cached_tokens = getattr(r, "best_predicted_cached_tokens", -1)
         return rec
 
     async def close(self) -> None:

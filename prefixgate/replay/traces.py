@@ -20,9 +20,11 @@ skipped and counted in `Trace.num_skipped`. Readers only read: no tokenizer, no 
 
 from __future__ import annotations
 
+import functools
 import gzip
 import io
 import json
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,6 +123,14 @@ def synth_block_tokens(hash_id: int, num_tokens: int, vocab_size: int,
     return [first + h(i.to_bytes(4, "little"), seed) % span for i in range(num_tokens)]
 
 
+@functools.lru_cache(maxsize=1 << 17)
+def _block_run(hash_id: int, block_size: int, vocab_size: int) -> array:
+    """`synth_block_tokens` of a whole block, packed and remembered: traces repeat blocks
+    (Mooncake: 64 % of blocks were seen before), and a replay must not spend its client's
+    CPU re-deriving them (512 hashes a block) while it is timing the server."""
+    return array("I", synth_block_tokens(hash_id, block_size, vocab_size))
+
+
 def synth_prompt(turn: TraceTurn, block_size: int, vocab_size: int,
                  max_tokens: int = 0) -> list[int]:
     """Token ids of a token turn: its blocks' runs, cut to `num_prompt_tokens` (the last
@@ -129,11 +139,13 @@ def synth_prompt(turn: TraceTurn, block_size: int, vocab_size: int,
     n = turn.num_prompt_tokens or len(turn.hash_ids) * block_size
     if max_tokens > 0:
         n = min(n, max_tokens)
-    out: list[int] = []
+    run = array("I")
     for h in turn.hash_ids:
-        if len(out) >= n:
+        if len(run) >= n:
             break
-        out += synth_block_tokens(h, min(block_size, n - len(out)), vocab_size)
+        run += _block_run(h, block_size, vocab_size)
+    del run[n:]
+    out = run.tolist()
     if len(out) < n:
         tail_seed = (turn.hash_ids[-1] if turn.hash_ids else 0) ^ 0x9E3779B97F4A7C15
         out += synth_block_tokens(tail_seed, n - len(out), vocab_size)

@@ -40,7 +40,7 @@ from prefixgate.protocol import (
 from prefixgate.status import watch_status
 from prefixgate.token_ids import prompt_token_ids
 from prefixgate.v1 import common_pb2, worker_pb2
-from prefixgate.worker.engine import Engine, FinalEvent, FinishReason, Request, TokenEvent
+from prefixgate.worker.api import Engine, FinalEvent, FinishReason, Request, TokenEvent
 from prefixgate.worker.events import EventLog
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,333 @@
+"""An emulated engine: the `worker.api.Engine` contract with no model (torch-free).
+
+`prefixgate worker --emulate` serves it through the real `WorkerService`, so gateways see
+a real worker over gRPC: Generate, GetInfo, GetStatus, FlushCache, WatchEvents and, with
+Redis, a lease and published KV events, from the same `EventLog` a real worker uses.
+
+Model of one worker (EmulationConfig; times below are *emulated* seconds, which run
+`time_scale` times faster than wall-clock seconds):
+
+  cache    a `RadixTree` of the prompt's chained block hashes (the real `BlockHasher`,
+           salted with the model fingerprint and the request's namespace: exactly the keys
+           a real worker caches and publishes), at most `capacity_blocks` blocks, least
+           recently used leaves evicted first. Blocks of a request being served are locked
+           (they may hold the cache over its capacity until the request ends).
+  prefill  one prompt at a time, first come first served. At its start a request matches
+           its prompt's leading cached blocks (cached tokens = blocks x block size, at most
+           prompt - 1 tokens), then takes (prompt - cached) / `prefill_tokens_per_s`.
+  publish  when the prefill completes, the prompt's full blocks enter the cache and the
+           event log (`stored`), as a real worker's do once computed; evictions publish
+           `removed`. When the reply ends, the full blocks of prompt + reply are stored.
+  decode   batched, never slowing prefill: the first token at the end of the prefill
+           (TTFT = queue + prefill), the rest `decode_s_per_token` apart; the reply is
+           streamed as the first token, then the remaining tokens in one chunk at the end
+           (the gateway's per-chunk work stays small). Reply token ids are a deterministic
+           function of the prompt, so equal prompts give equal replies (as greedy
+           decoding does).
+  status   `num_queued_prefill_tokens`: the uncached prompt tokens of the requests waiting
+           or in prefill (their expected uncached part when they arrived);
+           `num_running_requests`: requests decoding; `num_waiting_requests`: queued.
+
+The final event reports prompt and cached tokens and the worker-side timings (queue, TTFT,
+total; emulated milliseconds). `records` keeps one `ServedRecord` per finished request
+for the fleet's report (hit and TTFT measured at the workers).
+
+All state lives on the asyncio loop of the first `submit`; `submit` and `cancel` may be
+called from any thread. `status` reads one immutable snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import xxhash
+
+from prefixgate.events import KVEventSink, NullSink
+from prefixgate.radix import BlockHasher, Node, RadixTree
+from prefixgate.worker.api import (
+    EmitFn,
+    Engine,
+    EngineStatus,
+    FinalEvent,
+    FinishReason,
+    Request,
+    TokenEvent,
+)
+
+__all__ = ["EmulatedEngine", "EmulationConfig", "ServedRecord", "reply_token_ids"]
+
+# Reply token ids avoid the lowest ids, where tokenizers keep their special tokens.
+_FIRST_REPLY_TOKEN_ID = 256
+
+
+@dataclass(frozen=True)
+class EmulationConfig:
+    """One emulated worker. Units: blocks, tokens, emulated seconds."""
+
+    capacity_blocks: int = 4000
+    block_size: int = 512
+    prefill_tokens_per_s: float = 20_000.0
+    decode_s_per_token: float = 0.030
+    time_scale: float = 1.0  # emulated seconds per wall-clock second
+    model_fingerprint: str = ""
+    vocab_size: int = 32000
+    max_context_tokens: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.capacity_blocks < 1 or self.block_size < 1:
+            raise ValueError("capacity_blocks and block_size must be >= 1")
+        if self.prefill_tokens_per_s <= 0 or self.decode_s_per_token < 0:
+            raise ValueError("prefill_tokens_per_s must be > 0 and decode_s_per_token >= 0")
+        if self.time_scale <= 0:
+            raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
+
+
+@dataclass(frozen=True, slots=True)
+class ServedRecord:
+    """One finished request as the worker saw it (emulated seconds)."""
+
+    request_id: str
+    arrival_unix_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    queue_s: float
+    ttft_s: float
+    total_s: float
+    finish_reason: str
+
+
+def reply_token_ids(prompt_hashes: list[int], root_hash: int, num_tokens: int,
+                    vocab_size: int) -> list[int]:
+    """The emulated reply: token i = first + XXH64(u32(i), seed=h) mod span, where h is the
+    hash of the prompt's last full block (or the namespace's root hash) mixed with the
+    prompt length, so equal prompts give equal replies."""
+    first = _FIRST_REPLY_TOKEN_ID if vocab_size > 2 * _FIRST_REPLY_TOKEN_ID else 0
+    span = vocab_size - first
+    seed = (prompt_hashes[-1] if prompt_hashes else root_hash) % 2**64
+    f = xxhash.xxh64_intdigest
+    return [first + f(i.to_bytes(4, "little"), seed) % span for i in range(num_tokens)]
+
+
+@dataclass(eq=False)
+class _Req:
+    request: Request
+    emit: EmitFn
+    arrival: float  # wall clock (loop time)
+    hashes: list[int]  # the prompt's full blocks
+    hasher: BlockHasher
+    expected_uncached: int = 0
+    cached: int = 0
+    started: float = 0.0
+    first_token: float = 0.0
+    handle: Node[int] | None = None
+    timer: asyncio.TimerHandle | None = None
+    stage: str = "queued"  # queued | prefill | decode | done
+    reply: list[int] = field(default_factory=list)
+
+
+class EmulatedEngine(Engine):
+    def __init__(self, config: EmulationConfig, events: KVEventSink | None = None) -> None:
+        self.config = config
+        self.events = events or NullSink()
+        self.cache: RadixTree[int] = RadixTree(1)  # each block's value is its own hash
+        self.records: list[ServedRecord] = []
+        self._hashers: dict[str, BlockHasher] = {}
+        self._queue: deque[_Req] = deque()
+        self._prefilling: _Req | None = None
+        self._decoding: dict[str, _Req] = {}
+        self._by_id: dict[str, _Req] = {}
+        self._queued_tokens = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self._status = self._snapshot()
+
+    # ------------------------------------------------------------------ the contract
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.config.max_context_tokens
+
+    def submit(self, request: Request, emit: EmitFn) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        self._loop.call_soon_threadsafe(self._arrive, request, emit, self._loop.time())
+
+    def cancel(self, request_id: str) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._cancel, request_id)
+
+    def status(self) -> EngineStatus:
+        return self._status
+
+    def flush_cache(self) -> int:
+        n = self.cache.num_evictable_blocks
+        if self.cache.num_locked_blocks == 0:
+            self.cache.clear()
+            self.events.cleared()
+        else:
+            gone = self.cache.evict(n)
+            if gone:
+                self.events.removed(gone)
+        self._status = self._snapshot()
+        return n * self.config.block_size
+
+    def shutdown(self) -> None:
+        self._closed = True
+        for req in list(self._by_id.values()):
+            self._end(req, FinishReason.CANCELLED)
+
+    # ------------------------------------------------------------------ the model
+
+    def _wall(self, emulated_s: float) -> float:
+        return emulated_s / self.config.time_scale
+
+    def _hasher(self, namespace: str) -> BlockHasher:
+        h = self._hashers.get(namespace)
+        if h is None:
+            h = self._hashers[namespace] = BlockHasher(
+                self.config.block_size, self.config.model_fingerprint, namespace)
+        return h
+
+    def _usable(self, req: _Req) -> list[int]:
+        # Cap the hit so that at least the last prompt token is computed.
+        n = len(req.request.prompt_token_ids)
+        return req.hashes[: (n - 1) // self.config.block_size]
+
+    def _arrive(self, request: Request, emit: EmitFn, arrival: float) -> None:
+        if self._closed:
+            return
+        hasher = self._hasher(request.namespace)
+        req = _Req(request, emit, arrival, hasher.hash_blocks(request.prompt_token_ids), hasher)
+        m = self.cache.match(self._usable(req), touch=False).num_blocks
+        req.expected_uncached = len(request.prompt_token_ids) - m * self.config.block_size
+        self._queued_tokens += req.expected_uncached
+        self._by_id[request.request_id] = req
+        self._queue.append(req)
+        if self._prefilling is None:
+            self._start_prefill()
+        self._status = self._snapshot()
+
+    def _start_prefill(self) -> None:
+        if not self._queue:
+            return
+        req = self._queue.popleft()
+        assert self._loop is not None
+        self._prefilling, req.stage, req.started = req, "prefill", self._loop.time()
+        m = self.cache.match(self._usable(req))
+        self.cache.lock(m.node)
+        req.handle = m.node
+        req.cached = m.num_blocks * self.config.block_size
+        uncached = len(req.request.prompt_token_ids) - req.cached
+        req.timer = self._loop.call_later(
+            self._wall(uncached / self.config.prefill_tokens_per_s), self._prefill_done, req)
+
+    def _prefill_done(self, req: _Req) -> None:
+        assert self._loop is not None
+        self._prefilling, req.stage = None, "decode"
+        self._queued_tokens -= req.expected_uncached
+        req.first_token = self._loop.time()
+        self._store(req, req.hashes)
+        max_tokens = req.request.sampling.max_tokens
+        req.reply = reply_token_ids(req.hashes, req.hasher.root_hash, max_tokens,
+                                    self.config.vocab_size)
+        req.emit(TokenEvent((req.reply[0],), "x"))
+        if max_tokens > 1:
+            self._decoding[req.request.request_id] = req
+            req.timer = self._loop.call_later(
+                self._wall((max_tokens - 1) * self.config.decode_s_per_token), self._decode_done,
+                req)
+        else:
+            self._end(req, FinishReason.LENGTH)
+        self._start_prefill()
+        self._status = self._snapshot()
+
+    def _decode_done(self, req: _Req) -> None:
+        rest = tuple(req.reply[1:])
+        req.emit(TokenEvent(rest, "x" * len(rest)))
+        # Prompt and reply are computed now (but the last reply token): cache their blocks.
+        tokens = (*req.request.prompt_token_ids, *req.reply[:-1])
+        full = len(tokens) // self.config.block_size
+        if full > len(req.hashes):
+            bs = self.config.block_size
+            more = req.hasher.hash_blocks(tokens[len(req.hashes) * bs: full * bs],
+                                          parent_hash=req.hashes[-1] if req.hashes else None)
+            self._store(req, req.hashes + more)
+        self._end(req, FinishReason.LENGTH)
+        self._status = self._snapshot()
+
+    def _store(self, req: _Req, hashes: list[int]) -> None:
+        """Cache `hashes` (the request keeps them locked until it ends) and publish the
+        new ones, then evict down to the capacity."""
+        if not hashes:
+            return
+        r = self.cache.insert(hashes, hashes)
+        self.cache.lock(r.node)
+        if req.handle is not None:
+            self.cache.unlock(req.handle)
+        req.handle = r.node
+        m = r.num_cached_blocks
+        if r.num_new_blocks:
+            self.events.stored(hashes[m - 1] if m else None, hashes[m:])
+        self._evict()
+
+    def _evict(self) -> None:
+        over = self.cache.num_blocks - self.config.capacity_blocks
+        if over > 0:
+            gone = self.cache.evict(over)
+            if gone:
+                self.events.removed(gone)
+
+    def _cancel(self, request_id: str) -> None:
+        req = self._by_id.get(request_id)
+        if req is not None:
+            self._end(req, FinishReason.CANCELLED)
+            self._status = self._snapshot()
+
+    def _end(self, req: _Req, reason: FinishReason) -> None:
+        if req.stage == "done":
+            return
+        rid = req.request.request_id
+        if req.timer is not None:
+            req.timer.cancel()
+        if req.stage == "queued":
+            self._queue.remove(req)
+            self._queued_tokens -= req.expected_uncached
+        elif req.stage == "prefill":
+            self._prefilling = None
+            self._queued_tokens -= req.expected_uncached
+            if self._loop is not None and not self._closed:
+                self._loop.call_soon(self._start_prefill)
+        self._decoding.pop(rid, None)
+        self._by_id.pop(rid, None)
+        req.stage = "done"
+        if req.handle is not None:
+            self.cache.unlock(req.handle)
+            req.handle = None
+            self._evict()
+        now = self._loop.time() if self._loop is not None else time.monotonic()
+        scale = self.config.time_scale
+        start = req.started or now
+        first = req.first_token or now
+        completion = len(req.reply) if reason is not FinishReason.CANCELLED else 0
+        final = FinalEvent(reason, len(req.request.prompt_token_ids), req.cached, completion,
+                           (start - req.arrival) * scale * 1e3,
+                           (first - req.arrival) * scale * 1e3, (now - req.arrival) * scale * 1e3)
+        if reason is not FinishReason.CANCELLED:
+            self.records.append(ServedRecord(
+                rid, time.time() - (now - req.arrival), final.prompt_tokens, req.cached,
+                completion, final.queue_ms / 1e3, final.ttft_ms / 1e3, final.total_ms / 1e3,
+                reason.value))
+        req.emit(final)
+
+    def _snapshot(self) -> EngineStatus:
+        bs = self.config.block_size
+        return EngineStatus(
+            num_running_requests=len(self._decoding), num_waiting_requests=len(self._queue),
+            num_queued_prefill_tokens=self._queued_tokens,
+            kv_used_tokens=self.cache.num_blocks * bs,
+            kv_capacity_tokens=self.config.capacity_blocks * bs,
+            kv_cached_tokens=self.cache.num_blocks * bs)

@@ -1,0 +1,192 @@
+"""An emulated fleet: N emulated workers and G real gateways on this machine, for replay.
+
+Contract: `async with Fleet(config, workdir) as fleet:` starts (each as its own process,
+through the `prefixgate` command, so what runs is exactly what users run)
+
+  * with `config.redis`: a private redis-server (or `config.redis_url`), which workers
+    register in and publish KV events to, and gateways discover workers and follow
+    events through; without: gateways list the workers (`--worker`) and follow their
+    WatchEvents streams;
+  * `num_workers` emulated workers (`prefixgate worker --emulate`, emulate/engine.py);
+  * `num_gateways` gateways (`prefixgate gateway`) with `gateway_flags` (policy, ...);
+
+and returns once every gateway routes to every worker. `fleet.gateways` lists the gateway
+addresses. On exit every process gets SIGTERM (then SIGKILL after `stop_timeout_s`); the
+workers write their served requests, which `fleet.served()` then returns (one dict per
+request: worker, prompt_tokens, cached_tokens, queue_s, ttft_s, ... in emulated seconds).
+Process logs are in `workdir/*.log`. Gateway and workers serve `emulation_model_dir`'s
+model (a real tokenizer with a long context, no weights).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefixgate.rpc import free_port
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    num_workers: int = 8
+    num_gateways: int = 1
+    capacity_blocks: int = 4000  # per worker
+    block_size: int = 512  # tokens (the trace's)
+    prefill_tokens_per_s: float = 20_000.0
+    decode_s_per_token: float = 0.030
+    time_scale: float = 1.0  # emulated seconds per wall second
+    redis: bool = False
+    redis_url: str = ""  # use this Redis instead of a private one (implies redis)
+    model: str = "smollm2-135m"  # whose tokenizer the fleet serves
+    max_context_tokens: int = 1 << 18
+    gateway_flags: tuple[str, ...] = ()
+    cache_dir: str = ""
+    startup_timeout_s: float = 60.0
+    stop_timeout_s: float = 20.0
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1 or self.num_gateways < 1:
+            raise ValueError("a fleet needs at least one worker and one gateway")
+
+
+class Fleet:
+    def __init__(self, config: FleetConfig, workdir: Path) -> None:
+        self.config = config
+        self.workdir = Path(workdir)
+        self.gateways: list[str] = []
+        self.workers: list[str] = []
+        self.redis_url = config.redis_url
+        self._procs: list[tuple[str, subprocess.Popen]] = []
+        self._redis = None
+        self._records: list[Path] = []
+
+    # ------------------------------------------------------------------ processes
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        for key in [k for k in env if k.startswith("PREFIXGATE_")]:
+            del env[key]  # the fleet's flags are explicit; a user's variables must not leak in
+        log = open(self.workdir / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
+        proc = subprocess.Popen([sys.executable, "-m", "prefixgate", *args], stdout=log,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        self._procs.append((name, proc))
+        return proc
+
+    def _check_alive(self) -> None:
+        for name, proc in self._procs:
+            if proc.poll() is not None:
+                tail = (self.workdir / f"{name}.log").read_text()[-2000:]
+                raise RuntimeError(f"fleet: {name} exited with code {proc.returncode}:\n{tail}")
+
+    async def __aenter__(self) -> Fleet:
+        from prefixgate.emulate.model import emulation_model_dir
+
+        cfg = self.config
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        cache = Path(cfg.cache_dir) if cfg.cache_dir else None
+        model = str(await asyncio.to_thread(emulation_model_dir, cfg.model,
+                                            cfg.max_context_tokens, cache))
+        common = ["--model", model, "--block-size", str(cfg.block_size), "--log-level", "WARNING"]
+        if cfg.cache_dir:
+            common += ["--cache-dir", cfg.cache_dir]
+        try:
+            if (cfg.redis or cfg.redis_url) and not self.redis_url:
+                from prefixgate.bench.redis_server import RedisServer
+
+                self._redis = RedisServer(self.workdir / "redis")
+                (self.workdir / "redis").mkdir(exist_ok=True)
+                await asyncio.to_thread(self._redis.start)
+                self.redis_url = self._redis.url
+            for i in range(cfg.num_workers):
+                port = free_port()
+                records = self.workdir / f"worker-{i}.served.jsonl"
+                self._records.append(records)
+                args = ["worker", "--emulate", *common, "--port", str(port),
+                        "--worker-id", f"worker-{i}", "--num-blocks", str(cfg.capacity_blocks),
+                        "--prefill-tokens-per-s", str(cfg.prefill_tokens_per_s),
+                        "--decode-s-per-token", str(cfg.decode_s_per_token),
+                        "--time-scale", str(cfg.time_scale), "--emulate-records", str(records),
+                        "--drain-seconds", "1"]
+                if self.redis_url:
+                    args += ["--redis-url", self.redis_url, "--lease-ms", "5000"]
+                self._spawn(f"worker-{i}", args)
+                self.workers.append(f"127.0.0.1:{port}")
+            for i in range(cfg.num_gateways):
+                port = free_port()
+                args = ["gateway", *common, "--port", str(port), "--drain-seconds", "1",
+                        *cfg.gateway_flags]
+                if self.redis_url:
+                    args += ["--redis-url", self.redis_url]
+                else:
+                    args += ["--worker", ",".join(self.workers)]
+                self._spawn(f"gateway-{i}", args)
+                self.gateways.append(f"127.0.0.1:{port}")
+            await self._wait_routing()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def _wait_routing(self) -> None:
+        """Until every gateway lists every worker as routable."""
+        from prefixgate.client import ChatClient
+
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        for address in self.gateways:
+            client = ChatClient(address)
+            try:
+                while True:
+                    self._check_alive()
+                    with contextlib.suppress(Exception):
+                        models = await client.list_models(timeout_s=2)
+                        if models.models[0].num_workers >= self.config.num_workers:
+                            break
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"fleet: gateway {address} did not see "
+                                           f"{self.config.num_workers} workers in time "
+                                           f"(logs in {self.workdir})")
+                    await asyncio.sleep(0.2)
+            finally:
+                await client.close()
+
+    async def stop(self) -> None:
+        """SIGTERM every process (gateways first), wait, SIGKILL the stragglers."""
+        gateways = [p for n, p in self._procs if n.startswith("gateway")]
+        others = [p for n, p in self._procs if not n.startswith("gateway")]
+        for group in (gateways, others):
+            for p in group:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.config.stop_timeout_s
+            for p in group:
+                while p.poll() is None and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(5)
+        self._procs.clear()
+        if self._redis is not None:
+            await asyncio.to_thread(self._redis.stop)
+            self._redis = None
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    # ------------------------------------------------------------------ results
+
+    def served(self) -> list[dict]:
+        """Every request the workers finished (after the fleet stopped)."""
+        out = []
+        for path in self._records:
+            if path.is_file():
+                out += [json.loads(line) for line in path.read_text().splitlines() if line]
+        return out

@@ -1,0 +1,97 @@
+"""`prefixgate worker --emulate`: an `EmulatedEngine` behind the real WorkerService.
+
+Contract: `add_arguments(parser)` adds the emulation flags (the worker command's own flags
+give the rest: --model, --block-size, --num-blocks as the cache capacity in blocks,
+--host/--port/--worker-id, --redis-url/--lease-ms). `serve_emulated(args, stop)` serves
+until `stop` is set, registering and publishing KV events to Redis with `--redis-url`
+exactly as a real worker does (worker/events.py); it never imports torch. With
+`--emulate-records PATH` it writes one JSON line per finished request there on shutdown
+(`ServedRecord`: hit and worker-side TTFT as the worker saw them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+from prefixgate.cli.flags import flag
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CAPACITY_BLOCKS = 4000
+
+
+def add_arguments(w: argparse.ArgumentParser) -> None:
+    flag(w, "--emulate", action="store_true",
+         help="no model: emulate a worker (LRU block cache of --num-blocks blocks, default "
+              f"{DEFAULT_CAPACITY_BLOCKS}; one prefill at a time; docs/traces.md)")
+    flag(w, "--prefill-tokens-per-s", type=float, default=20_000.0,
+         help="emulated: prefill speed (uncached prompt tokens per emulated second)")
+    flag(w, "--decode-s-per-token", type=float, default=0.030,
+         help="emulated: seconds per output token of one sequence (decoding is batched)")
+    flag(w, "--time-scale", type=float, default=1.0,
+         help="emulated: emulated seconds per wall-clock second (service times are divided "
+              "by it; reported timings are emulated)")
+    flag(w, "--emulate-records", default="",
+         help="emulated: on shutdown, write one JSON line per finished request here")
+
+
+async def serve_emulated(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    from prefixgate.emulate.engine import EmulatedEngine, EmulationConfig
+    from prefixgate.models import resolve_model
+    from prefixgate.tokenizer import ChatTokenizer
+    from prefixgate.worker.events import EventLog
+    from prefixgate.worker.server import WorkerConfig, WorkerService
+
+    spec = resolve_model(args.model, Path(args.cache_dir) if args.cache_dir else None)
+    vocab_size = ChatTokenizer(spec).vocab_size
+    capacity = args.num_blocks or DEFAULT_CAPACITY_BLOCKS
+    events = EventLog()
+    engine = EmulatedEngine(EmulationConfig(
+        capacity_blocks=capacity, block_size=args.block_size,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        decode_s_per_token=args.decode_s_per_token, time_scale=args.time_scale,
+        model_fingerprint=spec.fingerprint, vocab_size=vocab_size,
+        max_context_tokens=spec.max_context_tokens), events)
+    worker_id = args.worker_id or f"worker-{args.port}"
+    config = WorkerConfig(worker_id=worker_id, host=args.host, port=args.port,
+                          block_size=args.block_size, drain_seconds=args.drain_seconds)
+    service = WorkerService(engine, spec, config, vocab_size=vocab_size, events=events)
+    log.info("emulated worker %s: %d blocks of %d tokens, %.0f prefill tok/s, %.3f s/token, "
+             "time x%g", worker_id, capacity, args.block_size, args.prefill_tokens_per_s,
+             args.decode_s_per_token, args.time_scale)
+    try:
+        await serve_with_registry(service, stop, args, capacity)
+    finally:
+        if args.emulate_records:
+            with open(args.emulate_records, "w") as f:
+                for r in engine.records:
+                    f.write(json.dumps({"worker": worker_id, **asdict(r)}) + "\n")
+
+
+async def serve_with_registry(service, stop: asyncio.Event, args: argparse.Namespace,
+                              capacity_blocks: int) -> None:
+    """Serve `service` until `stop`; with --redis-url, register under a lease and publish
+    its event log (the same code path as a real worker)."""
+    from prefixgate.registry import RedisRegistry, WorkerRecord
+    from prefixgate.worker.events import RedisPublisher
+    from prefixgate.worker.server import serve
+
+    started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    server = asyncio.create_task(serve(service, stop, started))
+    port = await started
+    if not args.redis_url:
+        await server
+        return
+    registry = RedisRegistry(args.redis_url)
+    address = args.advertise_address or f"{args.host}:{port}"
+    publisher = RedisPublisher(service.events, registry, WorkerRecord(
+        service.config.worker_id, address, service.spec.fingerprint,
+        capacity_blocks=capacity_blocks), args.lease_ms)
+    await publisher.run(stop)
+    await server
+    await registry.close()

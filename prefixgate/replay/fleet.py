@@ -1,0 +1,187 @@
+"""`prefixgate replay --fleet N`: replay a trace through real gateways in front of an
+emulated fleet (prefixgate/emulate), brought up and torn down by the command.
+
+Contract: `run_fleet(trace, args, arrival, limits)` returns one report run (the dict
+`prefixgate replay` writes) per gateway count in `--gateways` and per policy in
+`--sim-policies` (default: prefix), each on a fresh fleet (empty caches):
+
+  * `--fleet` emulated workers (`--capacity-tokens` / block size = cache capacity,
+    `--prefill-tokens-per-s`, `--decode-s-per-token`: the simulator's flags, so
+    `--simulate` and `--fleet` model the same workers), optionally behind Redis
+    (`--fleet-redis`);
+  * the trace replayed under `arrival` with turns spread round-robin over the gateways.
+
+Time: `--time-scale S` runs the whole fleet S times faster than the emulated clock:
+workers divide service times by S, arrivals (already divided by --speedup) and think
+times are divided by S, and every reported time is emulated (wall-clock figures x S). At
+S = 1 the fleet runs in real time; the trace's own clock is divided by --speedup in both.
+
+Reported beside the client's figures (summary): `workers`: hit rate counted at the workers
+(leading cached blocks x block size / prompt tokens), worker-side TTFT (queue + prefill)
+and queue distributions, load max/mean over workers of prompt tokens and of turns; and
+`decisions` when the gateways report them (regret: turns not sent to the worker the
+gateway predicted to hold the longest cached prefix, and the cached tokens lost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+from prefixgate.replay.loadgen import ArrivalConfig, Limits, run_load
+from prefixgate.replay.metrics import distribution, summarize
+from prefixgate.replay.targets import GatewayTarget, Target, TurnRecord, TurnRequest
+from prefixgate.replay.traces import Trace
+
+CHAT_BLOCK_SIZE = 16
+
+
+class RoundRobinGateways(Target):
+    """Turns spread over several gateways in turn (a load balancer in front of replicas)."""
+
+    def __init__(self, addresses: list[str], timeout_s: float) -> None:
+        self.targets = [GatewayTarget(a, timeout_s=timeout_s) for a in addresses]
+        self.name = f"prefixgate x{len(addresses)} gateways"
+        self._next = itertools.cycle(self.targets)
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        await asyncio.gather(*(t.wait_ready(timeout_s) for t in self.targets))
+
+    async def send(self, request: TurnRequest) -> TurnRecord:
+        return await next(self._next).send(request)
+
+    async def close(self) -> None:
+        for t in self.targets:
+            await t.close()
+
+
+def policy_flags(spec: str) -> list[str]:
+    """`prefix:load_weight=0.5` -> gateway flags `--policy prefix --load-weight 0.5`."""
+    name, *fields = spec.split(":")
+    out = ["--policy", name]
+    for item in fields:
+        key, _, value = item.partition("=")
+        out += [f"--{key.strip().replace('_', '-')}", value.strip()]
+    return out
+
+
+def worker_summary(served: list[dict], workers: list[str]) -> dict:
+    """Hit, worker-side TTFT/queue and load balance from the workers' own records."""
+    prompt = sum(r["prompt_tokens"] for r in served)
+    cached = sum(r["cached_tokens"] for r in served)
+    per = {w: {"turns": 0, "prompt_tokens": 0, "cached_tokens": 0} for w in workers}
+    for r in served:
+        w = per.setdefault(r["worker"], {"turns": 0, "prompt_tokens": 0, "cached_tokens": 0})
+        w["turns"] += 1
+        w["prompt_tokens"] += r["prompt_tokens"]
+        w["cached_tokens"] += r["cached_tokens"]
+    n = max(1, len(per))
+    turns = [w["turns"] for w in per.values()] or [0]
+    toks = [w["prompt_tokens"] for w in per.values()] or [0]
+    return {
+        "requests": len(served),
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "ttft_s": distribution(r["ttft_s"] for r in served),
+        "queue_s": distribution(r["queue_s"] for r in served),
+        "load_balance": {
+            "turns_max_over_mean": max(turns) / (sum(turns) / n) if sum(turns) else 0.0,
+            "prompt_tokens_max_over_mean": max(toks) / (sum(toks) / n) if sum(toks) else 0.0},
+        "per_worker": dict(sorted(per.items())),
+    }
+
+
+def decision_summary(records: list[TurnRecord]) -> dict | None:
+    """Regret from the gateways' predictions (None when they report none)."""
+    ok = [r for r in records if r.ok and r.best_predicted_cached_tokens >= 0]
+    if not ok:
+        return None
+    off = [r for r in ok if r.predicted_cached_tokens < r.best_predicted_cached_tokens]
+    exact = sum(r.predicted_cached_tokens == r.cached_tokens for r in ok)
+    return {"turns": len(ok),
+            "turns_off_best": len(off),
+            "share_on_best": 1 - len(off) / len(ok),
+            "cached_tokens_lost": sum(r.best_predicted_cached_tokens - r.predicted_cached_tokens
+                                      for r in off),
+            "predicted_exact_share": exact / len(ok),
+            "predicted_minus_actual_tokens": sum(r.predicted_cached_tokens - r.cached_tokens
+                                                 for r in ok)}
+
+
+def _scaled(rec: TurnRecord, scale: float) -> TurnRecord:
+    return dataclasses.replace(rec, start_s=rec.start_s * scale, ttft_s=rec.ttft_s * scale,
+                               e2e_s=rec.e2e_s * scale, itl_s=[g * scale for g in rec.itl_s])
+
+
+async def fleet_run(trace: Trace, fleet_config, arrival: ArrivalConfig, limits: Limits, *,
+                    timeout_s: float, workdir: Path, label: str, progress: bool) -> dict:
+    """One replay of `trace` through a fresh fleet (emulate.fleet.FleetConfig)."""
+    from prefixgate.emulate.fleet import Fleet
+
+    scale = fleet_config.time_scale
+    wall_arrival = dataclasses.replace(arrival, speedup=arrival.speedup * scale,
+                                       think_time_s=arrival.think_time_s / scale)
+    fleet = Fleet(fleet_config, workdir)
+    async with fleet:
+        target = RoundRobinGateways(fleet.gateways, timeout_s / scale)
+        try:
+            await target.wait_ready(10)
+            result = await run_load(trace, target, wall_arrival, limits, progress=progress)
+        finally:
+            await target.close()
+    records = [_scaled(r, scale) for r in result.records]
+    served = fleet.served()
+    workers = [f"worker-{i}" for i in range(fleet_config.num_workers)]
+    summary = summarize(records, result.duration_s * scale, workers=workers)
+    summary["workers"] = worker_summary(served, workers)
+    summary["decisions"] = decision_summary(records)
+    cfg = dataclasses.asdict(fleet_config)
+    return {"label": label,
+            "config": {"trace": trace.source, "fleet": cfg, "arrival": vars(arrival),
+                       "limits": vars(limits), "started_unix_s": result.started_unix_s,
+                       "wall_s": result.duration_s},
+            "summary": summary,
+            "ttft_samples_s": sorted(r.ttft_s for r in records if r.ok and r.completion_tokens),
+            "worker_ttft_samples_s": sorted(r["ttft_s"] for r in served)}
+
+
+def run_fleet(trace: Trace, args: argparse.Namespace, arrival: ArrivalConfig,
+              limits: Limits) -> list[dict]:
+    """The --fleet runs of `prefixgate replay` (module docstring)."""
+    from prefixgate.emulate.fleet import FleetConfig
+
+    block_size = args.sim_block_size or trace.block_size or CHAT_BLOCK_SIZE
+    if trace.block_size and block_size != trace.block_size:
+        raise SystemExit(f"prefixgate replay: {trace.kind} traces have blocks of "
+                         f"{trace.block_size} tokens; --sim-block-size must be that or 0")
+    longest = max((t.num_prompt_tokens for c in trace.conversations for t in c.turns),
+                  default=0)
+    context = 1 << max(14, (longest + limits.max_tokens + 1).bit_length())
+    policies = list(args.sim_policies or []) or ["prefix"]
+    runs = []
+    for gateways, policy in itertools.product(args.gateways or [1], policies):
+        config = FleetConfig(
+            num_workers=args.fleet, num_gateways=gateways,
+            capacity_blocks=args.capacity_tokens // block_size, block_size=block_size,
+            prefill_tokens_per_s=args.prefill_tokens_per_s,
+            decode_s_per_token=args.decode_s_per_token, time_scale=args.time_scale,
+            redis=args.fleet_redis, model=args.tokenizer_model, max_context_tokens=context,
+            gateway_flags=(*policy_flags(policy), *shlex.split(args.gateway_args)),
+            cache_dir=args.cache_dir or "")
+        label = args.label or (f"fleet {policy} x{args.fleet}, {gateways} gateway"
+                               f"{'s' if gateways > 1 else ''}"
+                               f"{' (Redis)' if args.fleet_redis else ''}")
+        print(f"prefixgate replay: {label}", file=sys.stderr)
+        with contextlib.ExitStack() as stack:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(
+                prefix="prefixgate-fleet-"))) if not args.fleet_logs else Path(args.fleet_logs)
+            runs.append(asyncio.run(fleet_run(
+                trace, config, arrival, limits, timeout_s=args.timeout, workdir=workdir,
+                label=label, progress=not args.no_progress)))
+    return runs

@@ -1,0 +1,106 @@
+"""The emulated fleet (prefixgate/emulate) over real gRPC: an emulated worker publishes
+exactly the block hashes a real (tiny-random) worker publishes for the same requests,
+reports cached tokens and worker-side timings like one, and publishes a prompt's blocks
+only when its prefill completes."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from prefixgate.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tests.helpers import start_emulated_worker, start_worker
+
+
+def _generate(address: str, ids: list[int], max_tokens: int = 1, namespace: str = ""):
+    with grpc.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        req = worker_pb2.GenerateRequest(request_id="", namespace=namespace,
+                                         sampling=common_pb2.SamplingParams(max_tokens=max_tokens))
+        req.prompt_token_ids.extend(ids)
+        events = list(stub.Generate(req, timeout=60))
+    return events[-1].final
+
+
+def _blocks(events_log) -> set[tuple[int | None, tuple[int, ...]]]:
+    chains, _ = events_log.snapshot()
+    return {(c.parent_hash, tuple(c.block_hashes)) for c in chains}
+
+
+@pytest.fixture(scope="module")
+def pair(loop_thread, tiny_spec, tiny_model):
+    from prefixgate.worker.events import EventLog
+
+    real_log, emu_log = EventLog(), EventLog()
+    real, stop_real = start_worker(loop_thread, tiny_spec, tiny_model, "real", events=real_log)
+    emu, stop_emu, engine = start_emulated_worker(
+        loop_thread, tiny_spec, "emulated", events=emu_log, prefill_tokens_per_s=1e6,
+        decode_s_per_token=0.0)
+    yield {"real": real, "emu": emu, "real_log": real_log, "emu_log": emu_log,
+           "engine": engine}
+    for stop in (stop_real, stop_emu):
+        loop_thread.loop.call_soon_threadsafe(stop.set)
+
+
+def test_emulated_worker_publishes_the_real_workers_block_hashes(pair) -> None:
+    # Three prompts sharing a 48-token prefix (3 blocks of 16), two namespaces; one
+    # token of reply, so both workers cache exactly the prompts' full blocks.
+    base = [5 + (i * 7) % 250 for i in range(48)]
+    prompts = [(base + [9, 8, 7] * 7, ""), (base + list(range(30, 70)), ""),
+               (base + [11] * 33, "tenant-a")]
+    for ids, ns in prompts:
+        for side in ("real", "emu"):
+            _generate(pair[side], ids, namespace=ns)
+    assert _blocks(pair["emu_log"]) == _blocks(pair["real_log"])
+    assert len(_blocks(pair["emu_log"])) >= 3
+    # The same follow-up hits the same cached tokens on both (it leaves the second prompt
+    # at a block boundary: emulated workers keep no partial-block tails).
+    follow = base + list(range(30, 62)) + [3] * 10
+    real, emu = _generate(pair["real"], follow), _generate(pair["emu"], follow)
+    assert emu.usage.cached_tokens == real.usage.cached_tokens == 80
+    assert emu.usage.prompt_tokens == real.usage.prompt_tokens == len(follow)
+    assert _blocks(pair["emu_log"]) == _blocks(pair["real_log"])
+
+
+def test_emulated_final_reports_worker_side_timings(loop_thread, tiny_spec) -> None:
+    # 2,000 tokens/s emulated, time x10: 320 uncached tokens take 0.16 s emulated.
+    address, stop, engine = start_emulated_worker(
+        loop_thread, tiny_spec, "timed", prefill_tokens_per_s=2000.0, decode_s_per_token=0.01,
+        time_scale=10.0)
+    try:
+        final = _generate(address, [3 + i % 250 for i in range(320)], max_tokens=4)
+        assert final.usage.cached_tokens == 0 and final.usage.completion_tokens == 4
+        assert 155 <= final.timings.ttft_ms <= 260
+        assert final.timings.total_ms >= final.timings.ttft_ms + 4 * 10 - 1
+        again = _generate(address, [3 + i % 250 for i in range(320)], max_tokens=4)
+        assert again.usage.cached_tokens == 304  # 19 full blocks; the last token is computed
+        assert again.timings.ttft_ms < final.timings.ttft_ms
+        assert [r.cached_tokens for r in engine.records] == [0, 304]
+    finally:
+        loop_thread.loop.call_soon_threadsafe(stop.set)
+
+
+def test_blocks_are_published_when_the_prefill_completes(loop_thread, tiny_spec) -> None:
+    from prefixgate.worker.events import EventLog
+
+    log = EventLog()
+    # 320 tokens at 200 tokens/s: the prefill takes 1.6 s (time x1).
+    address, stop, engine = start_emulated_worker(
+        loop_thread, tiny_spec, "slow", events=log, prefill_tokens_per_s=200.0,
+        decode_s_per_token=0.0)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            req = worker_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(max_tokens=1))
+            req.prompt_token_ids.extend(3 + i % 250 for i in range(320))
+            call = stub.Generate(req, timeout=30)
+            time.sleep(0.5)
+            status = stub.GetStatus(worker_pb2.GetStatusRequest())
+            assert log.num_blocks == 0  # computing: nothing published yet
+            assert status.num_queued_prefill_tokens == 320
+            list(call)
+        assert log.num_blocks == 20
+    finally:
+        loop_thread.loop.call_soon_threadsafe(stop.set)
