@@ -52,6 +52,7 @@ import torch
 
 from prefixgate.events import KVEventSink
 from prefixgate.overflow import plan_overflow
+from prefixgate.protocol import clip
 from prefixgate.worker.api import (
     EmitFn,
     Engine,
@@ -282,12 +283,9 @@ class PagedEngine(Engine):
         """End `seq`'s request (all its samples) with ERROR: the step raised on it."""
         log.error("request %s failed in the engine and alone (the others go on): %s: %s",
                   clip(seq.request_id), type(exc).__name__, exc, exc_info=exc)
-        for other in [seq, *self.scheduler.sequences()]:
-            if other.request is seq.request and (other is seq or other.block_table or
-                                                 other in self.scheduler.waiting):
-                self.scheduler.remove(other)
-                self._finish(other, FinishReason.ERROR)
-                seq = other if other is seq else seq
+        samples = [s for s in self.scheduler.sequences() if s.request is seq.request]
+        for sample in [seq, *(s for s in samples if s is not seq)]:
+            self._finish(sample, FinishReason.ERROR)
 
     def _run(self, batch: Batch) -> None:
         for seq, row in self._forward(batch):
