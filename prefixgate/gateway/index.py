@@ -25,6 +25,22 @@ A `stored` chain whose parent block is unknown here (evicted by `max_blocks`, or
 were missed) is dropped and counted in `num_orphan_events`: the feed's resynchronisation
 (snapshot) repairs it.
 
+Predicted ownership: between routing a turn and the chosen worker's `stored` event (its
+prefill, then event batching and delivery) the index would not know where the prompt's
+blocks are going. `predict(w, hs)` records them at once as *expected* on `w` (those `w`
+does not already hold), until one of:
+  * a `stored` event of `w` naming the block: confirmed (counted in `num_confirmed_blocks`);
+  * a `removed` naming it, `cleared`, a new epoch of `w`, `remove_worker`, or
+    `drop_predictions(w)` (the gateway saw `w` fail): dropped, events always win;
+  * `prediction_ttl_s` seconds on `clock` without confirmation: expired (counted in
+    `num_expired_blocks`).
+`match` reports per worker both its certain run (`cached_blocks`, events only) and its
+expected run (`expected_blocks`: leading blocks held or expected, >= the certain run).
+`prediction_confidence` is the measured share of predicted blocks that events later
+confirmed (Laplace-smoothed): the router credits expected blocks at that weight.
+Predicted blocks live in the same tree under a separate owner key per worker, so a
+`stored` chain may extend a predicted parent (chained hashes name their whole prefix).
+
 Shared prefixes: a match that ends at a block which already has `spread_fanout` or more
 distinct continuations in the index (other conversations branched off right there: a
 shared system prompt) is reported `shared=True`; the router discounts such prefixes so
@@ -38,9 +54,11 @@ workers' total KV capacity (workers report evictions). `max_blocks` > 0 adds a h
 
 from __future__ import annotations
 
+import time
 from array import array
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 from prefixgate.radix import OwnerIndex
 
@@ -51,10 +69,52 @@ __all__ = ["PrefixIndex", "PrefixMatch"]
 class PrefixMatch:
     """What the index knows about one prompt's blocks."""
 
-    num_blocks: int  # leading blocks present in the index (held by someone)
-    cached_blocks: dict[str, int]  # worker id -> leading blocks it holds (> 0 only)
+    num_blocks: int  # leading blocks present in the index (held or expected by someone)
+    cached_blocks: dict[str, int]  # worker id -> leading blocks it holds (> 0 only; events)
     shared: bool  # the match ends where other conversations already branched off
     fanout: int  # distinct continuations stored below the match end
+    # worker id -> leading blocks it holds or is expected to hold (>= cached_blocks)
+    expected_blocks: dict[str, int] = field(default_factory=dict)
+
+
+_EMPTY: set[int] = set()
+
+
+class _Expected:
+    """The owner key of one worker's *expected* blocks in the tree (one object per worker,
+    compared by identity: never equal to the worker id, a str, that owns certain blocks)."""
+
+    __slots__ = ("worker_id", "_hash")
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self._hash = hash(("expected", worker_id))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+def _runs(sets: list[frozenset], key: Callable[[frozenset], frozenset]) -> dict[str, int]:
+    """Per holder of block 0 (after `key`), its run of leading blocks. `sets` are interned,
+    so runs of the same object are skipped by identity."""
+    runs: dict[str, int] = {}
+    if not sets:
+        return runs
+    prev = sets[0]
+    alive = set(key(prev))
+    for i, s in enumerate(sets):
+        if s is prev:
+            continue
+        prev = s
+        cur = key(s)
+        for o in alive - cur:
+            runs[o] = i
+        alive &= cur
+        if not alive:
+            break
+    for o in alive:
+        runs[o] = len(sets)
+    return runs
 
 
 class _Tree(OwnerIndex):
@@ -78,6 +138,10 @@ class _Tree(OwnerIndex):
             out += part
         return out
 
+    def held(self, owner: object) -> set[int]:
+        """Hashes of the blocks listing `owner` (live view; do not modify)."""
+        return self._by_owner.get(owner, _EMPTY)
+
     def fanout(self, block_hash: int) -> int:
         """Distinct continuations stored right after `block_hash` (0 if unknown)."""
         node = self._where.get(block_hash)
@@ -91,14 +155,27 @@ class _Tree(OwnerIndex):
 class PrefixIndex:
     """Worker ownership of KV blocks, for routing (see module docstring)."""
 
-    def __init__(self, *, max_blocks: int = 0, spread_fanout: int = 2) -> None:
-        if max_blocks < 0 or spread_fanout < 1:
-            raise ValueError("max_blocks must be >= 0 and spread_fanout >= 1")
+    def __init__(self, *, max_blocks: int = 0, spread_fanout: int = 2,
+                 prediction_ttl_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if max_blocks < 0 or spread_fanout < 1 or prediction_ttl_s < 0:
+            raise ValueError("max_blocks and prediction_ttl_s must be >= 0, spread_fanout >= 1")
         self.max_blocks = max_blocks
         self.spread_fanout = spread_fanout
+        self.prediction_ttl_s = prediction_ttl_s
+        self.clock = clock
         self._tree = _Tree()
         self._epochs: dict[str, int] = {}
         self.num_orphan_events = 0  # stored chains dropped because their parent was unknown
+        # Predictions: worker -> {block: expiry}, and (expiry, worker, blocks) in time order.
+        self._expected: dict[str, dict[int, float]] = {}
+        self._expiries: deque[tuple[float, str, Sequence[int]]] = deque()
+        self._keys: dict[str, _Expected] = {}
+        self._holders: dict[frozenset, frozenset] = {}  # owner set -> workers (held or expected)
+        self._certain: dict[frozenset, frozenset] = {}  # owner set -> workers holding (events)
+        self.num_predicted_blocks = 0
+        self.num_confirmed_blocks = 0
+        self.num_expired_blocks = 0
 
     # ------------------------------------------------------------------ queries
 
@@ -122,15 +199,131 @@ class PrefixIndex:
     def owners_of(self, block_hash: int) -> frozenset[str]:
         return self._tree.owners_of(block_hash)
 
+    def num_expected_blocks(self, worker_id: str | None = None) -> int:
+        """Blocks expected (predicted, not yet confirmed) on `worker_id` (None: all)."""
+        if worker_id is not None:
+            return len(self._expected.get(worker_id, ()))
+        return sum(len(e) for e in self._expected.values())
+
+    @property
+    def prediction_confidence(self) -> float:
+        """Share of predicted blocks that a `stored` event confirmed, of those decided
+        (confirmed or expired), with one success and one failure as prior."""
+        return (self.num_confirmed_blocks + 1) / (
+            self.num_confirmed_blocks + self.num_expired_blocks + 2)
+
     def match(self, block_hashes: Sequence[int]) -> PrefixMatch:
-        """Per-worker cached prefix of `block_hashes` (a prompt's chained hashes)."""
+        """Per-worker cached (events) and expected (events + predictions) prefix of
+        `block_hashes` (a prompt's chained hashes)."""
         if not block_hashes:
             return PrefixMatch(0, {}, False, 0)
-        m = self._tree.match_owners(block_hashes)
-        if not m.num_blocks:
+        self.expire_predictions()
+        res = self._tree.match(block_hashes)
+        if not res.num_blocks:
             return PrefixMatch(0, {}, False, 0)
-        fanout = self._tree.fanout(block_hashes[m.num_blocks - 1])
-        return PrefixMatch(m.num_blocks, m.run_blocks, fanout >= self.spread_fanout, fanout)
+        sets = res.values
+        cached = _runs(sets, self._certain_of if self._expected else _identity)
+        expected = _runs(sets, self._holders_of) if self._expected else cached
+        cached = {w: n for w, n in cached.items() if n}
+        fanout = self._tree.fanout(block_hashes[res.num_blocks - 1])
+        return PrefixMatch(res.num_blocks, cached, fanout >= self.spread_fanout, fanout,
+                           expected)
+
+    def _holders_of(self, owners: frozenset) -> frozenset:
+        h = self._holders.get(owners)
+        if h is None:
+            if len(self._holders) > 65536:
+                self._holders.clear()
+            h = self._holders[owners] = frozenset(
+                o if type(o) is str else o.worker_id for o in owners)
+        return h
+
+    def _certain_of(self, owners: frozenset) -> frozenset:
+        h = self._certain.get(owners)
+        if h is None:
+            if len(self._certain) > 65536:
+                self._certain.clear()
+            h = self._certain[owners] = frozenset(o for o in owners if type(o) is str)
+        return h
+
+    # ------------------------------------------------------------------ predictions
+
+    def _key(self, worker_id: str) -> _Expected:
+        k = self._keys.get(worker_id)
+        if k is None:
+            k = self._keys[worker_id] = _Expected(worker_id)
+        return k
+
+    def predict(self, worker_id: str, block_hashes: Sequence[int]) -> int:
+        """`worker_id` is about to cache the chain `block_hashes` (from the root): record
+        the blocks it does not hold as expected there. Returns how many were new
+        predictions (0 without a TTL: predictions are off)."""
+        if not block_hashes or not self.prediction_ttl_s:
+            return 0
+        self.expire_predictions()
+        held = self._tree.held(worker_id)
+        todo = [h for h in block_hashes if h not in held]
+        if not todo:
+            return 0
+        expiry = self.clock() + self.prediction_ttl_s
+        mine = self._expected.setdefault(worker_id, {})
+        new = sum(1 for h in todo if h not in mine)
+        for h in todo:
+            mine[h] = expiry
+        self._expiries.append((expiry, worker_id, todo))
+        self._tree.add(block_hashes, self._key(worker_id))
+        # `add` lists the key on the whole path: keep it only where `worker_id` is not
+        # already certain, so that confirmation and expiry see exactly the predictions.
+        if len(todo) != len(block_hashes):
+            self._tree.discard([h for h in block_hashes if h in held], self._key(worker_id))
+        if self.max_blocks and self._tree.num_blocks > self.max_blocks:
+            self._tree.evict(self._tree.num_blocks - self.max_blocks)
+        self.num_predicted_blocks += new
+        return new
+
+    def expire_predictions(self) -> int:
+        """Drop predictions older than the TTL; returns the blocks expired."""
+        q = self._expiries
+        if not q:
+            return 0
+        now = self.clock()
+        gone = 0
+        while q and q[0][0] <= now:
+            _, wid, hashes = q.popleft()
+            mine = self._expected.get(wid)
+            if not mine:
+                continue
+            stale = [h for h in hashes if mine.get(h, now + 1) <= now]
+            for h in stale:
+                del mine[h]
+            if not mine:
+                del self._expected[wid]
+            if stale:
+                self._tree.discard(stale, self._key(wid))
+                gone += len(stale)
+        self.num_expired_blocks += gone
+        return gone
+
+    def drop_predictions(self, worker_id: str) -> None:
+        """Forget what `worker_id` was expected to store (it failed, restarted or left).
+        Not counted against the confidence: the routing, not the prediction, failed."""
+        if self._expected.pop(worker_id, None) is not None:
+            self._tree.remove_owner(self._key(worker_id))
+
+    def _confirm(self, worker_id: str, block_hashes: Iterable[int], stored: bool) -> None:
+        mine = self._expected.get(worker_id)
+        if not mine:
+            return
+        hit = [h for h in block_hashes if h in mine]
+        if not hit:
+            return
+        for h in hit:
+            del mine[h]
+        if not mine:
+            del self._expected[worker_id]
+        self._tree.discard(hit, self._key(worker_id))
+        if stored:
+            self.num_confirmed_blocks += len(hit)
 
     # ------------------------------------------------------------------ updates
 
@@ -140,6 +333,7 @@ class PrefixIndex:
         if known is None or epoch > known:
             if known is not None:
                 self._tree.remove_owner(worker_id)
+                self.drop_predictions(worker_id)
             self._epochs[worker_id] = epoch
             return True
         return epoch == known
@@ -148,6 +342,7 @@ class PrefixIndex:
         """Worker `worker_id` starts (again) under `epoch` with an empty cache."""
         if self._epochs.get(worker_id, -1) <= epoch:
             self._tree.remove_owner(worker_id)
+            self.drop_predictions(worker_id)
             self._epochs[worker_id] = epoch
 
     def stored(self, worker_id: str, epoch: int, parent_hash: int | None,
@@ -165,24 +360,37 @@ class PrefixIndex:
             prefix.extend(block_hashes)
             path = prefix
         added = self._tree.add(path, worker_id)
+        self._confirm(worker_id, block_hashes, stored=True)
         if self.max_blocks and self._tree.num_blocks > self.max_blocks:
             self._tree.evict(self._tree.num_blocks - self.max_blocks)
         return added
 
     def removed(self, worker_id: str, epoch: int, block_hashes: Iterable[int]) -> None:
         if self._current(worker_id, epoch):
-            self._tree.discard(block_hashes, worker_id)
+            hs = block_hashes if isinstance(block_hashes, Sequence) else list(block_hashes)
+            self._tree.discard(hs, worker_id)
+            self._confirm(worker_id, hs, stored=False)
 
     def cleared(self, worker_id: str, epoch: int) -> None:
         if self._current(worker_id, epoch):
             self._tree.remove_owner(worker_id)
+            self.drop_predictions(worker_id)
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget the worker entirely (it left or was reaped)."""
         self._tree.remove_owner(worker_id)
+        self.drop_predictions(worker_id)
         self._epochs.pop(worker_id, None)
 
     def clear(self) -> None:
-        """Forget everything (before a rebuild from a snapshot)."""
+        """Forget everything (before a rebuild from a snapshot); predictions too."""
         self._tree.clear(force=True)
         self._epochs.clear()
+        self._expected.clear()
+        self._expiries.clear()
+        self._holders.clear()
+        self._certain.clear()
+
+
+def _identity(owners: frozenset) -> frozenset:
+    return owners

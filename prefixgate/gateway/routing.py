@@ -12,24 +12,51 @@ Interface (shared by the gateway and the replay simulator)
 * `PrefixIndex` (gateway/index.py): block hash -> owner workers, fed by worker events.
 * `Router(config, index).decide(workers, turn) -> Decision`: every given worker exactly
   once, best first (the gateway tries them in that order: failover before the first token),
-  with the expected cached tokens per worker. `Router.record(turn, worker_id)` tells the
-  router where a turn was served (the conversation tie-breaker). `rank` = decide().ranked.
-  The router never calls Redis or the network; its only state is the conversation map
-  (bounded LRU) and the round-robin counter.
+  with the predicted cached tokens per worker and the best of them (regret = best minus
+  the chosen worker's). `Router.dispatch(turn, worker_id)` says the turn is being sent
+  there now: its blocks become *expected* on that worker in the index (predictive
+  ownership, gateway/index.py) until the worker's events confirm or drop them.
+  `Router.record(turn, worker_id)` tells the router where a turn was served (the
+  conversation tie-breaker). `rank` = decide().ranked. The router never calls Redis or
+  the network; its state is the conversation map (bounded LRU), the round-robin counter
+  and the measured reuse (a running mean).
+* Optional `WorkerLoad` figures, read with defaults when absent (`LoadSnapshot` has them):
+  `prefill_tokens_per_s` (0: not measured), `decode_step_s` (0: not measured),
+  `prefill_chunk_tokens` (0: a prompt is prefilled alone, decode does not delay it),
+  `kv_fill` (used share of the KV cache, 0..1; default 1: full, the steady state).
 
 Policies (RoutingConfig.policy)
 -------------------------------
-  prefix       (default) score = prefix_weight * credited cached tokens
-                                 - load_weight * (queued prefill tokens
-                                                  + running_weight * running sequences)
-               highest first. Cached tokens of a worker = the leading blocks it holds ×
-               block size, capped at prompt length - 1 (one token is always computed).
+  prefix       (default) the worker with the lowest *cost*, in seconds (docs/routing.md):
+                 cost = load_weight   * (queue_s + decode_s)
+                      + prefix_weight * (prefill_s + miss_s)
+               queue_s    prefill queued ahead: queued prefill tokens / the worker's rate
+               prefill_s  this turn's uncached prompt tokens / the worker's rate
+               decode_s   the decode work running there that delays this prefill: engine
+                          steps the prefill needs (tokens / prefill_chunk_tokens) x the
+                          worker's decode step time, when it interleaves; without
+                          measured figures, running_weight token-equivalents per running
+                          sequence
+               miss_s     what the choice costs later: the cached tokens it forgoes against
+                          the best-cached worker are prefilled again here (duplicates) and
+                          evict as many cached tokens of this worker once its cache is full;
+                          each evicted token costs its prefill again with the probability
+                          that cached tokens get reused, measured as the running mean of the
+                          best predicted hit of recent turns:
+                            miss_s = (best - credited) / rate x reuse x kv_fill
+               Rates are what the worker measures and reports (`prefill_tokens_per_s`,
+               `decode_step_s`, `prefill_chunk_tokens`, `kv_fill` in its status);
+               `default_prefill_tokens_per_s` only stands in until one is reported.
+               Cached tokens of a worker: the leading blocks it holds (events) plus,
+               credited at the index's measured `prediction_confidence`, the blocks it is
+               *expected* to hold (routed there, not yet confirmed), × block size, capped at
+               prompt length - 1 (one token is always computed).
                Shared-prefix spread: when the longest match ends at a block from which
                `spread_fanout` or more different continuations are already indexed (a
                system prompt other conversations share), those cached tokens are credited
-               at `shared_prefix_weight` (default 0): holding a popular prefix is no
-               reason to attract a new conversation; load and cache occupancy place it,
-               and the chosen worker computes the shared prefix once.
+               at `shared_prefix_weight` (default 0) on workers whose cache is fuller than
+               (1 + occupancy_slack) x the mean: holding a popular prefix is no reason to
+               attract a new conversation; load and cache occupancy place it.
                Ties, in order: the worker of the conversation's previous turn, the worker
                with fewer indexed blocks (emptier cache), a rendezvous hash of the
                conversation id (or of the first block), the worker id.
@@ -76,11 +103,15 @@ class WorkerLoad(Protocol):
 
 @dataclass(frozen=True)
 class LoadSnapshot:
-    """A plain `WorkerLoad` (simulators, tests)."""
+    """A plain `WorkerLoad` (simulators, tests), with the optional measured figures."""
 
     worker_id: str
     num_queued_prefill_tokens: int = 0
     num_running_requests: int = 0
+    prefill_tokens_per_s: float = 0.0  # 0: not measured
+    decode_step_s: float = 0.0  # 0: not measured
+    prefill_chunk_tokens: int = 0  # 0: prompts are prefilled alone
+    kv_fill: float = 1.0  # used share of the KV cache
 
 
 W = TypeVar("W", bound=WorkerLoad)
@@ -101,17 +132,27 @@ class RoutingConfig:
     occupancy_slack: float = 0.25
     spread_fanout: int = 2  # continuations after which a prefix counts as shared
     max_conversations: int = 100_000  # conversations remembered for the tie-breaker
+    # Prefill rate assumed for a worker that has not reported a measured one yet.
+    default_prefill_tokens_per_s: float = 10_000.0
+    # How long a routed turn's blocks count as expected on its worker without an event
+    # confirming them (0: no predictions). Longer than a prefill's queue plus event delay.
+    prediction_ttl_s: float = 30.0
+    # Turns over which the measured reuse (best predicted hit) is averaged.
+    reuse_window_turns: int = 200
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown routing policy {self.policy!r}: use one of "
                              f"{', '.join(POLICIES)}")
         for name in ("prefix_weight", "load_weight", "running_weight", "shared_prefix_weight",
-                     "occupancy_slack"):
+                     "occupancy_slack", "prediction_ttl_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.spread_fanout < 1:
             raise ValueError(f"spread_fanout must be >= 1, got {self.spread_fanout}")
+        if self.default_prefill_tokens_per_s <= 0 or self.reuse_window_turns < 1:
+            raise ValueError("default_prefill_tokens_per_s must be > 0 and "
+                             "reuse_window_turns >= 1")
 
 
 @dataclass(frozen=True)
@@ -138,18 +179,33 @@ class Decision:
 
     ranked: list  # the candidate workers, best first
     policy: str
-    cached_tokens: dict[str, int] = field(default_factory=dict)  # worker id -> cached tokens
+    # worker id -> predicted cached tokens (held or expected blocks; > 0 only)
+    cached_tokens: dict[str, int] = field(default_factory=dict)
     shared: bool = False  # the prompt's match ended at a shared prefix
+    # worker id -> cached tokens known from events alone (> 0 only)
+    certain_tokens: dict[str, int] = field(default_factory=dict)
+    cost_s: dict[str, float] = field(default_factory=dict)  # prefix policy: cost per worker
 
     @property
     def expected_cached_tokens(self) -> int:
-        """Cached tokens of the first choice (0 when nothing is ranked)."""
+        """Predicted cached tokens of the first choice (0 when nothing is ranked)."""
         if not self.ranked:
             return 0
         return self.cached_tokens.get(self.ranked[0].worker_id, 0)
 
+    @property
+    def best_cached_tokens(self) -> int:
+        """The most predicted cached tokens on any candidate worker."""
+        ids = {w.worker_id for w in self.ranked}
+        return max((n for w, n in self.cached_tokens.items() if w in ids), default=0)
+
     def cached_tokens_of(self, worker_id: str) -> int:
         return self.cached_tokens.get(worker_id, 0)
+
+    def regret_tokens(self, worker_id: str) -> int:
+        """Predicted cached tokens lost by serving on `worker_id` rather than the
+        best-cached worker (0: it is one of the best)."""
+        return self.best_cached_tokens - self.cached_tokens_of(worker_id)
 
 
 def _rendezvous(key: str, worker_id: str) -> int:
@@ -169,6 +225,15 @@ class Router:
         self._counter = itertools.count()
         self._rng = random.Random(config.seed)
         self._last_worker: OrderedDict[str, str] = OrderedDict()
+        self.reuse = 0.0  # running mean of the best predicted hit (cached / prompt tokens)
+        self._reuse_turns = 0
+
+    def dispatch(self, turn: Turn, worker_id: str) -> int:
+        """`turn` is being sent to `worker_id` now: its prompt's blocks are expected there
+        (PrefixIndex.predict). Returns the blocks newly predicted."""
+        if self.index is None or not turn.block_hashes:
+            return 0
+        return self.index.predict(worker_id, turn.block_hashes)
 
     def record(self, turn: Turn, worker_id: str) -> None:
         """`turn` was served by `worker_id` (the next turn's tie-breaker)."""
@@ -192,14 +257,17 @@ class Router:
         match = (self.index.match(turn.block_hashes)
                  if self.index is not None and turn.block_hashes else None)
         cached: dict[str, int] = {}
+        certain: dict[str, int] = {}
         if match is not None:
             cap = max(0, turn.num_prompt_tokens - 1)
             bs = turn.block_size
-            cached = {w: min(cap, n * bs) for w, n in match.cached_blocks.items()}
+            certain = {w: min(cap, n * bs) for w, n in match.cached_blocks.items()}
+            cached = {w: min(cap, n * bs) for w, n in match.expected_blocks.items() if n}
         shared = bool(match and match.shared)
         workers = list(workers)
+        costs: dict[str, float] = {}
         if policy == "prefix":
-            ranked = self._rank_prefix(workers, turn, cached, match)
+            ranked = self._rank_prefix(workers, turn, cached, certain, match, costs)
         elif policy == "round-robin":
             start = next(self._counter) % len(workers) if workers else 0
             ranked = workers[start:] + workers[:start]
@@ -210,10 +278,11 @@ class Router:
                             reverse=True)
         else:  # least-loaded, and session without a conversation id
             ranked = sorted(workers, key=_load)
-        return Decision(ranked, policy, cached, shared)
+        return Decision(ranked, policy, cached, shared, certain, costs)
 
     def _rank_prefix(self, workers: list[W], turn: Turn, cached: dict[str, int],
-                     match: PrefixMatch | None) -> list[W]:
+                     certain: dict[str, int], match: PrefixMatch | None,
+                     costs: dict[str, float]) -> list[W]:
         cfg = self.config
         previous = self.previous_worker(turn.conversation_id)
         index = self.index
@@ -226,16 +295,41 @@ class Router:
         # set larger than memory) keep following shared prefixes.
         limit = (1 + cfg.occupancy_slack) * sum(occupancy.values()) / max(1, len(workers))
         shared = match is not None and match.shared
+        confidence = index.prediction_confidence if index is not None else 1.0
 
-        def credit(wid: str) -> float:
-            return cfg.shared_prefix_weight if shared and occupancy[wid] > limit else 1.0
+        def credited(wid: str) -> float:
+            sure = certain.get(wid, 0)
+            tokens = sure + confidence * (cached.get(wid, 0) - sure)
+            return tokens * (cfg.shared_prefix_weight if shared and occupancy[wid] > limit
+                             else 1.0)
+
+        credit = {w.worker_id: credited(w.worker_id) for w in workers}
+        best = max(credit.values(), default=0.0)
+        prompt = turn.num_prompt_tokens
+        reuse = self.reuse
+        for w in workers:
+            wid = w.worker_id
+            rate = getattr(w, "prefill_tokens_per_s", 0.0) or cfg.default_prefill_tokens_per_s
+            queued = w.num_queued_prefill_tokens
+            uncached = prompt - credit[wid]
+            step_s = getattr(w, "decode_step_s", 0.0)
+            if step_s > 0:  # measured: decode delays prefill only where steps interleave
+                chunk = getattr(w, "prefill_chunk_tokens", 0)
+                decode_s = (step_s * -(-(queued + uncached) // chunk)
+                            if chunk > 0 and w.num_running_requests else 0.0)
+            else:
+                decode_s = cfg.running_weight * w.num_running_requests / rate
+            miss_s = (best - credit[wid]) / rate * reuse * min(1.0, getattr(w, "kv_fill", 1.0))
+            costs[wid] = (cfg.load_weight * (queued / rate + decode_s)
+                          + cfg.prefix_weight * (uncached / rate + miss_s))
+        if prompt > 0 and workers:  # the measured reuse: the best hit this index predicts
+            n = min(self._reuse_turns + 1, cfg.reuse_window_turns)
+            self._reuse_turns = n
+            self.reuse += (min(1.0, max(cached.values(), default=0) / prompt) - reuse) / n
 
         def sort_key(w: W) -> tuple:
             wid = w.worker_id
-            load = w.num_queued_prefill_tokens + cfg.running_weight * w.num_running_requests
-            score = cfg.prefix_weight * credit(wid) * cached.get(wid, 0) - cfg.load_weight * load
-            return (-score, wid != previous,
-                    occupancy[wid],
+            return (costs[wid], wid != previous, occupancy[wid],
                     -_rendezvous(key, wid) if key else 0, wid)
 
         return sorted(workers, key=sort_key)
