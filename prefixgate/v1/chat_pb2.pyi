@@ -56,18 +56,22 @@ class ChatDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class ChatFinal(_message.Message):
-    __slots__ = ("usage", "finish_reason", "worker_id", "timings", "sample_finish_reasons")
+    __slots__ = ("usage", "finish_reason", "worker_id", "timings", "sample_finish_reasons", "predicted_cached_tokens", "best_predicted_cached_tokens")
     USAGE_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FINISH_REASONS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BEST_PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     usage: _common_pb2.Usage
     finish_reason: _common_pb2.FinishReason
     worker_id: str
     timings: _common_pb2.Timings
     sample_finish_reasons: _containers.RepeatedScalarFieldContainer[_common_pb2.FinishReason]
-    def __init__(self, usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., worker_id: _Optional[str] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., sample_finish_reasons: _Optional[_Iterable[_Union[_common_pb2.FinishReason, str]]] = ...) -> None: ...
+    predicted_cached_tokens: int
+    best_predicted_cached_tokens: int
+    def __init__(self, usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., worker_id: _Optional[str] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., sample_finish_reasons: _Optional[_Iterable[_Union[_common_pb2.FinishReason, str]]] = ..., predicted_cached_tokens: _Optional[int] = ..., best_predicted_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ChatEvent(_message.Message):
     __slots__ = ("delta", "final")

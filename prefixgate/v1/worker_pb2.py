@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from prefixgate.v1 import common_pb2 as prefixgate_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprefixgate/v1/worker.proto\x12\rprefixgate.v1\x1a\x1aprefixgate/v1/common.proto\"\xa4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1f\n\x17packed_prompt_token_ids\x18\x05 \x01(\x0c\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.prefixgate.v1.SamplingParams\x12\x11\n\tnamespace\x18\x04 \x01(\t\"?\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\"\xcd\x01\n\rGenerateFinal\x12#\n\x05usage\x18\x01 \x01(\x0b\x32\x14.prefixgate.v1.Usage\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.prefixgate.v1.FinishReason\x12\'\n\x07timings\x18\x03 \x01(\x0b\x32\x16.prefixgate.v1.Timings\x12:\n\x15sample_finish_reasons\x18\x04 \x03(\x0e\x32\x1b.prefixgate.v1.FinishReason\"v\n\rGenerateEvent\x12-\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1c.prefixgate.v1.GenerateChunkH\x00\x12-\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1c.prefixgate.v1.GenerateFinalH\x00\x42\x07\n\x05\x65vent\"\x10\n\x0eGetInfoRequest\"\x9a\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x05 \x01(\r\x12\x1a\n\x12kv_capacity_tokens\x18\x06 \x01(\x04\"\x12\n\x10GetStatusRequest\"\xa1\x01\n\x0cWorkerStatus\x12\x1c\n\x14num_running_requests\x18\x01 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x02 \x01(\r\x12!\n\x19num_queued_prefill_tokens\x18\x03 \x01(\x04\x12\x16\n\x0ekv_used_tokens\x18\x04 \x01(\x04\x12\x1a\n\x12kv_capacity_tokens\x18\x05 \x01(\x04\"-\n\x12WatchStatusRequest\x12\x17\n\x0fmin_interval_ms\x18\x01 \x01(\r\"\x13\n\x11\x46lushCacheRequest\"0\n\x12\x46lushCacheResponse\x12\x1a\n\x12num_flushed_tokens\x18\x01 \x01(\x04\"<\n\x12WatchEventsRequest\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\"I\n\x08KVStored\x12\x12\n\nhas_parent\x18\x01 \x01(\x08\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x06\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\"!\n\tKVRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\"\x0b\n\tKVCleared\"\x97\x01\n\x07KVEvent\x12)\n\x06stored\x18\x01 \x01(\x0b\x32\x17.prefixgate.v1.KVStoredH\x00\x12+\n\x07removed\x18\x02 \x01(\x0b\x32\x18.prefixgate.v1.KVRemovedH\x00\x12+\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x18.prefixgate.v1.KVClearedH\x00\x42\x07\n\x05\x65vent\"\x82\x01\n\x0cKVEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x10\n\x08last_seq\x18\x03 \x01(\x04\x12\x10\n\x08snapshot\x18\x04 \x01(\x08\x12&\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x16.prefixgate.v1.KVEvent2\xe0\x03\n\rWorkerService\x12J\n\x08Generate\x12\x1e.prefixgate.v1.GenerateRequest\x1a\x1c.prefixgate.v1.GenerateEvent0\x01\x12\x43\n\x07GetInfo\x12\x1d.prefixgate.v1.GetInfoRequest\x1a\x19.prefixgate.v1.WorkerInfo\x12I\n\tGetStatus\x12\x1f.prefixgate.v1.GetStatusRequest\x1a\x1b.prefixgate.v1.WorkerStatus\x12Q\n\nFlushCache\x12 .prefixgate.v1.FlushCacheRequest\x1a!.prefixgate.v1.FlushCacheResponse\x12O\n\x0bWatchEvents\x12!.prefixgate.v1.WatchEventsRequest\x1a\x1b.prefixgate.v1.KVEventBatch0\x01\x12O\n\x0bWatchStatus\x12!.prefixgate.v1.WatchStatusRequest\x1a\x1b.prefixgate.v1.WorkerStatus0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprefixgate/v1/worker.proto\x12\rprefixgate.v1\x1a\x1aprefixgate/v1/common.proto\"\xa4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1f\n\x17packed_prompt_token_ids\x18\x05 \x01(\x0c\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.prefixgate.v1.SamplingParams\x12\x11\n\tnamespace\x18\x04 \x01(\t\"?\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\"\xcd\x01\n\rGenerateFinal\x12#\n\x05usage\x18\x01 \x01(\x0b\x32\x14.prefixgate.v1.Usage\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.prefixgate.v1.FinishReason\x12\'\n\x07timings\x18\x03 \x01(\x0b\x32\x16.prefixgate.v1.Timings\x12:\n\x15sample_finish_reasons\x18\x04 \x03(\x0e\x32\x1b.prefixgate.v1.FinishReason\"v\n\rGenerateEvent\x12-\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1c.prefixgate.v1.GenerateChunkH\x00\x12-\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1c.prefixgate.v1.GenerateFinalH\x00\x42\x07\n\x05\x65vent\"\x10\n\x0eGetInfoRequest\"\x9a\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x05 \x01(\r\x12\x1a\n\x12kv_capacity_tokens\x18\x06 \x01(\x04\"\x12\n\x10GetStatusRequest\"\xf4\x01\n\x0cWorkerStatus\x12\x1c\n\x14num_running_requests\x18\x01 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x02 \x01(\r\x12!\n\x19num_queued_prefill_tokens\x18\x03 \x01(\x04\x12\x16\n\x0ekv_used_tokens\x18\x04 \x01(\x04\x12\x1a\n\x12kv_capacity_tokens\x18\x05 \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\x06 \x01(\x01\x12\x15\n\rdecode_step_s\x18\x07 \x01(\x01\x12\x1c\n\x14prefill_chunk_tokens\x18\x08 \x01(\r\"-\n\x12WatchStatusRequest\x12\x17\n\x0fmin_interval_ms\x18\x01 \x01(\r\"\x13\n\x11\x46lushCacheRequest\"0\n\x12\x46lushCacheResponse\x12\x1a\n\x12num_flushed_tokens\x18\x01 \x01(\x04\"<\n\x12WatchEventsRequest\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\"I\n\x08KVStored\x12\x12\n\nhas_parent\x18\x01 \x01(\x08\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x06\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\"!\n\tKVRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\"\x0b\n\tKVCleared\"\x97\x01\n\x07KVEvent\x12)\n\x06stored\x18\x01 \x01(\x0b\x32\x17.prefixgate.v1.KVStoredH\x00\x12+\n\x07removed\x18\x02 \x01(\x0b\x32\x18.prefixgate.v1.KVRemovedH\x00\x12+\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x18.prefixgate.v1.KVClearedH\x00\x42\x07\n\x05\x65vent\"\x82\x01\n\x0cKVEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x10\n\x08last_seq\x18\x03 \x01(\x04\x12\x10\n\x08snapshot\x18\x04 \x01(\x08\x12&\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x16.prefixgate.v1.KVEvent2\xe0\x03\n\rWorkerService\x12J\n\x08Generate\x12\x1e.prefixgate.v1.GenerateRequest\x1a\x1c.prefixgate.v1.GenerateEvent0\x01\x12\x43\n\x07GetInfo\x12\x1d.prefixgate.v1.GetInfoRequest\x1a\x19.prefixgate.v1.WorkerInfo\x12I\n\tGetStatus\x12\x1f.prefixgate.v1.GetStatusRequest\x1a\x1b.prefixgate.v1.WorkerStatus\x12Q\n\nFlushCache\x12 .prefixgate.v1.FlushCacheRequest\x1a!.prefixgate.v1.FlushCacheResponse\x12O\n\x0bWatchEvents\x12!.prefixgate.v1.WatchEventsRequest\x1a\x1b.prefixgate.v1.KVEventBatch0\x01\x12O\n\x0bWatchStatus\x12!.prefixgate.v1.WatchStatusRequest\x1a\x1b.prefixgate.v1.WorkerStatus0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,25 +47,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATUSREQUEST']._serialized_start=808
   _globals['_GETSTATUSREQUEST']._serialized_end=826
   _globals['_WORKERSTATUS']._serialized_start=829
-  _globals['_WORKERSTATUS']._serialized_end=990
-  _globals['_WATCHSTATUSREQUEST']._serialized_start=992
-  _globals['_WATCHSTATUSREQUEST']._serialized_end=1037
-  _globals['_FLUSHCACHEREQUEST']._serialized_start=1039
-  _globals['_FLUSHCACHEREQUEST']._serialized_end=1058
-  _globals['_FLUSHCACHERESPONSE']._serialized_start=1060
-  _globals['_FLUSHCACHERESPONSE']._serialized_end=1108
-  _globals['_WATCHEVENTSREQUEST']._serialized_start=1110
-  _globals['_WATCHEVENTSREQUEST']._serialized_end=1170
-  _globals['_KVSTORED']._serialized_start=1172
-  _globals['_KVSTORED']._serialized_end=1245
-  _globals['_KVREMOVED']._serialized_start=1247
-  _globals['_KVREMOVED']._serialized_end=1280
-  _globals['_KVCLEARED']._serialized_start=1282
-  _globals['_KVCLEARED']._serialized_end=1293
-  _globals['_KVEVENT']._serialized_start=1296
-  _globals['_KVEVENT']._serialized_end=1447
-  _globals['_KVEVENTBATCH']._serialized_start=1450
-  _globals['_KVEVENTBATCH']._serialized_end=1580
-  _globals['_WORKERSERVICE']._serialized_start=1583
-  _globals['_WORKERSERVICE']._serialized_end=2063
+  _globals['_WORKERSTATUS']._serialized_end=1073
+  _globals['_WATCHSTATUSREQUEST']._serialized_start=1075
+  _globals['_WATCHSTATUSREQUEST']._serialized_end=1120
+  _globals['_FLUSHCACHEREQUEST']._serialized_start=1122
+  _globals['_FLUSHCACHEREQUEST']._serialized_end=1141
+  _globals['_FLUSHCACHERESPONSE']._serialized_start=1143
+  _globals['_FLUSHCACHERESPONSE']._serialized_end=1191
+  _globals['_WATCHEVENTSREQUEST']._serialized_start=1193
+  _globals['_WATCHEVENTSREQUEST']._serialized_end=1253
+  _globals['_KVSTORED']._serialized_start=1255
+  _globals['_KVSTORED']._serialized_end=1328
+  _globals['_KVREMOVED']._serialized_start=1330
+  _globals['_KVREMOVED']._serialized_end=1363
+  _globals['_KVCLEARED']._serialized_start=1365
+  _globals['_KVCLEARED']._serialized_end=1376
+  _globals['_KVEVENT']._serialized_start=1379
+  _globals['_KVEVENT']._serialized_end=1530
+  _globals['_KVEVENTBATCH']._serialized_start=1533
+  _globals['_KVEVENTBATCH']._serialized_end=1663
+  _globals['_WORKERSERVICE']._serialized_start=1666
+  _globals['_WORKERSERVICE']._serialized_end=2146
 # @@protoc_insertion_point(module_scope)

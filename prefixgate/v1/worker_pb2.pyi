@@ -76,18 +76,24 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("num_running_requests", "num_waiting_requests", "num_queued_prefill_tokens", "kv_used_tokens", "kv_capacity_tokens")
+    __slots__ = ("num_running_requests", "num_waiting_requests", "num_queued_prefill_tokens", "kv_used_tokens", "kv_capacity_tokens", "prefill_tokens_per_s", "decode_step_s", "prefill_chunk_tokens")
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_running_requests: int
     num_waiting_requests: int
     num_queued_prefill_tokens: int
     kv_used_tokens: int
     kv_capacity_tokens: int
-    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ...) -> None: ...
+    prefill_tokens_per_s: float
+    decode_step_s: float
+    prefill_chunk_tokens: int
+    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ...) -> None: ...
 
 class WatchStatusRequest(_message.Message):
     __slots__ = ("min_interval_ms",)
