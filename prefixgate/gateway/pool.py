@@ -71,6 +71,26 @@ class WorkerHandle:
         polled = self.status.num_running_requests if self.status is not None else 0
         return max(polled, self.in_flight)
 
+    # The worker's measured rates (routing by cost; 0 = not measured) and cache fill.
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.status.prefill_tokens_per_s if self.status is not None else 0.0
+
+    @property
+    def decode_step_s(self) -> float:
+        return self.status.decode_step_s if self.status is not None else 0.0
+
+    @property
+    def prefill_chunk_tokens(self) -> int:
+        return self.status.prefill_chunk_tokens if self.status is not None else 0
+
+    @property
+    def kv_fill(self) -> float:
+        s = self.status
+        if s is None or not s.kv_capacity_tokens:
+            return 1.0
+        return min(1.0, s.kv_used_tokens / s.kv_capacity_tokens)
+
 
 @dataclass
 class WorkerPool:
