@@ -11,6 +11,20 @@ Routing:  prefixgate:router_turns_total{worker,policy}          turns routed (fi
           prefixgate:router_failovers_total                      turns re-routed before the
                                                                  first token
           prefixgate:router_decision_seconds                     hashing + ranking time
+Decision quality (per served turn; docs/routing.md):
+          prefixgate:router_decisions_total{on_best}             "true" when the serving
+                                                                 worker had the most
+                                                                 predicted cached tokens of
+                                                                 any candidate; share on the
+                                                                 best = true / all
+          prefixgate:router_regret_tokens_total                  predicted cached tokens lost
+                                                                 by serving off the best
+          prefixgate:router_cached_prediction_error_tokens       histogram: predicted minus
+                                                                 reported cached tokens
+Predictions: prefixgate:index_expected_blocks                    blocks expected (routed,
+                                                                 not yet confirmed)
+          prefixgate:index_prediction_confidence                 share of predicted blocks
+                                                                 confirmed by events
 Index:    prefixgate:index_blocks                                distinct blocks indexed
           prefixgate:index_events_total{source,kind}             worker events applied
           prefixgate:index_event_blocks_total{source}            blocks named by them
@@ -52,3 +66,17 @@ REGISTRY_DEGRADED = Gauge("prefixgate:registry_degraded",
                           "the last known index and workers.")
 REAPED = Counter("prefixgate:registry_reaped_workers",
                  "Workers whose lease expired, reaped (ownership removed) by this gateway.")
+DECISIONS = Counter("prefixgate:router_decisions",
+                    "Served turns, by whether the serving worker had the most predicted cached "
+                    "tokens of any candidate.", ["on_best"])
+REGRET_TOKENS = Counter("prefixgate:router_regret_tokens",
+                        "Predicted cached tokens lost by serving turns off the best-cached "
+                        "worker.")
+PREDICTION_ERROR = Histogram(
+    "prefixgate:router_cached_prediction_error_tokens",
+    "Predicted minus reported cached prompt tokens of the serving worker, per turn.",
+    buckets=(-4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 1024, 4096))
+EXPECTED_BLOCKS = Gauge("prefixgate:index_expected_blocks",
+                        "Blocks expected on workers (routed there, not yet confirmed).")
+PREDICTION_CONFIDENCE = Gauge("prefixgate:index_prediction_confidence",
+                              "Share of predicted blocks that worker events confirmed.")
