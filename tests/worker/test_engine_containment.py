@@ -1,0 +1,104 @@
+"""A step error fails only the request it belongs to (issue 13, containment): the others
+finish exactly as they would have alone, their caches stay intact and no block leaks."""
+
+from __future__ import annotations
+
+import torch
+
+from prefixgate.worker import engine as engine_module
+from prefixgate.worker.engine import FinishReason
+from prefixgate.worker.sampling import Sampler
+from tests.helpers import make_engine
+from tests.worker.test_engine import assert_no_leak, collect, prompts, run, submit
+
+POISON = 7  # a token id the injected faults below react to
+
+
+def _reference(tiny_spec, tiny_model, good: list[list[int]]) -> list[list[int]]:
+    engine = make_engine(tiny_spec, tiny_model, num_blocks=256)
+    try:
+        return [run(engine, p, rid=f"ref{i}")[0] for i, p in enumerate(good)]
+    finally:
+        engine.shutdown()
+
+
+def _good_prompts(n: int) -> list[list[int]]:
+    return [[t if t != POISON else POISON + 1 for t in p] for p in prompts(n, seed=3)]
+
+
+def _run_with_poison(engine, good: list[list[int]], poison: list[int], **poison_sampling):
+    streams = [submit(engine, p, f"good{i}") for i, p in enumerate(good[:2])]
+    bad = submit(engine, poison, "poison", **poison_sampling)
+    streams += [submit(engine, p, f"good{i}") for i, p in enumerate(good[2:], 2)]
+    outcomes = [collect(s) for s in streams]
+    return outcomes, collect(bad)[1]
+
+
+def test_forward_error_fails_only_its_request(tiny_spec, tiny_model) -> None:
+    good = _good_prompts(5)
+    want = _reference(tiny_spec, tiny_model, good)
+    engine = make_engine(tiny_spec, tiny_model, num_blocks=256)
+    forward = engine.runner.forward
+    failed_sizes = []
+
+    def faulty(input_ids, *args, **kwargs):  # a model failure on one request's tokens
+        if POISON in input_ids:
+            failed_sizes.append(len(input_ids))
+            raise RuntimeError("injected forward failure")
+        return forward(input_ids, *args, **kwargs)
+
+    engine.runner.forward = faulty
+    try:
+        outcomes, bad = _run_with_poison(engine, good, [POISON] * 40)
+        assert bad.finish_reason is FinishReason.ERROR
+        assert max(failed_sizes) > 40  # it shared a batch with others: bisected out
+        assert [tokens for tokens, _ in outcomes] == want
+        assert all(f.finish_reason is not FinishReason.ERROR for _, f in outcomes)
+        # The others' caches are intact: the next turn of each hits its whole prompt.
+        again = run(engine, good[0] + want[0] + [11, 12], rid="next")[1]
+        assert again.cached_tokens >= (len(good[0]) + len(want[0])) // 16 * 16
+        assert_no_leak(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_sampling_error_fails_only_its_request(tiny_spec, tiny_model, monkeypatch) -> None:
+    class FaultySampler(Sampler):
+        def sample(self, logits: torch.Tensor) -> int:
+            if self.params.seed == 666:
+                raise FloatingPointError("injected sampling failure")
+            return super().sample(logits)
+
+    monkeypatch.setattr(engine_module, "Sampler", FaultySampler)
+    good = _good_prompts(4)
+    want = _reference(tiny_spec, tiny_model, good)
+    engine = make_engine(tiny_spec, tiny_model, num_blocks=256)
+    try:
+        outcomes, bad = _run_with_poison(engine, good, good[0][:30], seed=666, n=3,
+                                         temperature=1.0)
+        assert bad.finish_reason is FinishReason.ERROR
+        assert [tokens for tokens, _ in outcomes] == want
+        assert_no_leak(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_admission_error_fails_only_its_request(tiny_spec, tiny_model) -> None:
+    good = _good_prompts(4)
+    want = _reference(tiny_spec, tiny_model, good)
+    engine = make_engine(tiny_spec, tiny_model, num_blocks=256)
+    extend = engine.reuse.extend
+
+    def faulty(seq):
+        if seq.request_id == "poison":
+            raise ValueError("injected admission failure")
+        return extend(seq)
+
+    engine.reuse.extend = faulty
+    try:
+        outcomes, bad = _run_with_poison(engine, good, [3, 4, 5] * 20)
+        assert bad.finish_reason is FinishReason.ERROR
+        assert [tokens for tokens, _ in outcomes] == want
+        assert_no_leak(engine)
+    finally:
+        engine.shutdown()
