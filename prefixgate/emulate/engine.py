@@ -45,8 +45,9 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from prefixgate.events import KVEventSink, NullSink
-from prefixgate.radix import BlockHasher, Node, RadixTree
+from prefixgate.emulate.cache import BlockCache
+from prefixgate.events import KVEventSink
+from prefixgate.radix import BlockHasher, Node
 from prefixgate.worker.api import (
     EmitFn,
     Engine,
@@ -132,8 +133,7 @@ class _Req:
 class EmulatedEngine(Engine):
     def __init__(self, config: EmulationConfig, events: KVEventSink | None = None) -> None:
         self.config = config
-        self.events = events or NullSink()
-        self.cache: RadixTree[int] = RadixTree(1)  # each block's value is its own hash
+        self.cache = BlockCache(config.capacity_blocks, events)
         self.records: list[ServedRecord] = []
         self._hashers: dict[str, BlockHasher] = {}
         self._queue: deque[_Req] = deque()
@@ -164,14 +164,7 @@ class EmulatedEngine(Engine):
         return self._status
 
     def flush_cache(self) -> int:
-        n = self.cache.num_evictable_blocks
-        if self.cache.num_locked_blocks == 0:
-            self.cache.clear()
-            self.events.cleared()
-        else:
-            gone = self.cache.evict(n)
-            if gone:
-                self.events.removed(gone)
+        n = self.cache.flush()
         self._status = self._snapshot()
         return n * self.config.block_size
 
@@ -202,7 +195,7 @@ class EmulatedEngine(Engine):
             return
         hasher = self._hasher(request.namespace)
         req = _Req(request, emit, arrival, hasher.hash_blocks(request.prompt_token_ids), hasher)
-        m = self.cache.match(self._usable(req), touch=False).num_blocks
+        m = self.cache.expected(self._usable(req))
         req.expected_uncached = len(request.prompt_token_ids) - m * self.config.block_size
         self._queued_tokens += req.expected_uncached
         self._by_id[request.request_id] = req
@@ -217,10 +210,8 @@ class EmulatedEngine(Engine):
         req = self._queue.popleft()
         assert self._loop is not None
         self._prefilling, req.stage, req.started = req, "prefill", self._loop.time()
-        m = self.cache.match(self._usable(req))
-        self.cache.lock(m.node)
-        req.handle = m.node
-        req.cached = m.num_blocks * self.config.block_size
+        req.handle, m = self.cache.acquire(self._usable(req))
+        req.cached = m * self.config.block_size
         uncached = len(req.request.prompt_token_ids) - req.cached
         req.timer = self._loop.call_later(
             self._wall(uncached / self.config.prefill_tokens_per_s), self._prefill_done, req)
@@ -230,7 +221,7 @@ class EmulatedEngine(Engine):
         self._prefilling, req.stage = None, "decode"
         self._queued_tokens -= req.expected_uncached
         req.first_token = self._loop.time()
-        self._store(req, req.hashes)
+        req.handle = self.cache.store(req.handle, req.hashes)
         max_tokens = req.request.sampling.max_tokens
         req.reply = reply_token_ids(req.hashes, req.hasher.root_hash, max_tokens,
                                     self.config.vocab_size)
@@ -255,31 +246,9 @@ class EmulatedEngine(Engine):
             bs = self.config.block_size
             more = req.hasher.hash_blocks(tokens[len(req.hashes) * bs: full * bs],
                                           parent_hash=req.hashes[-1] if req.hashes else None)
-            self._store(req, req.hashes + more)
+            req.handle = self.cache.store(req.handle, req.hashes + more)
         self._end(req, FinishReason.LENGTH)
         self._status = self._snapshot()
-
-    def _store(self, req: _Req, hashes: list[int]) -> None:
-        """Cache `hashes` (the request keeps them locked until it ends) and publish the
-        new ones, then evict down to the capacity."""
-        if not hashes:
-            return
-        r = self.cache.insert(hashes, hashes)
-        self.cache.lock(r.node)
-        if req.handle is not None:
-            self.cache.unlock(req.handle)
-        req.handle = r.node
-        m = r.num_cached_blocks
-        if r.num_new_blocks:
-            self.events.stored(hashes[m - 1] if m else None, hashes[m:])
-        self._evict()
-
-    def _evict(self) -> None:
-        over = self.cache.num_blocks - self.config.capacity_blocks
-        if over > 0:
-            gone = self.cache.evict(over)
-            if gone:
-                self.events.removed(gone)
 
     def _cancel(self, request_id: str) -> None:
         req = self._by_id.get(request_id)
@@ -304,10 +273,8 @@ class EmulatedEngine(Engine):
         self._decoding.pop(rid, None)
         self._by_id.pop(rid, None)
         req.stage = "done"
-        if req.handle is not None:
-            self.cache.unlock(req.handle)
-            req.handle = None
-            self._evict()
+        self.cache.release(req.handle)
+        req.handle = None
         now = self._loop.time() if self._loop is not None else time.monotonic()
         scale = self.config.time_scale
         start = req.started or now

