@@ -37,6 +37,10 @@ class TurnResult:
     ttft_ms: float = 0.0  # as reported by the gateway
     total_ms: float = 0.0
     client_ttft_ms: float = 0.0  # measured here, network included
+    # The gateway's routing decision: cached tokens it predicted on the serving worker and
+    # on the best-cached worker (their difference is the decision's regret).
+    predicted_cached_tokens: int = 0
+    best_predicted_cached_tokens: int = 0
 
 
 class ChatClient:
@@ -82,6 +86,8 @@ class ChatClient:
                 result.dropped_tokens = f.usage.dropped_tokens
                 result.finish_reason = FINISH_NAMES.get(f.finish_reason, "unspecified")
                 result.worker_id = f.worker_id
+                result.predicted_cached_tokens = f.predicted_cached_tokens
+                result.best_predicted_cached_tokens = f.best_predicted_cached_tokens
                 result.queue_ms, result.ttft_ms, result.total_ms = (
                     f.timings.queue_ms, f.timings.ttft_ms, f.timings.total_ms)
         return result

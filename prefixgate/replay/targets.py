@@ -120,8 +120,8 @@ class GatewayTarget(Target):
         clock.fill(rec)
         rec.prompt_tokens, rec.cached_tokens = r.prompt_tokens, r.cached_tokens
         rec.completion_tokens, rec.worker = r.completion_tokens, r.worker_id
-        rec.predicted_cached_tokens = getattr(r, "predicted_cached_tokens", -1)
-        rec.best_predicted_cached_tokens = getattr(r, "best_predicted_cached_tokens", -1)
+        rec.predicted_cached_tokens = r.predicted_cached_tokens
+        rec.best_predicted_cached_tokens = r.best_predicted_cached_tokens
         return rec
 
     async def close(self) -> None:
