@@ -6,7 +6,9 @@ A feed applies worker events to one `PrefixIndex` on the gateway's event loop an
 blocks routing (routing reads the index; feeds write it between awaits). `sync(workers)`
 is called on every pool refresh with the workers currently routable; `close()` stops it.
 `degraded` is True while the feed cannot follow its source (the index then keeps serving
-what it last knew and is repaired when the source returns).
+what it last knew and is repaired when the source returns). `predicted(record, hashes)`
+shares this gateway's routing prediction (gateway/index.py) with the other gateways where
+the source is shared (Redis); it never blocks and never raises.
 
   WorkerStreamFeed  no Redis (`prefixgate up`, static workers): one WatchEvents stream per
                     worker. A (re)connecting stream resumes after its last (incarnation,
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -29,6 +31,7 @@ import grpc
 from prefixgate.gateway import metrics
 from prefixgate.gateway.index import PrefixIndex
 from prefixgate.gateway.pool import WorkerHandle
+from prefixgate.registry import WorkerRecord
 from prefixgate.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
@@ -43,6 +46,10 @@ class EventFeed:
 
     async def sync(self, workers: Iterable[WorkerHandle]) -> None:
         """The routable workers now (called on each pool refresh)."""
+
+    def predicted(self, record: WorkerRecord, block_hashes: Sequence[int]) -> None:
+        """This gateway routed a turn with `block_hashes` to `record`'s worker (nothing to
+        share without a shared source: each worker's own stream reaches one gateway)."""
 
     async def close(self) -> None:
         """Stop following."""

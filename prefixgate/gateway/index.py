@@ -304,6 +304,10 @@ class PrefixIndex:
         self.num_expired_blocks += gone
         return gone
 
+    def expected_workers(self) -> set[str]:
+        """Workers with blocks expected (predicted, not yet confirmed)."""
+        return set(self._expected)
+
     def drop_predictions(self, worker_id: str) -> None:
         """Forget what `worker_id` was expected to store (it failed, restarted or left).
         Not counted against the confidence: the routing, not the prediction, failed."""

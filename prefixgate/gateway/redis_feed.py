@@ -15,20 +15,30 @@ Contract
     stream that went backwards means a rebuild, else it resumes from its cursor.
 `sync()` also reaps workers whose lease expired (`RedisRegistry.reap_expired`, atomic and
 idempotent, so every gateway may do it). Routing never waits on any of this.
+
+Predictions: `predicted(record, hashes)` queues this gateway's routing prediction; a
+publisher task sends what is queued in one pipeline (RedisRegistry.publish_predictions),
+so a burst costs one round trip. Every gateway applies the "predict" entries of the
+others (its own are already in its index) when the entry's epoch is the one it follows
+for the worker: the stream's order puts a prediction before the worker's stored event
+for the same blocks, so events still win. A full queue (`max_pending_predictions`, Redis
+slow or down) drops the oldest: predictions are hints, the events are the truth.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+import uuid
+from collections import deque
+from collections.abc import Iterable, Sequence
 
 from prefixgate.events import chains
 from prefixgate.gateway import metrics
 from prefixgate.gateway.feeds import EventFeed
 from prefixgate.gateway.index import PrefixIndex
 from prefixgate.gateway.pool import WorkerHandle
-from prefixgate.registry import RedisRegistry, StreamEntry, stream_id_newer
+from prefixgate.registry import RedisRegistry, StreamEntry, WorkerRecord, stream_id_newer
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +61,34 @@ class RedisStreamFeed(EventFeed):
         self._task: asyncio.Task | None = None
         self._closed = False
         self.ready = asyncio.Event()  # set after the first rebuild
+        self.gateway_id = uuid.uuid4().hex[:16]  # marks this gateway's own predictions
+        self.max_pending_predictions = 10_000
+        self._pending: deque[tuple[WorkerRecord, Sequence[int]]] = deque(
+            maxlen=self.max_pending_predictions)
+        self._wake = asyncio.Event()
+        self._publisher: asyncio.Task | None = None
+        self.num_predictions_applied = 0
+
+    def predicted(self, record: WorkerRecord, block_hashes: Sequence[int]) -> None:
+        if not block_hashes:
+            return
+        self._pending.append((record, block_hashes))
+        self._wake.set()
+        if self._publisher is None and not self._closed:
+            self._publisher = asyncio.create_task(self._publish())
+
+    async def _publish(self) -> None:
+        while not self._closed:
+            await self._wake.wait()
+            self._wake.clear()
+            batch = list(self._pending)
+            self._pending.clear()
+            try:
+                await self.registry.publish_predictions(batch, self.gateway_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # hints only: the events repair the index anyway
+                log.debug("publishing %d predictions failed: %s", len(batch), exc)
 
     async def sync(self, workers: Iterable[WorkerHandle]) -> None:
         if self._task is None:
@@ -130,7 +168,11 @@ class RedisStreamFeed(EventFeed):
 
     def apply(self, entry: StreamEntry) -> None:
         index, wid, epoch = self.index, entry.worker_id, entry.epoch
-        if entry.kind == "join":
+        if entry.kind == "predict":
+            if entry.source != self.gateway_id and index.epoch_of(wid) == epoch:
+                index.predict(wid, entry.events[0].block_hashes)
+                self.num_predictions_applied += 1
+        elif entry.kind == "join":
             index.reset_worker(wid, epoch)
         elif entry.kind in ("leave", "reap"):
             if index.epoch_of(wid) <= epoch:
@@ -151,8 +193,9 @@ class RedisStreamFeed(EventFeed):
         metrics.EVENTS.labels("redis", entry.kind).inc()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._closed = True
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        self._closed = True
+        for task in (self._task, self._publisher):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._task = self._publisher = None

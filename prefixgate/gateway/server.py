@@ -112,7 +112,9 @@ class ChatService:
         self.tokenizer = tokenizer
         self.pool = pool
         self.index = index if index is not None else PrefixIndex(
-            max_blocks=config.index_max_blocks, spread_fanout=config.routing.spread_fanout)
+            max_blocks=config.index_max_blocks, spread_fanout=config.routing.spread_fanout,
+            prediction_ttl_s=config.routing.prediction_ttl_s)
+        self.feed: EventFeed | None = None  # serve() sets it: shares routing predictions
         self.router = Router(config.routing, self.index)
         self.config = config
         self.recorder = (TraceRecorder(config.record_trace, config.block_size)
@@ -196,6 +198,11 @@ class ChatService:
                 metrics.FAILOVERS.inc()
             sent_tokens = 0
             expected = decision.cached_tokens_of(worker.worker_id)
+            # Predictive ownership: the prompt's blocks are expected there from now on, here
+            # and (Redis) at every gateway, until the worker's events confirm or drop them.
+            self.router.dispatch(turn, worker.worker_id)
+            if self.feed is not None:
+                self.feed.predicted(worker.record, turn.block_hashes)
             # Prefill this turn adds to the worker's queue until its first token.
             pending = max(0, len(prompt) - expected)
             worker.in_flight += 1
@@ -222,10 +229,15 @@ class ChatService:
                     metrics.EXPECTED_CACHED.labels(wid, policy).inc(expected)
                     metrics.CACHED.labels(wid, policy).inc(final.usage.cached_tokens)
                     metrics.PROMPT_TOKENS.labels(wid, policy).inc(len(prompt))
+                    best = decision.best_cached_tokens
+                    metrics.DECISIONS.labels("true" if expected >= best else "false").inc()
+                    metrics.REGRET_TOKENS.inc(best - expected)
+                    metrics.PREDICTION_ERROR.observe(expected - final.usage.cached_tokens)
                     log.info("turn conv=%s policy=%s worker=%s prompt=%d expected_cached=%d "
-                             "cached=%d completion=%d ttft=%.1fms attempt=%d",
+                             "best_cached=%d cached=%d completion=%d ttft=%.1fms attempt=%d",
                              request.conversation_id or "-", policy, wid,
-                             final.usage.prompt_tokens, expected, final.usage.cached_tokens,
+                             final.usage.prompt_tokens, expected, best,
+                             final.usage.cached_tokens,
                              final.usage.completion_tokens, ttft_ms, attempt + 1)
                     if self.recorder is not None:
                         self.recorder.record(
@@ -239,6 +251,7 @@ class ChatService:
                         usage=final.usage, finish_reason=final.finish_reason,
                         sample_finish_reasons=final.sample_finish_reasons,
                         worker_id=worker.worker_id,
+                        predicted_cached_tokens=expected, best_predicted_cached_tokens=best,
                         timings=common_pb2.Timings(
                             queue_ms=handoff_ms + final.timings.queue_ms,
                             ttft_ms=ttft_ms or (time.monotonic() - arrival) * 1e3,
@@ -256,6 +269,7 @@ class ChatService:
                                               "retry with a longer deadline")
                 if code == grpc.StatusCode.UNAVAILABLE:  # transport: the worker, not the turn
                     self.pool.mark_down(worker, f"{code.name}: {exc.details()}")
+                    self.index.drop_predictions(worker.worker_id)
                 if sent_tokens:
                     await context.abort(
                         grpc.StatusCode.UNAVAILABLE,
@@ -295,7 +309,7 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
     pool = WorkerPool(registry, spec.fingerprint, block_size=config.block_size,
                       tls=config.worker_tls, credential=internal)
     service = ChatService(spec, tokenizer, pool, config, index)
-    feed = make_feed(registry, service.index)
+    feed = service.feed = make_feed(registry, service.index)
     status = StatusFollower(config.status_interval_ms)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", config.limits.max_request_bytes)])
@@ -327,6 +341,9 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
                              if feed.degraded else health_pb2.HealthCheckResponse.SERVING)
             metrics.REGISTRY_DEGRADED.set(1 if feed.degraded else 0)
             metrics.INDEX_BLOCKS.set(service.index.num_blocks)
+            _drop_predictions_of_lost_workers(service.index, pool.healthy())
+            metrics.EXPECTED_BLOCKS.set(service.index.num_expected_blocks())
+            metrics.PREDICTION_CONFIDENCE.set(service.index.prediction_confidence)
             frozen_blocks = _freeze_long_lived(service.index.num_blocks, frozen_blocks)
             try:
                 await asyncio.wait_for(stop.wait(), config.refresh_interval_s)
@@ -347,6 +364,12 @@ def _request_scoped(exc: grpc.aio.AioRpcError) -> bool:
     """True when the worker marked its failure as belonging to the request."""
     return any(key == ERROR_SCOPE_KEY and value == ERROR_SCOPE_REQUEST
                for key, value in (exc.trailing_metadata() or ()))
+
+
+def _drop_predictions_of_lost_workers(index: PrefixIndex, healthy: list) -> None:
+    """Workers that are down or gone keep no predictions (their events will not come)."""
+    for wid in index.expected_workers() - {w.worker_id for w in healthy}:
+        index.drop_predictions(wid)
 
 
 def _freeze_long_lived(num_blocks: int, frozen_blocks: int) -> int:

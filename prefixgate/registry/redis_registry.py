@@ -10,7 +10,8 @@ The `Registry` interface (registry/base.py), plus ownership. Keys (prefix `pg:`)
   pg:kv:{id}              hash: block hash -> parent hash (8 bytes each, little-endian;
                           parent 0 = root): the blocks the worker's current epoch holds
   pg:events               stream of ownership changes (one entry per published batch or
-                          lifecycle change; fields in registry/wire.py)
+                          lifecycle change) and of gateways' routing predictions (one
+                          "predict" entry per routed turn); fields in registry/wire.py
 
 The block -> owners relation is stored per owner (pg:kv:{id}) so that reaping a worker is
 one DEL and a gateway's bootstrap reads one hash per worker; gateways invert it into their
@@ -149,6 +150,21 @@ class RedisRegistry(Registry):
         wid = record.worker_id
         return bool(await self._publish(
             keys=[self._key("lease", wid), self._key("kv", wid), self.events_key], args=args))
+
+    async def publish_predictions(self, items: Sequence[tuple[WorkerRecord, Sequence[int]]],
+                                  source: str) -> None:
+        """Tell every gateway that `source` routed turns: for each (worker record, the
+        prompt's block hashes) one "predict" entry on the event stream (nothing else
+        changes: predictions are not ownership). One round trip for the lot."""
+        if not items:
+            return
+        async with self.raw.pipeline(transaction=False) as pipe:
+            for record, hashes in items:
+                pipe.xadd(self.events_key, {"w": record.worker_id, "e": record.epoch,
+                                            "k": "predict", "g": source,
+                                            "h": pack_hashes(hashes)},
+                          maxlen=self.stream_maxlen, approximate=True)
+            await pipe.execute()
 
     async def server_id(self) -> str:
         """The Redis server's run id: it changes when Redis restarts (data may be gone)."""

@@ -4,10 +4,13 @@ Contract
 --------
 Block hashes travel as consecutive little-endian u64 (`pack_hashes` / `unpack_hashes`);
 a parent hash as 8 such bytes, or "" for the root. One pg:events stream entry has fields
-  w  worker id          e  epoch          k  join | leave | reap | batch
+  w  worker id          e  epoch          k  join | leave | reap | batch | predict
 and for a batch  n (number of events), then per event i: k{i} (store, remove, clear),
-p{i} (parent, 8 bytes or ""), h{i} (block hashes, 8 bytes each). `StreamEntry` is one
-entry decoded. Stream ids are "ms-seq"; `stream_id_newer` orders them.
+p{i} (parent, 8 bytes or ""), h{i} (block hashes, 8 bytes each); for a predict entry (a
+gateway routed a turn to w: its prompt's blocks are expected there, gateway/index.py)
+g (the publishing gateway's id) and h (the prompt's chained block hashes from the root),
+decoded as one "store" event. `StreamEntry` is one entry decoded. Stream ids are "ms-seq";
+`stream_id_newer` orders them.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class StreamEntry:
     epoch: int
     kind: str
     events: list[OwnershipEvent]
+    source: str = ""  # predict: the gateway that published it
 
 
 def pack_hashes(hashes: Sequence[int]) -> bytes:
@@ -61,11 +65,15 @@ def decode_entry(entry_id: bytes, f: dict[bytes, bytes]) -> StreamEntry:
     """A raw XREAD entry (bytes field -> bytes value) as a StreamEntry."""
     kind = f[b"k"].decode()
     events = []
+    source = ""
     if kind == "batch":
         for i in range(int(f[b"n"])):
             events.append(OwnershipEvent(f[b"k%d" % i].decode(), unpack_hashes(f[b"h%d" % i]),
                                          parent_int(f[b"p%d" % i])))
-    return StreamEntry(entry_id, f[b"w"].decode(), int(f[b"e"]), kind, events)
+    elif kind == "predict":
+        events.append(OwnershipEvent("store", unpack_hashes(f[b"h"])))
+        source = f[b"g"].decode()
+    return StreamEntry(entry_id, f[b"w"].decode(), int(f[b"e"]), kind, events, source)
 
 
 def stream_id_newer(a: bytes, b: bytes) -> bool:
