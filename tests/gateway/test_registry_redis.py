@@ -212,3 +212,50 @@ def test_gateway_catches_up_after_a_disconnect_without_rebuilding(redis_flush) -
         await reg.close()
 
     asyncio.run(scenario())
+
+
+def test_two_gateways_see_each_others_predictions_until_events_win(redis_flush) -> None:
+    """A turn routed by gateway A is expected on its worker at gateway B at once (Redis
+    "predict" entries); the worker's stored event confirms it at both; a removal drops
+    it; a restart (new epoch) drops the rest; A never applies its own entries twice."""
+    async def scenario() -> None:
+        reg = RedisRegistry(redis_flush)
+        w = await reg.register(WorkerRecord("w", "h:1", "fp"), lease_ms=10_000)
+        idx_a, idx_b = PrefixIndex(), PrefixIndex()
+        feed_a = RedisStreamFeed(idx_a, RedisRegistry(redis_flush), block_ms=100)
+        feed_b = RedisStreamFeed(idx_b, RedisRegistry(redis_flush), block_ms=100)
+        await follow(feed_a)
+        await follow(feed_b)
+        await until(lambda: idx_a.epoch_of("w") == idx_b.epoch_of("w") == w.epoch,
+                    what="both gateways to follow the worker")
+        router_a = Router(RoutingConfig(), idx_a)
+        turn = make_turn(list(range(32)), HASHER)  # 8 blocks of 4
+        hs = list(turn.block_hashes)
+        router_a.dispatch(turn, "w")  # what ChatService does when it sends the turn
+        feed_a.predicted(w, hs)
+        assert idx_a.match(hs).expected_blocks == {"w": 8}
+        await until(lambda: idx_b.match(hs).expected_blocks == {"w": 8},
+                    what="gateway B to learn A's prediction")
+        assert idx_b.match(hs).cached_blocks == {}
+        assert feed_a.num_predictions_applied == 0 and feed_b.num_predictions_applied == 1
+        assert await reg.publish(w, [OwnershipEvent("store", hs[:6])])
+        for ix in (idx_a, idx_b):
+            await until(lambda ix=ix: ix.match(hs).cached_blocks == {"w": 6}, what="confirm")
+            assert ix.num_confirmed_blocks == 6 and ix.num_expected_blocks("w") == 2
+        assert await reg.publish(w, [OwnershipEvent("remove", hs[6:7])])
+        await until(lambda: idx_b.num_expected_blocks("w") == 1, what="removal to win")
+        assert idx_b.match(hs).expected_blocks == {"w": 6}
+        w2 = await reg.register(WorkerRecord("w", "h:1", "fp"), lease_ms=10_000)  # restart
+        for ix in (idx_a, idx_b):
+            await until(lambda ix=ix: ix.epoch_of("w") == w2.epoch, what="the new epoch")
+            assert ix.num_expected_blocks() == 0 and ix.match(hs).expected_blocks == {}
+        # A prediction of the old epoch that arrives late is ignored.
+        feed_a.predicted(w, hs)
+        feed_a.predicted(w2, hs[:2])
+        await until(lambda: idx_b.num_expected_blocks("w") == 2, what="the new prediction")
+        assert idx_b.match(hs).expected_blocks == {"w": 2}
+        for f in (feed_a, feed_b):
+            await f.close()
+        await reg.close()
+
+    asyncio.run(scenario())
