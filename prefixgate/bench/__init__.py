@@ -19,6 +19,7 @@ from types import ModuleType
 BENCHMARKS: dict[str, str] = {
     "radix": "prefixgate.bench.radix",
     "router": "prefixgate.bench.router",
+    "overflow": "prefixgate.bench.overflow",
     "reindex": "prefixgate.bench.reindex",
     "worker": "prefixgate.bench.worker",
 }

@@ -27,6 +27,13 @@ are approximate, so such a sequence hashes its blocks from the gap on in a separ
 salted chain: an exact request never matches them, the conversation's next overflowing
 turn finds them.
 
+The search is bounded, since a client may send a prompt of any length with as many turn
+starts as it likes (every request waits while it runs on the engine thread): at most
+`MAX_LAYOUTS` earlier layouts are tried (the undropped one and the most recent drops), the
+preamble's hashes are computed once, and each layout is hashed lazily, in doubling runs
+of blocks, only as far as the cache holds it; an uncached layout costs one run. So the
+work is linear in the prompt (and in what is cached), not in prompt x turns.
+
 Every block comes from `BlockManager.acquire` without preemption: reuse is an
 optimisation and gives way (computes instead) when memory is short.
 """
@@ -39,6 +46,7 @@ from collections.abc import Sequence as Seq
 import torch
 import xxhash
 
+from prefixgate.overflow import OverflowPlan
 from prefixgate.radix import BlockHasher
 from prefixgate.worker.api import EngineConfig
 from prefixgate.worker.blocks import BlockManager
@@ -49,6 +57,8 @@ from prefixgate.worker.sequence import Sequence
 log = logging.getLogger(__name__)
 
 MAX_HASHERS = 4096  # per-namespace hashers kept (as the gateway's)
+MAX_LAYOUTS = 64  # earlier layouts shifted reuse tries (see the module docstring)
+FIRST_RUN_BLOCKS = 4  # blocks hashed before a layout's first cache lookup, then doubling
 
 
 class ReusePlanner:
@@ -139,6 +149,34 @@ class ReusePlanner:
             parent = _salt(parent)
         return head + hasher.hash_blocks(tokens[gap_block * bs:num_blocks * bs], parent_hash=parent)
 
+    def _match_layout(self, plan: OverflowPlan, start: int, num_blocks: int, head: list[int],
+                      salted: bool, namespace: str) -> tuple[list[int], int]:
+        """(hashes, cached blocks) of the layout of `plan` starting at turn start `start`:
+        its first `num_blocks` blocks are hashed (the chain salted after the preamble's
+        `head` blocks when `salted`) only as far as the cache holds them, so the hashes
+        returned cover at least the cached run."""
+        bs, hasher = self.config.block_size, self.hasher(namespace)
+        hashes = head[:num_blocks]
+        if num_blocks <= len(head):
+            return hashes, self.cache.tree.match(hashes, touch=False).num_blocks
+        parent = hashes[-1] if hashes else hasher.root_hash
+        if salted:
+            parent = _salt(parent)
+        run = FIRST_RUN_BLOCKS
+        while len(hashes) < num_blocks:
+            lo = len(hashes) * bs
+            hi = min(num_blocks, len(hashes) + run) * bs
+            # Layout positions [lo, hi): the preamble up to n_keep, then full from start on.
+            tokens = plan.full[lo:min(hi, plan.n_keep)] + \
+                plan.full[start + max(lo - plan.n_keep, 0):start + hi - plan.n_keep]
+            hashes += hasher.hash_blocks(tokens, parent_hash=parent)
+            parent = hashes[-1]
+            matched = self.cache.tree.match(hashes, touch=False).num_blocks
+            if matched < len(hashes):
+                return hashes, matched
+            run *= 2
+        return hashes, len(hashes)
+
     def _shifted_reuse(self, seq: Sequence) -> None:
         """Replace the exact hit of an overflowing prompt by a longer run of its kept turns
         cached under an earlier layout of the conversation (see the module docstring)."""
@@ -149,15 +187,20 @@ class ReusePlanner:
         assert plan is not None
         n_keep, gap_block = plan.n_keep, plan.n_keep // bs
         limit = len(seq.tokens) - 1  # the last prompt token is always computed
+        head = self.hasher(ns).hash_blocks(plan.full[:gap_block * bs])  # every layout's
+        if self.cache.tree.match(head, touch=False).num_blocks < len(head):
+            return  # the preamble is not cached: no layout can reach past it
+        layouts = plan.layouts()
+        if len(layouts) > MAX_LAYOUTS:  # the undropped layout and the most recent drops
+            layouts = layouts[:1] + layouts[1 - MAX_LAYOUTS:]
         best: tuple[int, int, list[int]] | None = None  # (end in new positions, delta, hashes)
-        for start, delta in plan.layouts():
-            tokens = plan.layout(start)
-            usable = min(len(tokens) // bs, (limit + delta) // bs)
+        for start, delta in layouts:
+            usable = min((n_keep + len(plan.full) - start) // bs, (limit + delta) // bs)
             for salted in (False, True):
                 if delta == 0 and not salted:
                     continue  # the exact hit admission already took
-                hashes = self._layout_hashes(tokens, usable, gap_block, salted, ns)
-                end = self.cache.tree.match(hashes, touch=False).num_blocks * bs - delta
+                hashes, matched = self._match_layout(plan, start, usable, head, salted, ns)
+                end = matched * bs - delta
                 if end > max(seq.num_computed_tokens, n_keep) and (best is None or end > best[0]):
                     best = (end, delta, hashes)
         if best is None or len(seq.block_table) < gap_block:
