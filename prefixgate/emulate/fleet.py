@@ -9,9 +9,12 @@ through the `prefixgate` command, so what runs is exactly what users run)
     WatchEvents streams;
   * `num_workers` emulated workers (`prefixgate worker --emulate`, emulate/engine.py);
   * `num_gateways` gateways (`prefixgate gateway`) with `gateway_flags` (policy, ...);
+    or, with `peer_router` (the command of an HTTP router that takes `--host`, `--port`
+    and `--worker-urls URL...`, e.g. sglang-router's launch_router), that many copies of
+    it, in front of the workers' HTTP endpoints (emulate/http.py);
 
-and returns once every gateway routes to every worker. `fleet.gateways` lists the gateway
-addresses. On exit every process gets SIGTERM (then SIGKILL after `stop_timeout_s`); the
+and returns once every gateway routes to every worker (a peer router: once it answers a
+completion). `fleet.gateways` lists the gateway addresses (a peer router's: http:// URLs). On exit every process gets SIGTERM (then SIGKILL after `stop_timeout_s`); the
 workers write their served requests, which `fleet.served()` then returns (one dict per
 request: worker, prompt_tokens, cached_tokens, queue_s, ttft_s, ... in emulated seconds).
 Process logs are in `workdir/*.log`. Gateway and workers serve `emulation_model_dir`'s
@@ -48,6 +51,7 @@ class FleetConfig:
     model: str = "smollm2-135m"  # whose tokenizer the fleet serves
     max_context_tokens: int = 1 << 18
     gateway_flags: tuple[str, ...] = ()
+    peer_router: tuple[str, ...] = ()  # an HTTP router's command instead of gateways
     cache_dir: str = ""
     startup_timeout_s: float = 60.0
     stop_timeout_s: float = 20.0
@@ -63,6 +67,7 @@ class Fleet:
         self.workdir = Path(workdir)
         self.gateways: list[str] = []
         self.workers: list[str] = []
+        self.http_workers: list[str] = []  # with a peer router: the workers' HTTP URLs
         self.redis_url = config.redis_url
         self._procs: list[tuple[str, subprocess.Popen]] = []
         self._redis = None
@@ -71,11 +76,14 @@ class Fleet:
     # ------------------------------------------------------------------ processes
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        return self._spawn_command(name, [sys.executable, "-m", "prefixgate", *args])
+
+    def _spawn_command(self, name: str, command: list[str]) -> subprocess.Popen:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for key in [k for k in env if k.startswith("PREFIXGATE_")]:
             del env[key]  # the fleet's flags are explicit; a user's variables must not leak in
         log = open(self.workdir / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
-        proc = subprocess.Popen([sys.executable, "-m", "prefixgate", *args], stdout=log,
+        proc = subprocess.Popen(command, stdout=log,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         self._procs.append((name, proc))
@@ -116,11 +124,15 @@ class Fleet:
                         "--decode-s-per-token", str(cfg.decode_s_per_token),
                         "--time-scale", str(cfg.time_scale), "--emulate-records", str(records),
                         "--drain-seconds", "1"]
+                if cfg.peer_router:
+                    http_port = free_port()
+                    args += ["--http-port", str(http_port)]
+                    self.http_workers.append(f"http://127.0.0.1:{http_port}")
                 if self.redis_url:
                     args += ["--redis-url", self.redis_url, "--lease-ms", "5000"]
                 self._spawn(f"worker-{i}", args)
                 self.workers.append(f"127.0.0.1:{port}")
-            for i in range(cfg.num_gateways):
+            for i in range(cfg.num_gateways if not cfg.peer_router else 0):
                 port = free_port()
                 args = ["gateway", *common, "--port", str(port), "--drain-seconds", "1",
                         *cfg.gateway_flags]
@@ -130,7 +142,13 @@ class Fleet:
                     args += ["--worker", ",".join(self.workers)]
                 self._spawn(f"gateway-{i}", args)
                 self.gateways.append(f"127.0.0.1:{port}")
-            await self._wait_routing()
+            for i in range(cfg.num_gateways if cfg.peer_router else 0):
+                port = free_port()
+                self._spawn_command(f"router-{i}", [
+                    *cfg.peer_router, "--host", "127.0.0.1", "--port", str(port),
+                    "--worker-urls", *self.http_workers])
+                self.gateways.append(f"http://127.0.0.1:{port}")
+            await (self._wait_peer_routers() if cfg.peer_router else self._wait_routing())
         except BaseException:
             await self.stop()
             raise
@@ -158,10 +176,30 @@ class Fleet:
             finally:
                 await client.close()
 
+    async def _wait_peer_routers(self) -> None:
+        """Until every peer router answers a one-token completion."""
+        import httpx
+
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        async with httpx.AsyncClient(timeout=5) as http:
+            for url in self.gateways:
+                while True:
+                    self._check_alive()
+                    with contextlib.suppress(httpx.HTTPError):
+                        r = await http.post(url + "/v1/completions",
+                                            json={"prompt": [300], "max_tokens": 1})
+                        if r.status_code == 200:
+                            break
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"fleet: router {url} did not answer in time "
+                                           f"(logs in {self.workdir})")
+                    await asyncio.sleep(0.5)
+
     async def stop(self) -> None:
         """SIGTERM every process (gateways first), wait, SIGKILL the stragglers."""
-        gateways = [p for n, p in self._procs if n.startswith("gateway")]
-        others = [p for n, p in self._procs if not n.startswith("gateway")]
+        fronts = ("gateway", "router")
+        gateways = [p for n, p in self._procs if n.startswith(fronts)]
+        others = [p for n, p in self._procs if not n.startswith(fronts)]
         for group in (gateways, others):
             for p in group:
                 if p.poll() is None:
@@ -184,9 +222,12 @@ class Fleet:
     # ------------------------------------------------------------------ results
 
     def served(self) -> list[dict]:
-        """Every request the workers finished (after the fleet stopped)."""
+        """Every request the workers finished (after the fleet stopped), but the peer
+        routers' one-token readiness probes."""
         out = []
         for path in self._records:
             if path.is_file():
                 out += [json.loads(line) for line in path.read_text().splitlines() if line]
+        if self.config.peer_router:
+            out = [r for r in out if r["prompt_tokens"] > 1]
         return out

@@ -6,7 +6,8 @@ give the rest: --model, --block-size, --num-blocks as the cache capacity in bloc
 until `stop` is set, registering and publishing KV events to Redis with `--redis-url`
 exactly as a real worker does (worker/events.py); it never imports torch. With
 `--emulate-records PATH` it writes one JSON line per finished request there on shutdown
-(`ServedRecord`: hit and worker-side TTFT as the worker saw them).
+(`ServedRecord`: hit and worker-side TTFT as the worker saw them). With `--http-port` it also
+answers OpenAI completions over HTTP (emulate/http.py) from the same engine.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def add_arguments(w: argparse.ArgumentParser) -> None:
               "by it; reported timings are emulated)")
     flag(w, "--emulate-records", default="",
          help="emulated: on shutdown, write one JSON line per finished request here")
+    flag(w, "--http-port", type=int, default=-1,
+         help="emulated: also answer OpenAI /v1/completions over HTTP on this port, for HTTP "
+              "routers (0: any free port; -1: off)")
 
 
 async def serve_emulated(args: argparse.Namespace, stop: asyncio.Event) -> None:
@@ -64,8 +68,16 @@ async def serve_emulated(args: argparse.Namespace, stop: asyncio.Event) -> None:
     log.info("emulated worker %s: %d blocks of %d tokens, %.0f prefill tok/s, %.3f s/token, "
              "time x%g", worker_id, capacity, args.block_size, args.prefill_tokens_per_s,
              args.decode_s_per_token, args.time_scale)
+    http = None
+    if args.http_port >= 0:
+        from prefixgate.emulate.http import serve_http
+
+        http = asyncio.create_task(serve_http(engine, args.host, args.http_port, spec.name,
+                                              stop))
     try:
         await serve_with_registry(service, stop, args, capacity)
+        if http is not None:
+            await http
     finally:
         if args.emulate_records:
             with open(args.emulate_records, "w") as f:

@@ -3,7 +3,9 @@ emulated fleet (prefixgate/emulate), brought up and torn down by the command.
 
 Contract: `run_fleet(trace, args, arrival, limits)` returns one report run (the dict
 `prefixgate replay` writes) per gateway count in `--gateways` and per policy in
-`--sim-policies` (default: prefix), each on a fresh fleet (empty caches):
+`--sim-policies` (default: prefix), then, with `--peer-router CMD`, per gateway count with
+that many replicas of that HTTP router (e.g. sglang-router) in place of the gateways; each
+on a fresh fleet (empty caches):
 
   * `--fleet` emulated workers (`--capacity-tokens` / block size = cache capacity,
     `--prefill-tokens-per-s`, `--decode-s-per-token`: the simulator's flags, so
@@ -37,22 +39,33 @@ from pathlib import Path
 
 from prefixgate.replay.loadgen import ArrivalConfig, Limits, run_load
 from prefixgate.replay.metrics import distribution, summarize
-from prefixgate.replay.targets import GatewayTarget, Target, TurnRecord, TurnRequest
+from prefixgate.replay.targets import (
+    GatewayTarget,
+    OpenAITarget,
+    Target,
+    TurnRecord,
+    TurnRequest,
+)
 from prefixgate.replay.traces import Trace
 
 CHAT_BLOCK_SIZE = 16
 
 
-class RoundRobinGateways(Target):
-    """Turns spread over several gateways in turn (a load balancer in front of replicas)."""
+class RoundRobin(Target):
+    """Turns spread over several front ends in turn (a load balancer in front of
+    replicas): prefixgate gateways (host:port) or HTTP routers (http:// URLs, sent token
+    ids as text, see OpenAITarget)."""
 
     def __init__(self, addresses: list[str], timeout_s: float) -> None:
-        self.targets = [GatewayTarget(a, timeout_s=timeout_s) for a in addresses]
-        self.name = f"prefixgate x{len(addresses)} gateways"
+        self.targets = [OpenAITarget(a, timeout_s=timeout_s, text_token_ids=True)
+                        if a.startswith("http") else GatewayTarget(a, timeout_s=timeout_s)
+                        for a in addresses]
+        self.name = f"x{len(addresses)} front ends"
         self._next = itertools.cycle(self.targets)
 
     async def wait_ready(self, timeout_s: float) -> None:
-        await asyncio.gather(*(t.wait_ready(timeout_s) for t in self.targets))
+        await asyncio.gather(*(t.wait_ready(timeout_s) for t in self.targets
+                               if hasattr(t, "wait_ready")))
 
     async def send(self, request: TurnRequest) -> TurnRecord:
         return await next(self._next).send(request)
@@ -129,7 +142,7 @@ async def fleet_run(trace: Trace, fleet_config, arrival: ArrivalConfig, limits: 
                                        think_time_s=arrival.think_time_s / scale)
     fleet = Fleet(fleet_config, workdir)
     async with fleet:
-        target = RoundRobinGateways(fleet.gateways, timeout_s / scale)
+        target = RoundRobin(fleet.gateways, timeout_s / scale)
         try:
             await target.wait_ready(10)
             result = await run_load(trace, target, wall_arrival, limits, progress=progress)
@@ -164,20 +177,31 @@ def run_fleet(trace: Trace, args: argparse.Namespace, arrival: ArrivalConfig,
                   default=0)
     context = 1 << max(14, (longest + limits.max_tokens + 1).bit_length())
     policies = list(args.sim_policies or []) or ["prefix"]
+    fronts = [(g, policy, ()) for g in (args.gateways or [1]) for policy in policies]
+    peer = tuple(shlex.split(args.peer_router))
+    if peer:
+        fronts += [(g, "", peer) for g in (args.gateways or [1])]
     runs = []
-    for gateways, policy in itertools.product(args.gateways or [1], policies):
+    for gateways, policy, router in fronts:
         config = FleetConfig(
             num_workers=args.fleet, num_gateways=gateways,
             capacity_blocks=args.capacity_tokens // block_size, block_size=block_size,
             prefill_tokens_per_s=args.prefill_tokens_per_s,
             decode_s_per_token=args.decode_s_per_token, time_scale=args.time_scale,
-            redis=args.fleet_redis, model=args.tokenizer_model, max_context_tokens=context,
-            gateway_flags=(*policy_flags(policy), *shlex.split(args.gateway_args)),
+            redis=args.fleet_redis and not router, model=args.tokenizer_model,
+            max_context_tokens=context, peer_router=router,
+            gateway_flags=() if router else (*policy_flags(policy),
+                                             *shlex.split(args.gateway_args)),
             cache_dir=args.cache_dir or "")
-        label = args.label or (f"fleet {policy} x{args.fleet}, {gateways} gateway"
-                               f"{'s' if gateways > 1 else ''}"
-                               f"{' (Redis)' if args.fleet_redis else ''}")
-        print(f"prefixgate replay: {label}", file=sys.stderr)
+        plural = "s" if gateways > 1 else ""
+        if router:
+            label = f"{args.peer_label or 'peer router'}, {gateways} replica{plural}"
+        else:
+            label = (f"prefixgate {policy}, {gateways} gateway{plural}"
+                     f"{' (Redis)' if config.redis else ''}")
+        label = f"{args.label} {label}" if args.label else label
+        print(f"prefixgate replay: {label} in front of {args.fleet} emulated workers",
+              file=sys.stderr)
         with contextlib.ExitStack() as stack:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(
                 prefix="prefixgate-fleet-"))) if not args.fleet_logs else Path(args.fleet_logs)

@@ -130,8 +130,13 @@ class GatewayTarget(Target):
 
 class OpenAITarget(Target):
     def __init__(self, base_url: str, *, model: str = "", timeout_s: float = 300.0,
-                 temperature: float = 0.0, api_key: str = "") -> None:
+                 temperature: float = 0.0, api_key: str = "", text_token_ids: bool = False
+                 ) -> None:
+        """`text_token_ids`: send a token turn's ids as one text prompt, the ids separated
+        by spaces (for routers that route on a prompt's text, e.g. sglang-router in front
+        of prefixgate's emulated workers)."""
         self.name = f"openai {base_url}"
+        self.text_token_ids = text_token_ids
         self.base_url = base_url.rstrip("/")
         if self.base_url.endswith("/v1"):
             self.base_url = self.base_url[:-3]
@@ -149,6 +154,8 @@ class OpenAITarget(Target):
                       "stream_options": {"include_usage": True}}
         if request.prompt_token_ids is not None:
             path, body["prompt"] = "/v1/completions", request.prompt_token_ids
+            if self.text_token_ids:
+                body["prompt"] = " ".join(map(str, request.prompt_token_ids))
         else:
             path = "/v1/chat/completions"
             body["messages"] = [{"role": r, "content": c} for r, c in request.messages or ()]
