@@ -33,7 +33,13 @@ class RequestLimits:
     client-chosen string ends up in logs, metrics or per-namespace maps, hence the bounds
     (units: characters, items, bytes)."""
 
-    max_request_bytes: int = 4 << 20  # one serialized request (gRPC max receive size)
+    # One serialized ChatRequest (the gateway's gRPC max receive size). Tokenizing holds
+    # the gateway's event loop (~0.4 s per MiB here, the tokenizer keeps the GIL), so this
+    # bounds how long one request can stall every other stream.
+    max_request_bytes: int = 512 << 10
+    # Prompt tokens after tokenizing (more than any context: keep-system-drop-oldest lets
+    # a client send a history longer than the context and the worker drops its oldest turns).
+    max_prompt_tokens: int = 1 << 17
     max_id_chars: int = 256  # conversation_id, namespace, request_id, model
     max_messages: int = 4096
     max_stop: int = 16  # stop strings
@@ -41,7 +47,21 @@ class RequestLimits:
     max_stop_token_ids: int = 256
 
 
+    @property
+    def worker_receive_bytes(self) -> int:
+        """A worker's gRPC max receive size: a GenerateRequest of `max_prompt_tokens` ids
+        (at most 5 bytes each) plus the rest of a request."""
+        return 5 * self.max_prompt_tokens + self.max_request_bytes
+
+
 DEFAULT_LIMITS = RequestLimits()
+
+
+def check_prompt_tokens(num_tokens: int, limits: RequestLimits = DEFAULT_LIMITS) -> None:
+    """Raise when a prompt has more than `max_prompt_tokens` tokens."""
+    if num_tokens > limits.max_prompt_tokens:
+        raise InvalidRequest(f"the prompt is {num_tokens} tokens: at most "
+                             f"{limits.max_prompt_tokens} are accepted (drop the oldest turns)")
 
 
 def clip(text: str, max_chars: int = 64) -> str:

@@ -61,6 +61,7 @@ from prefixgate.protocol import (
     InvalidRequest,
     RequestLimits,
     check_chat_fields,
+    check_prompt_tokens,
     sampling_from_proto,
 )
 from prefixgate.radix import BlockHasher
@@ -170,6 +171,7 @@ class ChatService:
         try:
             check_chat_fields(request, self.config.limits)
             prompt = self._prompt(request)
+            check_prompt_tokens(len(prompt), self.config.limits)
             sampling_from_proto(request.sampling, len(prompt), self.spec.max_context_tokens,
                                 default_overflow=self.config.context_overflow)
         except InvalidRequest as exc:

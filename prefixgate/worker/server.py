@@ -34,6 +34,7 @@ from prefixgate.protocol import (
     InvalidRequest,
     RequestLimits,
     check_generate_fields,
+    check_prompt_tokens,
     clip,
     sampling_from_proto,
 )
@@ -89,6 +90,7 @@ class WorkerService:
         try:
             prompt = prompt_token_ids(request.prompt_token_ids,
                                       request.packed_prompt_token_ids, self.vocab_size)
+            check_prompt_tokens(len(prompt), self.config.limits)
             sampling = sampling_from_proto(request.sampling, len(prompt),
                                            self.spec.max_context_tokens,
                                            self.engine.context_overflow)
@@ -245,7 +247,7 @@ async def serve(service: WorkerService, stop: asyncio.Event,
                 started: asyncio.Future[int] | None = None) -> None:
     """Serve until `stop` is set, then drain. `started` receives the bound port."""
     server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", service.config.limits.max_request_bytes)])
+        ("grpc.max_receive_message_length", service.config.limits.worker_receive_bytes)])
     internal = auth.load_internal(service.config.auth, f"worker {service.config.worker_id}")
     rpc.add_service(server, SERVICE, service,
                     None if internal is None else auth.internal_guard(internal))

@@ -22,6 +22,10 @@ class ScriptedWorker(FakeWorker):
     """FakeWorker with more Generate scripts: "poison" (INTERNAL marked as the request's),
     "internal" (INTERNAL, unattributed), "unavailable" (transport-like failure)."""
 
+    async def WatchStatus(self, request, context):  # the gateway polls GetStatus instead
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no status stream")
+        yield
+
     async def Generate(self, request, context):
         if self.mode in ("poison", "internal", "unavailable"):
             self.generate_calls += 1
