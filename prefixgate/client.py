@@ -14,8 +14,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import grpc
-
 from prefixgate import rpc
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2
 

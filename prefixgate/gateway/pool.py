@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from prefixgate import rpc
+from prefixgate import identity, rpc
 from prefixgate.auth import InternalCredential
 from prefixgate.registry import Registry, WorkerRecord
 from prefixgate.v1 import worker_pb2, worker_pb2_grpc
@@ -106,6 +106,9 @@ class WorkerPool:
     refused: dict[str, str] = field(default_factory=dict)  # worker id -> reason
     tls: rpc.TLSConfig | None = None  # worker channels over TLS (rpc.channel)
     credential: InternalCredential | None = None  # sent on every worker call
+    # Registered workers must have signed their registration with their key from this
+    # keyring (prefixgate.identity); others are refused before any connection is made.
+    keyring: identity.Keyring | None = None
     _closing: set[asyncio.Task] = field(default_factory=set, repr=False)
 
     def healthy(self) -> list[WorkerHandle]:
@@ -118,7 +121,8 @@ class WorkerPool:
         worker.up = False
 
     async def refresh(self) -> None:
-        records = {r.worker_id: r for r in await self.registry.list_workers()}
+        records = {r.worker_id: r for r in await self.registry.list_workers()
+                   if self.keyring is None or self._verified(r)}
         now = time.monotonic()
         for wid in list(self.workers):
             w = self.workers[wid]
@@ -144,6 +148,19 @@ class WorkerPool:
                 self.workers[wid] = WorkerHandle(record, channel,
                                                  worker_pb2_grpc.WorkerServiceStub(channel))
         await asyncio.gather(*(self._probe(w) for w in self.workers.values()))
+
+    def _verified(self, r: WorkerRecord) -> bool:
+        """Whether `r` is signed by its worker's key; else refused, saying why."""
+        assert self.keyring is not None
+        reason = identity.verify_registration(self.keyring, r.worker_id, r.address,
+                                              r.model_fingerprint, r.capacity_blocks,
+                                              r.signature)
+        if reason:
+            if self.refused.get(r.worker_id) != reason:
+                log.error("refusing worker %s at %s: %s", r.worker_id[:64], r.address[:64],
+                          reason)
+            self.refused[r.worker_id] = reason
+        return not reason
 
     async def _probe(self, w: WorkerHandle) -> None:
         try:

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2
 
-from prefixgate import auth, rpc
+from prefixgate import auth, identity, rpc
 from prefixgate.gateway import metrics
 from prefixgate.gateway.feeds import EventFeed, WorkerStreamFeed
 from prefixgate.gateway.index import PrefixIndex
@@ -308,8 +308,9 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
         await registry.register(WorkerRecord(address, address), lease_ms=2**62)
     internal = (auth.InternalCredential.from_file(config.auth.internal_token_file)
                 if config.auth.internal_token_file else None)
+    keyring = _worker_keyring(registry, config.auth)
     pool = WorkerPool(registry, spec.fingerprint, block_size=config.block_size,
-                      tls=config.worker_tls, credential=internal)
+                      tls=config.worker_tls, credential=internal, keyring=keyring)
     service = ChatService(spec, tokenizer, pool, config, index)
     feed = service.feed = make_feed(registry, service.index)
     status = StatusFollower(config.status_interval_ms)
@@ -390,6 +391,24 @@ def _freeze_long_lived(num_blocks: int, frozen_blocks: int) -> int:
     gc.collect()
     gc.freeze()
     return num_blocks
+
+
+def _worker_keyring(registry: Registry, config: auth.AuthConfig) -> identity.Keyring | None:
+    """The keyring registered workers must sign with (Redis only: static workers are
+    trusted by configuration). The Redis registry verifies ownership with it too."""
+    from prefixgate.registry import RedisRegistry
+
+    if not isinstance(registry, RedisRegistry):
+        return None
+    if not config.worker_keyring_file:
+        log.warning("gateway: no --worker-keyring: worker registrations and block ownership "
+                    "in Redis are not verified (anyone who can write to Redis can register a "
+                    "worker and receive turns)")
+        return None
+    keyring = identity.Keyring.from_file(config.worker_keyring_file)
+    registry.keyring = keyring  # the feed reads only ownership signed by its worker
+    log.info("gateway: registered workers must prove their identity (%d keys)", len(keyring))
+    return keyring
 
 
 def make_feed(registry: Registry, index: PrefixIndex) -> EventFeed:

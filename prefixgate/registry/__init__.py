@@ -30,6 +30,7 @@ __all__ = ["EmbeddedRegistry", "OwnershipEvent", "RedisRegistry", "Registry", "S
            "unpack_hashes"]
 
 
-def make_registry(redis_url: str | None) -> Registry:
-    """RedisRegistry when a URL is given, else the embedded one."""
-    return RedisRegistry(redis_url) if redis_url else EmbeddedRegistry()
+def make_registry(redis_url: str | None, keyring=None) -> Registry:
+    """RedisRegistry when a URL is given (signing and verifying with `keyring`, a
+    prefixgate.identity.Keyring, when given), else the embedded one."""
+    return RedisRegistry(redis_url, keyring=keyring) if redis_url else EmbeddedRegistry()

@@ -4,7 +4,8 @@ Contract
 --------
 The `Registry` interface (registry/base.py), plus ownership. Keys (prefix `pg:`):
   pg:workers              set of worker ids
-  pg:worker:{id}          hash: address, model_fingerprint, epoch, capacity_blocks
+  pg:worker:{id}          hash: address, model_fingerprint, epoch, capacity_blocks,
+                          sig (signed registration), kvmac (MAC of the held blocks)
   pg:lease:{id}           epoch, expires after lease_ms (PX)
   pg:epoch:{id}           counter (INCR on each registration)
   pg:kv:{id}              hash: block hash -> parent hash (8 bytes each, little-endian;
@@ -27,13 +28,21 @@ in-memory index and never query Redis to route.
                            or "reap" entry; fenced by epoch and idempotent (Lua), so any
                            number of gateways may reap the same dead worker.
 The scripts are in registry/lua.py.
+
+With a `keyring` (prefixgate.identity) the registry signs what a worker writes with that
+worker's key (registration, each batch, the held-block set) and, for gateways, reads only
+ownership that verifies: a batch entry whose MAC fails is skipped, a worker whose pg:kv
+does not match its held-set MAC is left out of `ownership_snapshot` (both logged).
+Registrations are verified by the gateway's WorkerPool (it says why it refuses one).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import replace
 
+from prefixgate import identity
 from prefixgate.events import OwnershipEvent
 from prefixgate.registry import lua
 from prefixgate.registry.base import Registry, WorkerRecord
@@ -46,6 +55,8 @@ from prefixgate.registry.wire import (
     unpack_hashes,
 )
 
+log = logging.getLogger(__name__)
+
 
 class RedisRegistry(Registry):
     """Membership and block ownership in Redis (see the module docstring).
@@ -57,7 +68,7 @@ class RedisRegistry(Registry):
     max_batch_events = 1000
 
     def __init__(self, url: str, prefix: str = "pg:", stream_maxlen: int = 100_000,
-                 timeout_s: float = 5.0) -> None:
+                 timeout_s: float = 5.0, keyring: identity.Keyring | None = None) -> None:
         import redis.asyncio as aioredis
 
         kwargs = dict(socket_connect_timeout=min(2.0, timeout_s), socket_timeout=timeout_s)
@@ -67,6 +78,8 @@ class RedisRegistry(Registry):
         self.prefix = prefix
         self.stream_maxlen = stream_maxlen
         self.timeout_s = timeout_s
+        self.keyring = keyring
+        self._signers: dict[str, identity.OwnershipSigner] = {}  # a worker's own signing state
         self._register = self.redis.register_script(lua.REGISTER)
         self._renew = self.redis.register_script(lua.RENEW)
         self._remove = self.redis.register_script(lua.REMOVE)
@@ -84,12 +97,27 @@ class RedisRegistry(Registry):
 
     async def register(self, record: WorkerRecord, lease_ms: int) -> WorkerRecord:
         wid = record.worker_id
+        signer = self._signer(wid)
+        signature = "" if signer is None else signer.registration(
+            record.address, record.model_fingerprint, record.capacity_blocks)
         epoch = await self._register(
             keys=[self._key("workers"), self._key("worker", wid), self._key("lease", wid),
                   self._key("epoch", wid), self._key("kv", wid), self.events_key],
             args=[wid, record.address, record.model_fingerprint, lease_ms, self.stream_maxlen,
-                  record.capacity_blocks])
-        return replace(record, epoch=int(epoch))
+                  record.capacity_blocks, signature])
+        return replace(record, epoch=int(epoch), signature=signature)
+
+    def _signer(self, worker_id: str) -> identity.OwnershipSigner | None:
+        """The signing state of a worker this process is (None without a keyring)."""
+        if self.keyring is None:
+            return None
+        signer = self._signers.get(worker_id)
+        if signer is None:
+            key = self.keyring.key(worker_id)
+            if key is None:
+                raise ValueError(f"worker {worker_id!r} has no key in --worker-keyring")
+            signer = self._signers[worker_id] = identity.OwnershipSigner(key, worker_id)
+        return signer
 
     async def renew(self, record: WorkerRecord, lease_ms: int) -> bool:
         return bool(await self._renew(keys=[self._key("lease", record.worker_id)],
@@ -134,7 +162,8 @@ class RedisRegistry(Registry):
         for wid, info, lease in zip(ids, replies[::2], replies[1::2], strict=True):
             if info and lease is not None and lease == info.get("epoch"):
                 out.append(WorkerRecord(wid, info["address"], info.get("model_fingerprint", ""),
-                                        int(info["epoch"]), int(info.get("capacity_blocks", 0))))
+                                        int(info["epoch"]), int(info.get("capacity_blocks", 0)),
+                                        info.get("sig", "")))
         return out
 
     # ------------------------------------------------------------------ ownership
@@ -144,12 +173,17 @@ class RedisRegistry(Registry):
         lease no longer holds that epoch (nothing was changed)."""
         if len(events) > self.max_batch_events:
             raise ValueError(f"at most {self.max_batch_events} events per batch")
-        args: list = [record.worker_id, record.epoch, self.stream_maxlen]
-        for ev in events:
-            args += [ev.kind, parent_bytes(ev.parent_hash), pack_hashes(ev.block_hashes)]
+        wire = [(ev.kind.encode(), parent_bytes(ev.parent_hash), pack_hashes(ev.block_hashes))
+                for ev in events]
+        signer = self._signer(record.worker_id)
+        bmac, kvmac = (b"", b"") if signer is None else signer.sign(record.epoch, events, wire)
+        args: list = [record.worker_id, record.epoch, self.stream_maxlen, bmac, kvmac.hex()]
+        for fields in wire:
+            args += fields
         wid = record.worker_id
         return bool(await self._publish(
-            keys=[self._key("lease", wid), self._key("kv", wid), self.events_key], args=args))
+            keys=[self._key("lease", wid), self._key("kv", wid), self.events_key,
+                  self._key("worker", wid)], args=args))
 
     async def publish_predictions(self, items: Sequence[tuple[WorkerRecord, Sequence[int]]],
                                   source: str) -> None:
@@ -187,14 +221,18 @@ class RedisRegistry(Registry):
                 pipe.hget(self._key("worker", wid), "epoch")
                 pipe.get(self._key("lease", wid))
                 await self._dump_kv(keys=[self._key("kv", wid)], client=pipe)
+                pipe.hget(self._key("worker", wid), "kvmac")
             replies = await pipe.execute()
         out: dict[str, tuple[int, dict[int, int | None]]] = {}
         for i, wid in enumerate(ids):
-            epoch, lease, dump = replies[3 * i: 3 * i + 3]
+            epoch, lease, dump, kvmac = replies[4 * i: 4 * i + 4]
             if epoch is None or lease != epoch:
                 continue
             pairs = unpack_hashes(dump or b"")
             blocks = dict(zip(pairs[::2], [p or None for p in pairs[1::2]], strict=True))
+            if self.keyring is not None and not self._held_set_verifies(
+                    wid, int(epoch), blocks, kvmac):
+                continue
             out[wid] = (int(epoch), blocks)
         return last_id, added, out
 
@@ -209,13 +247,41 @@ class RedisRegistry(Registry):
         last_id, added = stream_position(info)
         return last_id, added, int(info.get("length", 0)) if isinstance(info, dict) else 0
 
+    def _held_set_verifies(self, wid: str, epoch: int, blocks: dict[int, int | None],
+                           kvmac: bytes | None) -> bool:
+        key = self.keyring.key(wid) if self.keyring is not None else None
+        if key is not None and kvmac is not None and identity.hmac.compare_digest(
+                identity.kv_set_mac(key, wid, epoch, blocks).hex().encode(), kvmac):
+            return True
+        if blocks:
+            log.warning("ignoring the %d blocks Redis lists for worker %s: they are not "
+                        "signed with its key (forged, or written without --worker-keyring)",
+                        len(blocks), wid)
+        return not blocks
+
+    def _batch_verifies(self, f: dict[bytes, bytes]) -> bool:
+        wid = f[b"w"].decode(errors="replace")
+        key = self.keyring.key(wid) if self.keyring is not None else None
+        if key is not None and b"s" in f:
+            wire = [(f[b"k%d" % i], f[b"p%d" % i], f[b"h%d" % i]) for i in range(int(f[b"n"]))]
+            mac = identity.batch_mac(key, identity.batch_message(wid, int(f[b"e"]), wire))
+            if identity.hmac.compare_digest(mac, f[b"s"]):
+                return True
+        log.warning("ignoring an ownership batch for worker %s: not signed with its key "
+                    "(forged, or written without --worker-keyring)", wid[:64])
+        return False
+
     async def read_events(self, after_id: bytes, block_ms: int, count: int = 1000,
                           ) -> list[StreamEntry]:
-        """Stream entries after `after_id`, waiting up to `block_ms` for the first."""
+        """Stream entries after `after_id`, waiting up to `block_ms` for the first (with a
+        keyring, batches that do not verify come back as entries with no events)."""
         reply = await self.raw.xread({self.events_key: after_id}, count=count, block=block_ms)
         out: list[StreamEntry] = []
         for _key, entries in reply or ():
             for entry_id, f in entries:
+                if (self.keyring is not None and f.get(b"k") == b"batch"
+                        and not self._batch_verifies(f)):
+                    f = {b"w": f[b"w"], b"e": f[b"e"], b"k": b"batch", b"n": b"0"}
                 out.append(decode_entry(entry_id, f))
         return out
 
