@@ -1,0 +1,76 @@
+"""`prefixgate gateway --processes 2`: two gateway processes serve one port, and both
+route a shared prefix to the worker holding it (tiny-random workers over real gRPC)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import grpc
+
+from prefixgate.rpc import free_port
+from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2
+from tests.helpers import REPO, cli_env, start_worker, wait_for
+
+CONNECTIONS = 16  # all on one of two processes: chance 2**-15
+
+
+def turns_served(metrics_port: int) -> int:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.decode().splitlines()
+               if line.startswith("prefixgate:router_turns_total"))
+
+
+def test_two_processes_share_a_port_and_route_alike(loop_thread, tiny_spec, tiny_model) -> None:
+    workers = [start_worker(loop_thread, tiny_spec, tiny_model, wid) for wid in ("p0", "p1")]
+    port, metrics = free_port(), free_port()
+    env = cli_env(PREFIXGATE_LOG_LEVEL="WARNING")
+    gw = subprocess.Popen(
+        [sys.executable, "-m", "prefixgate", "gateway", "--processes", "2", "--port", str(port),
+         "--model", "tiny-random", "--cache-dir", str(tiny_spec.model_dir.parent.parent),
+         "--metrics-port", str(metrics), "--drain-seconds", "1",
+         *(a for address, _ in workers for a in ("--worker", address))], env=env, cwd=REPO)
+    # One connection per channel (gRPC would share one between channels to one target).
+    channels = [grpc.insecure_channel(f"127.0.0.1:{port}",
+                                      options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(CONNECTIONS)]
+    stubs = [chat_pb2_grpc.ChatServiceStub(ch) for ch in channels]
+    sampling = common_pb2.SamplingParams(max_tokens=2)
+
+    def chat(stub, ids):
+        events = list(stub.Chat(chat_pb2.ChatRequest(
+            prompt_token_ids=chat_pb2.TokenIds(token_ids=ids), sampling=sampling), timeout=60))
+        return events[-1].final
+
+    def all_see_both_workers() -> bool:
+        try:
+            return all(s.ListModels(chat_pb2.ListModelsRequest(), timeout=5).models[0]
+                       .num_workers == 2 for s in stubs)
+        except grpc.RpcError:
+            return False
+
+    try:
+        wait_for(all_see_both_workers, timeout=120, what="both gateway processes up")
+        prefix = list(range(10, 90))  # 5 blocks of 16
+        first = chat(stubs[0], prefix)
+        # Every process learns the blocks from the worker's events (as replicas do).
+        wait_for(lambda: chat(stubs[1], prefix + [1]).usage.cached_tokens >= 64, timeout=20,
+                 what="the prefix to reach the index")
+        finals = [chat(s, prefix + [3, 4, i]) for i, s in enumerate(stubs)]
+        assert {f.worker_id for f in finals} == {first.worker_id}
+        assert all(f.usage.cached_tokens >= 64 for f in finals)
+        served = [turns_served(metrics), turns_served(metrics + 1)]
+        assert min(served) > 0, f"one process served every connection: {served}"
+    finally:
+        for ch in channels:
+            ch.close()
+        gw.send_signal(signal.SIGTERM)
+        try:
+            assert gw.wait(timeout=30) == 0
+        finally:
+            if gw.poll() is None:
+                gw.kill()
+            for _, stop in workers:
+                loop_thread.loop.call_soon_threadsafe(stop.set)
