@@ -13,6 +13,8 @@
   mutual TLS, client certificates required, when it also names a client CA) and `channel`
   opens a client channel (TLS when the config names a CA or a client certificate).
   Without TLS, binding a non-loopback address logs that traffic is in clear text.
+- `start_health_port` serves only grpc.health.v1 on a plaintext port of its own, for
+  probes that cannot speak TLS (Kubernetes' gRPC probes); the statuses are the same.
 """
 
 from __future__ import annotations
@@ -123,6 +125,18 @@ def add_health_and_reflection(server: grpc.aio.Server,
     reflection.enable_server_reflection(
         [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     return servicer
+
+
+async def start_health_port(servicer: health.aio.HealthServicer, host: str,
+                            port: int) -> grpc.aio.Server | None:
+    """Serve `servicer` (and nothing else) in plain text on `port`; None when port is 0."""
+    if not port:
+        return None
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    return server
 
 
 async def set_serving(servicer: health.aio.HealthServicer, service_names: Iterable[str],

@@ -98,6 +98,7 @@ class GatewayConfig:
     # worker answers a turn alike whatever its own default.
     context_overflow: str = "fail"
     tls: rpc.TLSConfig = rpc.TLSConfig()  # the Chat API's certificate (+ client CA: mTLS)
+    health_port: int = 0  # plaintext grpc.health.v1 only, for probes without TLS (0: off)
     worker_tls: rpc.TLSConfig = rpc.TLSConfig()  # to workers: their CA, our client cert
     auth: auth.AuthConfig = auth.AuthConfig()  # tokens (public), internal credential
     limits: RequestLimits = RequestLimits()  # what one request may carry
@@ -324,6 +325,7 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
     health = rpc.add_health_and_reflection(server, [SERVICE.full_name])
     port = rpc.bind(server, config.host, config.port, config.tls, "gateway")
     await server.start()
+    health_server = await rpc.start_health_port(health, config.host, config.health_port)
     log.info("gateway serving %s on %s:%d (policy %s)", spec.name, config.host, port,
              config.routing.policy)
     if started is not None:
@@ -359,6 +361,8 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
         await feed.close()
         await status.close()
         await server.stop(config.drain_seconds)
+        if health_server is not None:
+            await health_server.stop(0)
         if service.recorder is not None:
             await asyncio.to_thread(service.recorder.close)
         await pool.close()

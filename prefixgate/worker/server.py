@@ -63,6 +63,7 @@ class WorkerConfig:
     block_size: int = 16
     drain_seconds: float = 30.0
     tls: rpc.TLSConfig = rpc.TLSConfig()  # certificate (+ client CA: only gateways with one)
+    health_port: int = 0  # plaintext grpc.health.v1 only, for probes without TLS (0: off)
     auth: auth.AuthConfig = auth.AuthConfig()  # internal credential every call must carry
     limits: RequestLimits = RequestLimits()  # what one request may carry
 
@@ -255,6 +256,7 @@ async def serve(service: WorkerService, stop: asyncio.Event,
     cfg = service.config
     port = rpc.bind(server, cfg.host, cfg.port, cfg.tls, f"worker {cfg.worker_id}")
     await server.start()
+    health_server = await rpc.start_health_port(health, cfg.host, cfg.health_port)
     await rpc.set_serving(health, [SERVICE.full_name], True)
     log.info("worker %s serving %s on %s:%d", cfg.worker_id, service.spec.name, cfg.host, port)
     if started is not None:
@@ -263,4 +265,6 @@ async def serve(service: WorkerService, stop: asyncio.Event,
     await rpc.set_serving(health, [SERVICE.full_name], False)
     service.close_watchers()
     await server.stop(cfg.drain_seconds)
+    if health_server is not None:
+        await health_server.stop(0)
     service.engine.shutdown()

@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prefixgate.auth import AuthConfig, hash_token, new_token
-from prefixgate.rpc import TLSConfig
+from prefixgate.rpc import TLSConfig, free_port
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from tests.helpers import start_gateway, start_worker, wait_for
 
@@ -76,7 +76,9 @@ def secure(loop_thread, tiny_spec, tiny_model, tmp_path_factory):
     internal, public = make_pki(d, "internal"), make_pki(d, "public")
     (d / "tokens").write_text(f"{hash_token(ACME)} acme\n{hash_token(GLOBEX)} globex\n")
     (d / "internal").write_text(INTERNAL + "\n")
+    health_port = free_port()
     w0, stop0 = start_worker(loop_thread, tiny_spec, tiny_model, "w0", worker_config=dict(
+        health_port=health_port,
         tls=TLSConfig(internal["server_cert"], internal["server_key"], internal["ca"]),
         auth=AuthConfig(internal_token_file=str(d / "internal"))))
     gw, gstop = start_gateway(
@@ -90,7 +92,8 @@ def secure(loop_thread, tiny_spec, tiny_model, tmp_path_factory):
     stub = chat_pb2_grpc.ChatServiceStub(channel)
     wait_for(lambda: _models(stub, ACME).models[0].num_workers == 1,
              what="the gateway to reach its worker over mutual TLS")
-    yield {"gateway": gw, "worker": w0, "stub": stub, "internal": internal, "public": public}
+    yield {"gateway": gw, "worker": w0, "stub": stub, "internal": internal, "public": public,
+           "health_port": health_port}
     channel.close()
     for stop in (gstop, stop0):
         loop_thread.loop.call_soon_threadsafe(stop.set)
@@ -208,3 +211,16 @@ def test_chat_client_speaks_tls_with_a_token(secure, loop_thread) -> None:
             await client.close()
 
     assert loop_thread.run(turn()) == ("w0", 3)
+
+
+def test_the_health_port_answers_probes_in_plain_text(secure) -> None:
+    """Kubernetes' gRPC probes cannot speak TLS: --health-port serves only the health
+    service, in plain text, with the same statuses."""
+    with grpc.insecure_channel(f"127.0.0.1:{secure['health_port']}") as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="prefixgate.v1.WorkerService"), timeout=10)
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as err:  # and nothing else
+            worker_pb2_grpc.WorkerServiceStub(channel).GetInfo(
+                worker_pb2.GetInfoRequest(), metadata=_md(INTERNAL), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
