@@ -1,0 +1,31 @@
+"""Fixtures of the fault suite (marker `faults`, applied to this folder by tests/conftest.py).
+
+`fleet`: redis-server, two `prefixgate worker` processes (fw0, fw1; tiny-random) and one
+`prefixgate gateway` process on Redis, shared by the tests of one module; a test that kills
+or restarts a part puts the fleet back as it found it (two workers listed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from prefixgate.bench.redis_server import RedisServer
+from tests.faults.fleet import Fleet
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    if not RedisServer().available():
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    f = Fleet(tmp_path_factory.mktemp("fleet"))
+    try:
+        f.start_redis()
+        f.start_worker("fw0")
+        f.start_worker("fw1")
+        f.start_gateway()
+        f.wait_workers(2, timeout_s=180)
+        yield f
+    finally:
+        f.stop()
