@@ -12,8 +12,11 @@ Keyring file (`--worker-keyring`), one worker per line, `#` comments:
 
     <worker id>  <key: at least 32 hex digits>
 
-Gateways load every line; a worker needs (at least) its own line. `prefixgate token`
-prints good keys.
+Gateways load every line; a worker needs (at least) its own line. A line `* <key>` is a
+master key: a worker id with no line of its own gets HMAC(master, id) (for fleets whose
+ids are not known in advance, e.g. a StatefulSet; every holder of the master can then sign
+as any worker, so give it to workers only where they cannot be told apart anyway).
+`prefixgate token --worker-key ID` prints a line.
 
 What is signed (HMAC-SHA256 with the worker's key, over length-prefixed fields):
   registration   worker id, address, model fingerprint, capacity -> `WorkerRecord.signature`
@@ -58,7 +61,11 @@ class Keyring:
         return len(self._keys)
 
     def key(self, worker_id: str) -> bytes | None:
-        return self._keys.get(worker_id)
+        key = self._keys.get(worker_id)
+        if key is None and "*" in self._keys:
+            key = hmac.new(self._keys["*"], b"prefixgate-worker-key\0" + worker_id.encode(),
+                           hashlib.sha256).digest()
+        return key
 
     @classmethod
     def parse(cls, text: str, source: str = "<keyring>") -> Keyring:

@@ -24,6 +24,10 @@ KEY = bytes(range(32))
 def test_keyring_parses_and_refuses_bad_lines() -> None:
     ring = Keyring.parse(f"# workers\nw0 {KEY.hex()}\nw1 {'ab' * 16}  # note\n")
     assert ring.key("w0") == KEY and ring.key("w1") == b"\xab" * 16 and ring.key("x") is None
+    # A master key derives a distinct key per id without a line of its own.
+    master = Keyring.parse(f"* {KEY.hex()}\nw0 {'cd' * 16}")
+    assert master.key("w0") == b"\xcd" * 16
+    assert len({master.key("w1"), master.key("w2"), KEY}) == 3
     for text, match in [("", "no keys"), ("w0", "expected"), ("w0 zz" + "0" * 40, "hex"),
                         ("w0 abcd", "at least 32"), (f"w0 {KEY.hex()}\nw0 {KEY.hex()}", "twice")]:
         with pytest.raises(ValueError, match=match):
