@@ -1,30 +1,44 @@
 """Routing simulator: compare the gateway's routing policies on whole traces without a model.
 
 Contract: `simulate(turns, config)` replays prepared turns (`prepare_turns`) through
-`num_workers` simulated workers, routing each turn with the gateway's own
-`prefixgate.gateway.routing.Router` over the gateway's own `PrefixIndex` (fed with the
-simulated workers' stored/removed block events, as the gateway's event feed would), and
-returns a `SimResult` with one `TurnRecord` per turn (virtual seconds). Deterministic: equal
-inputs give equal results.
+`num_workers` simulated workers behind `num_gateways` simulated gateways, each routing with
+the gateway's own `prefixgate.gateway.routing.Router` over its own `PrefixIndex`, and
+returns a `SimResult` with one `TurnRecord` per turn (emulated seconds). Deterministic:
+equal inputs give equal results. It models what `prefixgate replay --fleet` runs (real
+gateways in front of emulated workers, prefixgate/emulate), so the two agree on hit:
 
-Simulated worker (SimConfig):
-  cache    a prefixgate.radix.RadixTree of the prompt's chained block hashes holding at most
-           `capacity_tokens // block_size` blocks, least recently used leaves evicted first;
-           blocks of turns being served are locked (they may overflow the capacity, counted
-           in `overflow_blocks`)
+Worker (SimConfig; the emulated worker's model, emulate/engine.py, with the same
+`emulate.cache.BlockCache`):
+  cache    chained block hashes, at most `capacity_tokens // block_size` blocks, least
+           recently used leaves evicted first; blocks of turns being served are locked
+           (they may overflow the capacity, counted in `overflow_blocks`)
   prefill  one prompt at a time, first come first served: a turn waits for the prompts
            queued before it, then takes (prompt - cached tokens) / prefill_tokens_per_s;
            cached = the leading blocks its cache holds when its prefill starts × block size,
            at most prompt - 1 tokens. TTFT = prefill end - arrival.
-  decode   batched and never slowing prefill: output tokens × decode_s_per_token after the
-           prefill. E2E = TTFT + that.
-  caching  the prompt's blocks enter the cache when its prefill starts; when the reply ends,
-           a chat turn's cache also holds its reply: the blocks of the next turn's prompt
-           that cover this prompt plus its reply length.
-  load     the router sees, per worker, `num_queued_prefill_tokens` (uncached prompt tokens
-           waiting or in prefill) and `num_running_requests` (sequences decoding).
+  decode   batched and never slowing prefill: the first token at the prefill's end, the
+           other output tokens `decode_s_per_token` apart (output = the recorded length,
+           capped at `max_output_tokens`). E2E = TTFT + (output - 1) × decode_s_per_token.
+  publish  a prompt's blocks enter the cache, and the gateways' indexes, when its prefill
+           completes (after `event_delay_s`); when the reply ends the blocks of prompt and
+           reply are stored. `reply_blocks`: "private" (default: the worker's own reply,
+           which a replay's next prompt, carrying the recorded reply, does not share) or
+           "recorded" (the reply is the trace's: the next turn's prompt reuses it).
+  status   queued prefill tokens (expected uncached tokens of the turns waiting or in
+           prefill, as at their arrival), running (decoding) sequences, its rates and KV
+           fill, as the worker reports them; a gateway sees them `status_interval_s` old
+           at most (pushed on change), and takes the larger of them and its own in-flight
+           counts (turns it routed and not finished; their uncached prompt tokens until the
+           first token), as gateway/pool.py does.
 
-Arrivals (ArrivalConfig, as the load generator's, in virtual time): open loop at trace
+Gateways: turns go to the gateways in turn (round-robin, as a load balancer in front of
+replicas). Each routes by its own index, fed with every worker's events; its routing
+predictions (Router.dispatch) reach the other gateways' indexes only with
+`shared_predictions` (Redis). `time_scale` is the fleet's (emulated seconds per wall
+second): the gateway's wall-clock constants (prediction TTL, status interval) are
+multiplied by it.
+
+Arrivals (ArrivalConfig, as the load generator's, in emulated time): open loop at trace
 timestamps / speedup; closed loop (`concurrency` conversations, `think_time_s`); Poisson
 conversation starts.
 
@@ -39,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import sys
 import time
 from collections import deque
@@ -47,9 +62,11 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from prefixgate.emulate.cache import BlockCache
+from prefixgate.events import KVEventSink
 from prefixgate.gateway.index import PrefixIndex
 from prefixgate.gateway.routing import POLICIES, LoadSnapshot, Router, RoutingConfig, Turn
-from prefixgate.radix import BlockHasher, RadixTree
+from prefixgate.radix import BlockHasher
 from prefixgate.replay.loadgen import ArrivalConfig
 from prefixgate.replay.metrics import summarize
 from prefixgate.replay.targets import TurnRecord
@@ -65,12 +82,25 @@ class SimConfig:
     decode_s_per_token: float = 0.030
     routing: RoutingConfig = RoutingConfig()
     arrival: ArrivalConfig = ArrivalConfig(mode="open")
+    max_output_tokens: int = 0  # reply cap (the replay's --max-tokens); 0: none
+    reply_blocks: str = "private"  # "private" | "recorded" (module docstring)
+    num_gateways: int = 1
+    shared_predictions: bool = False  # gateways share routing predictions (Redis)
+    status_interval_s: float = 0.050  # wall seconds: the gateways' status push interval
+    event_delay_s: float = 0.0  # wall seconds from a worker's event to the indexes
+    time_scale: float = 1.0  # emulated seconds per wall second (the fleet's)
 
     def __post_init__(self) -> None:
         if self.num_workers < 1 or self.capacity_tokens < self.block_size or self.block_size < 1:
             raise ValueError("need num_workers >= 1 and capacity_tokens >= block_size >= 1")
         if self.prefill_tokens_per_s <= 0 or self.decode_s_per_token < 0:
             raise ValueError("prefill_tokens_per_s must be > 0 and decode_s_per_token >= 0")
+        if self.reply_blocks not in ("private", "recorded"):
+            raise ValueError(f"reply_blocks must be private or recorded, not {self.reply_blocks!r}")
+        if self.num_gateways < 1 or self.time_scale <= 0 or self.status_interval_s < 0 \
+                or self.event_delay_s < 0 or self.max_output_tokens < 0:
+            raise ValueError("need num_gateways >= 1, time_scale > 0 and non-negative "
+                             "intervals, delays and caps")
 
     @property
     def capacity_blocks(self) -> int:
@@ -162,27 +192,71 @@ def prepare_turns(trace: Trace, block_size: int = 16, tokenizer=None,
 
 
 class _Worker:
-    __slots__ = ("wid", "cache", "queue", "queued_tokens", "busy", "running", "overflow")
+    __slots__ = ("wid", "cache", "queue", "queued_tokens", "busy", "running", "status")
 
-    def __init__(self, wid: str) -> None:
+    def __init__(self, wid: str, cache: BlockCache) -> None:
         self.wid = wid
-        self.cache: RadixTree[int] = RadixTree(1)  # each block's value is its own hash
+        self.cache = cache
         self.queue: deque[_Req] = deque()
-        self.queued_tokens = 0
+        self.queued_tokens = 0  # expected uncached tokens of the turns queued or in prefill
         self.busy = False
-        self.running = 0
-        self.overflow = 0
+        self.running = 0  # sequences decoding
+        self.status: tuple[int, int, float] = (0, 0, 0.0)  # what the gateways last saw
+
+
+class _Gateway:
+    __slots__ = ("index", "router", "in_flight", "in_flight_tokens")
+
+    def __init__(self, cfg: SimConfig, clock) -> None:
+        self.index = PrefixIndex(spread_fanout=cfg.routing.spread_fanout,
+                                 prediction_ttl_s=cfg.routing.prediction_ttl_s * cfg.time_scale,
+                                 clock=clock)
+        self.router = Router(cfg.routing, self.index)
+        self.in_flight: dict[str, int] = {}
+        self.in_flight_tokens: dict[str, int] = {}
+
+
+class _IndexFeed(KVEventSink):
+    """A worker's cache events, delivered to every gateway's index."""
+
+    def __init__(self, sim: _Sim, wid: str) -> None:
+        self.sim, self.wid = sim, wid
+
+    def stored(self, parent_hash: int | None, block_hashes: Sequence[int]) -> None:
+        self.sim.deliver(lambda ix: ix.stored(self.wid, 1, parent_hash, block_hashes))
+
+    def removed(self, block_hashes: Sequence[int]) -> None:
+        self.sim.deliver(lambda ix: ix.removed(self.wid, 1, block_hashes))
+
+    def cleared(self) -> None:
+        self.sim.deliver(lambda ix: ix.cleared(self.wid, 1))
 
 
 @dataclass(slots=True)
 class _Req:
     turn: SimTurn
     arrival: float
-    worker: _Worker | None = None
+    gateway: _Gateway
+    worker: _Worker
+    usable: tuple[int, ...]  # the prompt's blocks a hit may cover (not its last token)
+    num_output_tokens: int
+    predicted: int = 0  # cached tokens the gateway predicted on its choice
+    best_predicted: int = 0  # ... and on the best-cached worker
+    pending: int = 0  # uncached prompt tokens the gateway counts until the first token
     expected_uncached: int = 0
     cached: int = 0
     handle: object = None
     ttft: float = 0.0
+
+
+def _reply_hashes(last: int, n: int) -> list[int]:
+    """`n` block hashes standing for a worker's own reply after the block hash `last`
+    (equal prompts give equal replies; unrelated to every prompt's blocks)."""
+    out = []
+    for _ in range(n):
+        last = xxhash.xxh3_64_intdigest(last.to_bytes(8, "little"), seed=0x5EB1)
+        out.append(last)
+    return out
 
 
 class _Sim:
@@ -190,106 +264,144 @@ class _Sim:
                  capacity_blocks: int | None = None) -> None:
         self.convs, self.cfg, self.ideal = convs, cfg, ideal
         n = 1 if ideal else cfg.num_workers
-        self.capacity = cfg.capacity_blocks if capacity_blocks is None else capacity_blocks
-        self.workers = [_Worker(f"worker-{i:03d}") for i in range(n)]
+        capacity = cfg.capacity_blocks if capacity_blocks is None else capacity_blocks
+        self.now = 0.0
+        self.gateways = [_Gateway(cfg, lambda: self.now)
+                         for _ in range(1 if ideal else cfg.num_gateways)]
+        self.workers = []
+        for i in range(n):
+            wid = f"worker-{i:03d}"
+            self.workers.append(_Worker(wid, BlockCache(capacity, _IndexFeed(self, wid))))
+            for g in self.gateways:
+                g.index.reset_worker(wid, 1)
         self.by_id = {w.wid: w for w in self.workers}
-        self.index = PrefixIndex(spread_fanout=cfg.routing.spread_fanout)
-        for w in self.workers:
-            self.index.reset_worker(w.wid, 1)
-        self.router = Router(cfg.routing, self.index)
         self.events: list = []
         self.seq = 0
         self.records: list[TurnRecord] = []
-        self.now = 0.0
+        self.num_arrivals = 0
         # Request -> the conversation turn it releases when done (closed loop, Poisson).
         self._next_of: dict[int, tuple | None] = {}
         self._users: deque | None = None  # closed loop: conversations not started yet
+        self.event_delay = 0.0 if ideal else cfg.event_delay_s * cfg.time_scale
+        self.status_interval = 0.0 if ideal else cfg.status_interval_s * cfg.time_scale
 
     def at(self, t: float, fn, *args) -> None:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, fn, args))
 
-    # -- cache, with index events ------------------------------------------------------
+    def deliver(self, apply, to: Sequence[_Gateway] | None = None) -> None:
+        """Apply an index update at every gateway (or `to`), `event_delay` from now."""
+        targets = self.gateways if to is None else to
+        if self.event_delay:
+            self.at(self.now + self.event_delay, lambda: [apply(g.index) for g in targets])
+        else:
+            for g in targets:
+                apply(g.index)
 
-    def _store(self, w: _Worker, hashes: Sequence[int]) -> None:
-        if not hashes:
-            return
-        res = w.cache.insert(hashes, hashes)
-        if res.num_new_blocks:
-            self.index.stored(w.wid, 1, None, hashes)
-        self._evict(w)
+    # -- load, as the gateways see it ---------------------------------------------------
 
-    def _evict(self, w: _Worker) -> None:
-        over = w.cache.num_blocks - self.capacity
-        if over > 0:
-            gone = w.cache.evict(over)
-            if gone:
-                self.index.removed(w.wid, 1, gone)
-            w.overflow = max(w.overflow, over - len(gone))
+    def _live_status(self, w: _Worker) -> tuple[int, int, float]:
+        return (w.queued_tokens, w.running,
+                min(1.0, w.cache.num_blocks / w.cache.capacity_blocks))
+
+    def _tick(self) -> None:
+        for w in self.workers:
+            w.status = self._live_status(w)
+        if self.events:  # keep ticking while anything else is pending
+            self.at(self.now + self.status_interval, self._tick)
+
+    def _loads(self, g: _Gateway) -> list[LoadSnapshot]:
+        cfg, out = self.cfg, []
+        for w in self.workers:
+            queued, running, fill = w.status if self.status_interval else self._live_status(w)
+            out.append(LoadSnapshot(
+                w.wid, max(queued, g.in_flight_tokens.get(w.wid, 0)),
+                max(running, g.in_flight.get(w.wid, 0)),
+                prefill_tokens_per_s=cfg.prefill_tokens_per_s,
+                decode_step_s=cfg.decode_s_per_token, prefill_chunk_tokens=0, kv_fill=fill))
+        return out
 
     # -- events ------------------------------------------------------------------------
 
     def arrive(self, conv: list[SimTurn], i: int, chained: bool) -> None:
-        t = conv[i]
-        req = _Req(t, self.now)
-        loads = [LoadSnapshot(w.wid, w.queued_tokens, w.running) for w in self.workers]
-        turn = Turn(t.num_prompt_tokens, t.conversation_id, t.block_hashes, self.cfg.block_size)
-        choice = self.router.decide(loads, turn).ranked[0]
-        self.router.record(turn, choice.worker_id)
-        w = req.worker = self.by_id[choice.worker_id]
-        m = w.cache.match(t.block_hashes, touch=False).num_blocks
-        req.expected_uncached = t.num_prompt_tokens - min(m * self.cfg.block_size,
-                                                          t.num_prompt_tokens - 1)
+        cfg, t = self.cfg, conv[i]
+        g = self.gateways[self.num_arrivals % len(self.gateways)]
+        self.num_arrivals += 1
+        turn = Turn(t.num_prompt_tokens, t.conversation_id, t.block_hashes, cfg.block_size)
+        decision = g.router.decide(self._loads(g), turn)
+        wid = decision.ranked[0].worker_id
+        w = self.by_id[wid]
+        g.router.dispatch(turn, wid)
+        if cfg.shared_predictions and len(self.gateways) > 1:
+            self.deliver(lambda ix: ix.predict(wid, t.block_hashes),
+                         [o for o in self.gateways if o is not g])
+        out = t.num_output_tokens
+        if cfg.max_output_tokens:
+            out = min(out, cfg.max_output_tokens)
+        req = _Req(t, self.now, g, w, t.block_hashes[:(t.num_prompt_tokens - 1) // cfg.block_size],
+                   max(1, out), decision.cached_tokens_of(wid), decision.best_cached_tokens)
+        req.pending = max(0, t.num_prompt_tokens - req.predicted)
+        g.in_flight[wid] = g.in_flight.get(wid, 0) + 1
+        g.in_flight_tokens[wid] = g.in_flight_tokens.get(wid, 0) + req.pending
+        req.expected_uncached = t.num_prompt_tokens - w.cache.expected(req.usable) * cfg.block_size
         w.queue.append(req)
         w.queued_tokens += req.expected_uncached
-        req_next = (conv, i + 1) if chained and i + 1 < len(conv) else None
-        self._next_of[id(req)] = req_next
+        self._next_of[id(req)] = (conv, i + 1) if chained and i + 1 < len(conv) else None
         if not w.busy:
             self._start_prefill(w)
 
     def _start_prefill(self, w: _Worker) -> None:
         req = w.queue.popleft()
         w.busy = True
-        t = req.turn
-        m = w.cache.match(t.block_hashes).num_blocks
-        req.cached = min(m * self.cfg.block_size, t.num_prompt_tokens - 1)
-        if t.block_hashes:
-            res = w.cache.insert(t.block_hashes, t.block_hashes)
-            w.cache.lock(res.node)
-            req.handle = res.node
-            if res.num_new_blocks:
-                self.index.stored(w.wid, 1, None, t.block_hashes)
-            self._evict(w)
-        dur = 0.0 if self.ideal else (t.num_prompt_tokens - req.cached) / self.cfg.prefill_tokens_per_s
+        req.handle, m = w.cache.acquire(req.usable)
+        req.cached = m * self.cfg.block_size
+        uncached = req.turn.num_prompt_tokens - req.cached
+        dur = 0.0 if self.ideal else uncached / self.cfg.prefill_tokens_per_s
         self.at(self.now + dur, self.prefill_done, req)
 
     def prefill_done(self, req: _Req) -> None:
-        w = req.worker
+        w, g = req.worker, req.gateway
         w.busy = False
         w.queued_tokens -= req.expected_uncached
+        req.handle = w.cache.store(req.handle, req.turn.block_hashes)
         req.ttft = self.now - req.arrival
-        w.running += 1
-        dur = req.turn.num_output_tokens * self.cfg.decode_s_per_token
-        self.at(self.now + dur, self.decode_done, req)
+        g.in_flight_tokens[w.wid] -= req.pending
+        if req.num_output_tokens > 1:
+            w.running += 1
+            dur = (req.num_output_tokens - 1) * self.cfg.decode_s_per_token
+            self.at(self.now + dur, self.decode_done, req)
+        else:
+            self.decode_done(req)
         if w.queue:
             self._start_prefill(w)
 
     def decode_done(self, req: _Req) -> None:
-        w, t = req.worker, req.turn
-        w.running -= 1
-        if req.handle is not None:
-            w.cache.unlock(req.handle)
-        if t.keep_hashes != t.block_hashes:
-            self._store(w, t.keep_hashes)
+        w, g, t, cfg = req.worker, req.gateway, req.turn, self.cfg
+        if req.num_output_tokens > 1:
+            w.running -= 1
+        # Prompt and reply are computed (but the last reply token): their blocks stay.
+        if cfg.reply_blocks == "recorded" and t.keep_hashes != t.block_hashes:
+            req.handle = w.cache.store(req.handle, t.keep_hashes)
         else:
-            self._evict(w)
+            full = (t.num_prompt_tokens + req.num_output_tokens - 1) // cfg.block_size
+            extra = full - len(t.block_hashes)
+            if extra > 0:
+                last = t.block_hashes[-1] if t.block_hashes else 0
+                req.handle = w.cache.store(req.handle,
+                                           (*t.block_hashes, *_reply_hashes(last, extra)))
+        w.cache.release(req.handle)
+        g.in_flight[w.wid] -= 1
+        g.router.record(Turn(t.num_prompt_tokens, t.conversation_id, t.block_hashes,
+                             cfg.block_size), w.wid)
         self.records.append(TurnRecord(
             t.conversation_id, t.turn_index, start_s=req.arrival, ttft_s=req.ttft,
             e2e_s=self.now - req.arrival, prompt_tokens=t.num_prompt_tokens,
-            cached_tokens=req.cached, completion_tokens=t.num_output_tokens, worker=w.wid))
+            cached_tokens=req.cached, completion_tokens=req.num_output_tokens, worker=w.wid,
+            predicted_cached_tokens=req.predicted,
+            best_predicted_cached_tokens=req.best_predicted))
         nxt = self._next_of.pop(id(req))
         if nxt is not None:
-            self.at(self.now + self.cfg.arrival.think_time_s, self.arrive, nxt[0], nxt[1], True)
+            self.at(self.now + cfg.arrival.think_time_s, self.arrive, nxt[0], nxt[1], True)
         elif self._users is not None and self._users:
             self._start_user_conversation()
 
@@ -320,11 +432,13 @@ class _Sim:
             for c in convs:
                 t += rng.expovariate(a.rate_per_s)
                 self.at(t, self.arrive, c, 0, True)
+        if self.status_interval:
+            self.at(0.0, self._tick)
         while self.events:
             self.now, _, fn, args = heapq.heappop(self.events)
             fn(*args)
         return SimResult(self.records, self.now, [w.wid for w in self.workers],
-                         max((w.overflow for w in self.workers), default=0))
+                         max((w.cache.overflow_blocks for w in self.workers), default=0))
 
 
 def simulate(convs: list[list[SimTurn]], cfg: SimConfig) -> SimResult:
@@ -349,13 +463,6 @@ def bounds(convs: list[list[SimTurn]], cfg: SimConfig) -> dict[str, float]:
 # --- the CLI's --simulate ----------------------------------------------------------------
 
 
-def _ints(items: Sequence[str]) -> list[int]:
-    try:
-        return [int(v) for item in items for v in str(item).split(",") if v]
-    except ValueError:
-        raise SystemExit("prefixgate replay: --sim-workers takes worker counts, e.g. 8,32") from None
-
-
 def routing_config(spec: str, seed: int | None = None) -> RoutingConfig:
     """`policy[:field=value...]`, e.g. `prefix:shared_prefix_weight=1:load_weight=0.5`: a
     RoutingConfig with those fields set (numbers; ValueError naming what is wrong)."""
@@ -374,19 +481,22 @@ def routing_config(spec: str, seed: int | None = None) -> RoutingConfig:
     return RoutingConfig(policy=name, seed=seed, **kwargs)
 
 
-def run_simulations(trace: Trace, args: argparse.Namespace, *, progress: bool = True) -> list[dict]:
-    """Every --sim-policies policy at every --sim-workers count on `trace`; one run each."""
+def run_simulations(trace: Trace, args: argparse.Namespace, arrival: ArrivalConfig, *,
+                    policies: Sequence[str] = (), worker_counts: Sequence[int] = (),
+                    progress: bool = True) -> list[dict]:
+    """Every policy (default: all the gateway has) at every worker count (default: 8) on
+    `trace` under `arrival`; one run each. `args` holds the replay command's simulator
+    flags (prefixgate/cli/replay.py)."""
     from tqdm import tqdm
 
-    from prefixgate.replay.cli import _appended, arrival_config
+    from prefixgate.replay.fleet import decision_summary
 
-    policies = [p for item in _appended(args, "sim_policies") for p in item.split(",") if p] \
-        or list(POLICIES)
+    policies = list(policies) or list(POLICIES)
     try:
         routings = {p: routing_config(p, args.seed) for p in policies}
     except ValueError as exc:
         raise SystemExit(f"prefixgate replay: {exc}") from None
-    counts = _ints(_appended(args, "sim_workers")) or [8]
+    counts = list(worker_counts) or [8]
     if trace.is_chat:
         from prefixgate.models import resolve_model
         from prefixgate.tokenizer import ChatTokenizer
@@ -400,32 +510,42 @@ def run_simulations(trace: Trace, args: argparse.Namespace, *, progress: bool = 
                              f"{trace.block_size} tokens; --sim-block-size must be that or 0")
         block_size = trace.block_size
         convs = prepare_turns(trace)
-    arrival = arrival_config(args, trace)
+    gateway_counts = list(getattr(args, "gateways", None) or []) or [1]
     runs = []
-    bar = tqdm(total=len(counts) * (len(policies) + 1), desc="simulating", unit="run",
-               file=sys.stderr, disable=not progress)
+    bar = tqdm(total=len(counts) * (len(policies) * len(gateway_counts) + 1), desc="simulating",
+               unit="run", file=sys.stderr, disable=not progress)
     for n in counts:
         base = SimConfig(num_workers=n, capacity_tokens=args.capacity_tokens,
                          block_size=block_size, prefill_tokens_per_s=args.prefill_tokens_per_s,
-                         decode_s_per_token=args.decode_s_per_token, arrival=arrival)
+                         decode_s_per_token=args.decode_s_per_token, arrival=arrival,
+                         max_output_tokens=args.max_tokens,
+                         shared_predictions=getattr(args, "fleet_redis", False),
+                         time_scale=getattr(args, "time_scale", 1.0))
         bnd = bounds(convs, base)
         bar.update(1)
-        for policy in policies:
-            cfg = SimConfig(**{**vars(base), "routing": routings[policy]})
+        for policy, gateways in itertools.product(policies, gateway_counts):
+            cfg = SimConfig(**{**vars(base), "routing": routings[policy],
+                               "num_gateways": gateways})
             res = simulate(convs, cfg)
             bar.update(1)
+            records = res.records
+            summary = summarize(records, res.duration_s, workers=res.workers)
+            summary["decisions"] = decision_summary(records)
+            plural = "s" if gateways > 1 else ""
             runs.append({
-                "label": f"{policy} x{n}",
+                "label": f"{policy} x{n}" + (f", {gateways} gateway{plural}"
+                                             if len(gateway_counts) > 1 else ""),
                 "config": {"trace": args.trace, "simulate": True, "policy": policy,
-                           "num_workers": n, "capacity_tokens": cfg.capacity_tokens,
-                           "block_size": block_size,
+                           "num_workers": n, "num_gateways": gateways,
+                           "capacity_tokens": cfg.capacity_tokens, "block_size": block_size,
                            "prefill_tokens_per_s": cfg.prefill_tokens_per_s,
                            "decode_s_per_token": cfg.decode_s_per_token,
+                           "time_scale": cfg.time_scale,
                            "arrival": vars(arrival), "wall_s": res.wall_s,
                            "overflow_blocks": res.overflow_blocks},
-                "summary": summarize(res.records, res.duration_s, workers=res.workers),
+                "summary": summary,
                 "bounds": bnd,
-                "ttft_samples_s": sorted(r.ttft_s for r in res.records),
+                "ttft_samples_s": sorted(r.ttft_s for r in records),
             })
     bar.close()
     return runs

@@ -285,7 +285,7 @@ def test_containers_run_with_flags_the_cli_accepts(containers) -> None:
             assert c.args.redis_url, "gateways and workers share the Redis registry"
             assert c.args.metrics_port, "metrics must be on for Prometheus"
         gateway = containers[overlay]["gateway"]
-        assert not gateway.args.worker and not gateway.args.worker_env_default, \
+        assert not gateway.args.worker, \
             "gateways discover workers in Redis; no static list"
 
 

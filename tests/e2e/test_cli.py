@@ -17,7 +17,7 @@ from tests.helpers import cli_env, start_up
 PG = [sys.executable, "-m", "prefixgate"]
 
 
-@pytest.mark.parametrize("command", ["worker", "gateway", "up", "chat", "bench radix"])
+@pytest.mark.parametrize("command", ["worker", "gateway", "up", "chat", "bench radix", "replay"])
 def test_help_is_complete(command: str) -> None:
     out = subprocess.run([*PG, *command.split(), "--help"], capture_output=True, text=True,
                          check=True, env=cli_env()).stdout
@@ -36,6 +36,59 @@ def test_flags_have_environment_equivalents() -> None:
         assert build_parser().parse_args(["gateway", "--policy", "random"]).policy == "random"
     finally:
         del os.environ["PREFIXGATE_POLICY"]
+
+
+def _parse(argv: list[str], **env: str):
+    """Parse `argv` with exactly these PREFIXGATE_* variables set."""
+    from prefixgate.cli import build_parser
+
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("PREFIXGATE_")}
+    os.environ.update(env)
+    try:
+        return build_parser().parse_args(argv)
+    finally:
+        for k in env:
+            del os.environ[k]
+        os.environ.update(saved)
+
+
+def test_environment_lists_booleans_and_precedence() -> None:
+    args = _parse(["gateway"], PREFIXGATE_WORKER="a:1, b:2", PREFIXGATE_PORT="7000")
+    assert args.worker == ["a:1", "b:2"] and args.port == 7000
+    # The command line replaces the variable's list; each use may hold several.
+    args = _parse(["gateway", "--worker", "c:3,d:4", "--worker", "e:5"], PREFIXGATE_WORKER="a:1")
+    assert args.worker == ["c:3", "d:4", "e:5"]
+    assert _parse(["gateway"]).worker == []
+    assert _parse(["worker"], PREFIXGATE_DISABLE_PREFIX_CACHE="yes").disable_prefix_cache
+    assert not _parse(["worker"], PREFIXGATE_DISABLE_PREFIX_CACHE="0").disable_prefix_cache
+    assert _parse(["replay", "--sim-workers", "8,32"]).sim_workers == [8, 32]
+    assert _parse(["chat", "--message", "hi, you"]).message == ["hi, you"]  # free text
+
+
+@pytest.mark.parametrize(("variable", "value", "says"), [
+    ("PREFIXGATE_PORT", "abc", "is not a valid int"),
+    ("PREFIXGATE_POLICY", "fastest", "is not one of prefix"),
+    ("PREFIXGATE_DEMO", "maybe", "is not a boolean"),
+    ("PREFIXGATE_SIM_WORKERS", "8,many", "is not a valid int"),
+])
+def test_bad_environment_value_is_a_clear_error_that_spares_help(variable, value, says) -> None:
+    command = {"PREFIXGATE_DEMO": "up", "PREFIXGATE_SIM_WORKERS": "replay"}.get(variable, "gateway")
+    env = cli_env(**{variable: value})
+    # --help, other commands and the flag given on the command line still work ...
+    assert subprocess.run([*PG, command, "--help"], capture_output=True, env=env).returncode == 0
+    assert subprocess.run([*PG, "--version"], capture_output=True, env=env).returncode == 0
+    # ... and using the variable is a usage error naming it, not a traceback.
+    r = subprocess.run([*PG, command], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 2 and f"{variable}={value!r} {says}" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_version() -> None:
+    from prefixgate import __version__
+
+    r = subprocess.run([*PG, "--version"], capture_output=True, text=True, check=True,
+                       env=cli_env())
+    assert r.stdout.strip() == f"prefixgate {__version__}"
 
 
 def _children(pid: int) -> list[int]:

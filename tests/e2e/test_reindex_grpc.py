@@ -99,14 +99,15 @@ def test_worker_default_policy_serves_direct_clients(cluster, tiny_spec) -> None
 
 
 def test_chat_client_and_cli_show_dropped_tokens(cluster, loop_thread, tiny_spec) -> None:
-    from prefixgate.cli import _figures, _overflow_params, build_parser
+    from prefixgate.cli import build_parser
+    from prefixgate.cli.chat import figures, overflow_params
     from prefixgate.client import ChatClient
 
     args = build_parser().parse_args(["chat", "--context-overflow", "keep-system-drop-oldest",
                                       "--shifted-reuse", "blend"])
-    params = _overflow_params(args)
+    params = overflow_params(args)
     assert params == {"context_overflow": OVERFLOW, "shifted_reuse": common_pb2.SHIFTED_REUSE_BLEND}
-    default = _overflow_params(build_parser().parse_args(["chat"]))
+    default = overflow_params(build_parser().parse_args(["chat"]))
     assert default == {"context_overflow": 0, "shifted_reuse": 0}
 
     async def turn():
@@ -119,7 +120,7 @@ def test_chat_client_and_cli_show_dropped_tokens(cluster, loop_thread, tiny_spec
 
     result = loop_thread.run(turn())
     assert result.dropped_tokens > 0
-    assert f"dropped {result.dropped_tokens} tok" in _figures(result)
+    assert f"dropped {result.dropped_tokens} tok" in figures(result)
 
 
 def test_gateway_default_policy_applies_to_every_worker(cluster, loop_thread, tiny_spec) -> None:

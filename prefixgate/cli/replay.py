@@ -1,7 +1,7 @@
-"""`prefixgate replay`: flags and the command's body (the CLI module only wires it in).
+"""`prefixgate replay`: replay a trace against a gateway or an OpenAI-compatible server.
 
-Contract: `add_arguments(parser, flag)` adds the replay flags with prefixgate.cli's `flag`
-helper (every flag has a PREFIXGATE_<FLAG> variable); `run(args)` does one of
+`add_arguments(parser)` adds the replay flags (every flag has a PREFIXGATE_<FLAG> variable);
+`run(args)` does one of
 
   * a real replay of --trace against --target (a prefixgate gateway host:port, or an
     OpenAI-compatible http(s):// base URL) under one arrival mode;
@@ -19,8 +19,12 @@ import argparse
 import asyncio
 import json
 import sys
-from collections.abc import Callable
 
+from prefixgate.cli.common import log_flags
+from prefixgate.cli.flags import flag
+
+HELP = ("replay a recorded trace against a gateway or an OpenAI-compatible server, or "
+        "simulate routing")
 DESCRIPTION = (
     "Replay a recorded trace (ShareGPT, Mooncake, or a gateway's --record-trace file) against "
     "a prefixgate gateway or an OpenAI-compatible server and report latency, prefix hit rate "
@@ -28,7 +32,8 @@ DESCRIPTION = (
     "routing policies on simulated workers without a model. See docs/traces.md.")
 
 
-def add_arguments(p: argparse.ArgumentParser, flag: Callable) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    log_flags(p)
     flag(p, "--trace", default="", help="trace file: ShareGPT JSON/JSONL(.gz), Mooncake JSONL, "
                                         "or a gateway's --record-trace file")
     flag(p, "--trace-format", default="auto",
@@ -75,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser, flag: Callable) -> None:
     flag(p, "--sim-policies", action="append",
          help="simulated routing policies (default: all the gateway has); a policy may set "
               "routing weights: prefix:shared_prefix_weight=1:load_weight=0.5")
-    flag(p, "--sim-workers", action="append",
+    flag(p, "--sim-workers", action="append", type=int,
          help="simulated worker counts, e.g. 8,32 (default: 8)")
     flag(p, "--capacity-tokens", type=int, default=2_048_000,
          help="simulated KV capacity per worker in tokens")
@@ -88,6 +93,9 @@ def add_arguments(p: argparse.ArgumentParser, flag: Callable) -> None:
     flag(p, "--tokenizer-model", default="smollm2-135m",
          help="simulating a chat trace: the model whose tokenizer and chat template count "
               "its tokens")
+    from prefixgate.replay.fleet import add_arguments as add_fleet_arguments
+
+    add_fleet_arguments(p)  # --fleet: real gateways in front of emulated workers
 
 
 def arrival_config(args: argparse.Namespace, trace):
@@ -106,11 +114,6 @@ def _target(args: argparse.Namespace):
     if args.target.startswith(("http://", "https://")):
         return OpenAITarget(args.target, model=args.openai_model, timeout_s=args.timeout)
     return GatewayTarget(args.target.removeprefix("grpc://"), timeout_s=args.timeout)
-
-
-def _appended(args: argparse.Namespace, name: str) -> list:
-    given = getattr(args, name)
-    return given if given is not None else getattr(args, name + "_env_default")
 
 
 async def _replay(args: argparse.Namespace, trace) -> dict:
@@ -149,9 +152,8 @@ def run(args: argparse.Namespace) -> int:
     from prefixgate.replay.report import load_runs, markdown, write_report
     from prefixgate.replay.traces import TraceError, read_trace
 
-    combine = [p for item in _appended(args, "combine") for p in item.split(",") if p]
-    if combine:
-        runs = load_runs(combine)
+    if args.combine:
+        runs = load_runs(args.combine)
     else:
         if not args.trace:
             raise SystemExit("prefixgate replay: give a trace with --trace PATH "
@@ -164,10 +166,19 @@ def run(args: argparse.Namespace) -> int:
             print(f"prefixgate replay: skipped {trace.num_skipped} malformed lines of "
                   f"{args.trace}", file=sys.stderr)
         trace = trace.head(args.max_conversations)
-        if args.simulate:
+        if args.fleet:
+            from prefixgate.replay.fleet import run_fleet
+            from prefixgate.replay.loadgen import Limits
+
+            runs = run_fleet(trace, args, arrival_config(args, trace), Limits(
+                args.max_turns, args.max_duration, args.max_tokens, args.max_prompt_tokens,
+                args.vocab_size))
+        elif args.simulate:
             from prefixgate.replay.simulate import run_simulations
 
-            runs = run_simulations(trace, args, progress=not args.no_progress)
+            runs = run_simulations(trace, args, arrival_config(args, trace),
+                                   policies=args.sim_policies, worker_counts=args.sim_workers,
+                                   progress=not args.no_progress)
         else:
             try:
                 runs = [asyncio.run(_replay(args, trace))]

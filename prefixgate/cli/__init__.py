@@ -1,0 +1,49 @@
+"""The `prefixgate` command: worker, gateway, up, chat, bench, replay.
+
+One module per command in this package, each with HELP, DESCRIPTION,
+`add_arguments(parser)` and `run(args) -> exit code`; flags.py is the one helper that adds
+flags, each with an environment-variable equivalent named in its --help line
+(PREFIXGATE_<FLAG>; a flag given on the command line wins over the variable). The
+gateway-side commands (gateway, chat, replay) never import torch, and building the parser
+imports no command's heavy dependencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from prefixgate import __version__
+from prefixgate.cli.flags import Parser
+from prefixgate.models import ModelError
+
+# command -> module in this package, in --help order.
+COMMANDS = ("worker", "gateway", "up", "chat", "bench", "replay")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="prefixgate",
+                    description="Conversational prefix-cache gateway for LLM serving.")
+    parser.add_argument("--version", action="version", version=f"prefixgate {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        module = importlib.import_module(f"prefixgate.cli.{name}")
+        p = sub.add_parser(name, help=module.HELP, description=module.DESCRIPTION)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args._run(args) or 0
+    except KeyboardInterrupt:
+        return 130
+    except ModelError as exc:  # a user's mistake, not a bug: a message, not a traceback
+        raise SystemExit(f"prefixgate {args.command}: {exc}") from None

@@ -1,0 +1,130 @@
+"""`prefixgate chat`: an interactive multi-turn chat client of a gateway (gRPC).
+
+`converse` holds a conversation (given messages or stdin lines) and prints each reply and
+its figures (`figures`); `prefixgate up --demo` uses it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Sequence
+
+from prefixgate.cli.common import log_flags
+from prefixgate.cli.flags import flag
+
+HELP = "interactive multi-turn chat client"
+DESCRIPTION = ("Chat with a prefixgate gateway. Type a message and press Enter; /reset starts "
+               "a new conversation, /quit ends.")
+
+
+def add_arguments(c: argparse.ArgumentParser) -> None:
+    log_flags(c)
+    flag(c, "--address", default="127.0.0.1:50051", help="gateway host:port")
+    flag(c, "--message", action="append", comma_separated=False,
+         help="send these messages as successive turns instead of reading stdin")
+    flag(c, "--system", default="", help="system prompt")
+    flag(c, "--conversation-id", default="", help="conversation id (default: a new one)")
+    flag(c, "--namespace", default="", help="cache namespace (tenant)")
+    flag(c, "--max-tokens", type=int, default=None, help="max tokens per reply (default: 256)")
+    flag(c, "--temperature", type=float, default=0.0, help="0 is greedy")
+    flag(c, "--top-p", type=float, default=0.0, help="nucleus sampling mass (0: off)")
+    flag(c, "--top-k", type=int, default=0, help="top-k sampling (0: off)")
+    flag(c, "--seed", type=int, default=None, help="sampling seed")
+    flag(c, "--context-overflow", default="", choices=("", "fail", "keep-system-drop-oldest"),
+         help="when the conversation outgrows the context: fail, or drop its oldest turns "
+              "(empty: the worker's default)")
+    flag(c, "--shifted-reuse", default="", choices=("", "recompute", "shift", "blend"),
+         help="how a turn that dropped turns reuses the cache (empty: the worker's default)")
+    flag(c, "--timeout", type=float, default=300.0, help="deadline per turn in seconds")
+
+
+def figures(r) -> str:
+    """One line of a turn's figures: worker, prompt/cached tokens, TTFT, rate, finish."""
+    rate = r.completion_tokens / (r.total_ms / 1e3) if r.total_ms else 0.0
+    dropped = f" | dropped {r.dropped_tokens} tok" if r.dropped_tokens else ""
+    return (f"[worker {r.worker_id} | prompt {r.prompt_tokens} tok | cached {r.cached_tokens} "
+            f"tok{dropped} | ttft {r.ttft_ms:.0f} ms | {r.completion_tokens} tok in "
+            f"{r.total_ms / 1e3:.2f} s ({rate:.1f} tok/s) | {r.finish_reason}]")
+
+
+async def converse(client, messages: Sequence[str] | None, conversation_id: str, system: str,
+                   sampling_kwargs: dict, namespace: str = "", timeout_s: float = 300.0):
+    """Hold a conversation: the given messages, or lines from stdin when None."""
+    import uuid
+
+    import grpc
+
+    from prefixgate.v1 import common_pb2
+
+    conversation_id = conversation_id or uuid.uuid4().hex[:12]
+    history: list[tuple[str, str]] = [("system", system)] if system else []
+    sampling = common_pb2.SamplingParams(**{k: v for k, v in sampling_kwargs.items()
+                                            if v is not None})
+    results = []
+    lines = iter(messages) if messages is not None else None
+    while True:
+        if lines is not None:
+            text = next(lines, None)
+            if text is None:
+                break
+            print(f"you> {text}", flush=True)
+        else:
+            try:
+                text = input("you> ")
+            except EOFError:
+                break
+        if text.strip() == "/quit":
+            break
+        if text.strip() == "/reset":
+            history = [("system", system)] if system else []
+            conversation_id = uuid.uuid4().hex[:12]
+            continue
+        if not text.strip():
+            continue
+        history.append(("user", text))
+        print("assistant> ", end="", flush=True)
+        try:
+            r = await client.turn(history, conversation_id=conversation_id, namespace=namespace,
+                                  sampling=sampling, timeout_s=timeout_s,
+                                  on_text=lambda t: print(t, end="", flush=True))
+        except grpc.aio.AioRpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", flush=True)
+            history.pop()
+            if lines is not None:
+                break
+            continue
+        print("\n" + figures(r), flush=True)
+        history.append(("assistant", r.text))
+        results.append(r)
+    return results
+
+
+def overflow_params(args: argparse.Namespace) -> dict:
+    """SamplingParams fields for --context-overflow / --shifted-reuse (enum values)."""
+    from prefixgate.protocol import OVERFLOW_FROM_PROTO, SHIFTED_REUSE_FROM_PROTO
+
+    by_name = lambda table, name: next(k for k, v in table.items() if v == name)  # noqa: E731
+    return {"context_overflow": by_name(OVERFLOW_FROM_PROTO, args.context_overflow),
+            "shifted_reuse": by_name(SHIFTED_REUSE_FROM_PROTO, args.shifted_reuse)}
+
+
+def run(args: argparse.Namespace) -> int:
+    asyncio.run(_chat(args))
+    return 0
+
+
+async def _chat(args: argparse.Namespace) -> None:
+    from prefixgate.client import ChatClient
+
+    client = ChatClient(args.address)
+    try:
+        await client.wait_ready(10)
+    except TimeoutError:
+        raise SystemExit(f"prefixgate chat: no gateway answers at {args.address}") from None
+    await converse(client, args.message or None, args.conversation_id, args.system,
+                   {"max_tokens": args.max_tokens, "temperature": args.temperature,
+                    "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
+                    **overflow_params(args)},
+                   namespace=args.namespace, timeout_s=args.timeout)
+    await client.close()

@@ -1,0 +1,149 @@
+"""`prefixgate gateway`: the Chat gateway (prefixgate.v1.ChatService); never imports torch.
+
+Also holds the gateway flag groups `prefixgate up` shares (routing policy, overflow default,
+trace recording) and `gateway_config`, the one place flags become a GatewayConfig.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from prefixgate.cli.common import cache_dir, log_flags, model_flags, start_metrics, stop_event
+from prefixgate.cli.flags import flag
+
+HELP = "run the Chat gateway"
+DESCRIPTION = "Run the gateway serving prefixgate.v1.ChatService."
+
+
+def add_arguments(g: argparse.ArgumentParser) -> None:
+    log_flags(g)
+    model_flags(g)
+    flag(g, "--host", default="127.0.0.1", help="address to listen on")
+    flag(g, "--port", type=int, default=50051, help="port to listen on (0: any free port)")
+    flag(g, "--worker", action="append",
+         help="worker address host:port (embedded registry); not needed with --redis-url")
+    flag(g, "--redis-url", default="", help="discover workers through this Redis")
+    policy_flags(g)
+    record_trace_flag(g)
+    flag(g, "--drain-seconds", type=float, default=30.0,
+         help="on SIGTERM, how long in-flight streams may finish")
+    overflow_flag(g)
+    flag(g, "--metrics-port", type=int, default=0,
+         help="serve Prometheus metrics on this port at /metrics (0: off; with --processes "
+              "N, process i serves on this port + i)")
+    processes_flag(g)
+
+
+def overflow_flag(p: argparse.ArgumentParser) -> None:
+    flag(p, "--context-overflow", default="fail", choices=("fail", "keep-system-drop-oldest"),
+         help="requests that do not choose: over the context, fail or keep the system prompt "
+              "and drop the oldest turns (docs/reindex.md)")
+
+
+def policy_flags(p: argparse.ArgumentParser) -> None:
+    from prefixgate.gateway.routing import POLICIES, RoutingConfig
+
+    d = RoutingConfig()  # the flags' defaults are the config's
+
+    flag(p, "--policy", default=d.policy, choices=POLICIES,
+         help="routing policy (see docs/routing.md)")
+    flag(p, "--prefix-weight", type=float, default=d.prefix_weight,
+         help="prefix policy: score per cached prompt token")
+    flag(p, "--load-weight", type=float, default=d.load_weight,
+         help="prefix policy: score subtracted per queued prefill token")
+    flag(p, "--running-weight", type=float, default=d.running_weight,
+         help="prefix policy: queued-token equivalents per running sequence")
+    flag(p, "--shared-prefix-weight", type=float, default=d.shared_prefix_weight,
+         help="prefix policy: credit per cached token of a prefix many conversations share, "
+              "on a worker whose cache is fuller than the rest (see --occupancy-slack)")
+    flag(p, "--occupancy-slack", type=float, default=d.occupancy_slack,
+         help="prefix policy: a worker holding more than (1 + this) x the mean indexed "
+              "blocks gets only --shared-prefix-weight for shared prefixes")
+    flag(p, "--spread-fanout", type=int, default=d.spread_fanout,
+         help="prefix policy: continuations after which a prefix counts as shared")
+    flag(p, "--index-max-blocks", type=int, default=0,
+         help="cap on the gateway's routing index in blocks (0: bounded by the workers)")
+
+
+def processes_flag(p: argparse.ArgumentParser) -> None:
+    flag(p, "--processes", type=int, default=1,
+         help="gateway processes sharing the port (SO_REUSEPORT), one core each; each "
+              "follows the workers' events itself (docs/routing.md)")
+    flag(p, "--status-interval-ms", type=int, default=50,
+         help="worker load pushed to the gateway at most this often (WatchStatus)")
+
+
+def record_trace_flag(p: argparse.ArgumentParser) -> None:
+    flag(p, "--record-trace", default="",
+         help="append one JSON line per finished turn to this file (block hashes, not text), "
+              "replayable with prefixgate replay --trace")
+
+
+def gateway_config(args: argparse.Namespace, workers: Sequence[str], port: int):
+    """The GatewayConfig the parsed gateway flags stand for."""
+    from prefixgate.gateway.routing import RoutingConfig
+    from prefixgate.gateway.server import GatewayConfig
+
+    return GatewayConfig(host=args.host, port=port, block_size=args.block_size,
+                         routing=RoutingConfig(
+                             policy=args.policy, prefix_weight=args.prefix_weight,
+                             load_weight=args.load_weight, running_weight=args.running_weight,
+                             shared_prefix_weight=args.shared_prefix_weight,
+                             occupancy_slack=args.occupancy_slack,
+                             spread_fanout=args.spread_fanout),
+                         index_max_blocks=args.index_max_blocks,
+                         static_workers=tuple(workers),
+                         drain_seconds=getattr(args, "drain_seconds", 30.0),
+                         record_trace=args.record_trace,
+                         status_interval_ms=args.status_interval_ms,
+                         context_overflow=args.context_overflow)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.processes < 1:
+        raise SystemExit("prefixgate gateway: --processes must be at least 1")
+    if args.processes == 1:
+        asyncio.run(_serve(args))
+        return 0
+    from prefixgate.gateway import processes
+    from prefixgate.rpc import free_port
+
+    args.port = args.port or free_port(args.host)  # one port for all of them
+    children = processes.spawn(serve_process, args, args.processes - 1)
+    try:
+        processes.wait_ready(children, timeout_s=300)
+        asyncio.run(_serve(args))
+    finally:
+        processes.stop(children, args.drain_seconds + 5)
+    return 0
+
+
+def serve_process(args: argparse.Namespace, on_listening: Callable[[], None]) -> None:
+    """One of `--processes` gateway processes (prefixgate/gateway/processes.py)."""
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C reaches every process
+        asyncio.run(_serve(args, on_listening))
+
+
+async def _serve(args: argparse.Namespace, on_listening: Callable[[], None] | None = None
+                 ) -> None:
+    from prefixgate.gateway.server import serve
+    from prefixgate.models import resolve_model
+    from prefixgate.registry import make_registry
+
+    start_metrics(args.metrics_port)
+    if not args.worker and not args.redis_url:
+        raise SystemExit("prefixgate gateway: give workers with --worker HOST:PORT "
+                         "or a registry with --redis-url")
+    spec = resolve_model(args.model, cache_dir(args))
+    started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    if on_listening is not None:
+        started.add_done_callback(lambda _: on_listening())
+    await serve(spec, make_registry(args.redis_url or None),
+                gateway_config(args, args.worker, args.port), stop_event(), started)

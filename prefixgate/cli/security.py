@@ -1,0 +1,133 @@
+"""Security flags (TLS, bearer tokens, the internal credential, worker identity) and
+`prefixgate token`.
+
+Each command that serves or calls takes its group here, and the `*_security` helpers are
+the one place those flags become configuration (rpc.TLSConfig, auth.AuthConfig). With
+none of them a process runs open, as on loopback, and logs that it does; deploy/ turns
+them all on (docs/deploy.md, "Security").
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from prefixgate.cli.flags import flag
+
+HELP = "print a new bearer token (and its --tokens-file line) or worker key"
+DESCRIPTION = ("Print a new random bearer token. With --namespace, also the line to add "
+               "to the gateway's --tokens-file (it holds only the token's hash). With "
+               "--worker-key ID, a --worker-keyring line for that worker instead.")
+
+
+def _server_tls_flags(p: argparse.ArgumentParser, what: str) -> None:
+    flag(p, "--tls-cert", default="", help=f"PEM certificate (chain) of the {what}: serve TLS")
+    flag(p, "--tls-key", default="", help="PEM private key of --tls-cert")
+    flag(p, "--tls-client-ca", default="",
+         help="PEM CA bundle: require client certificates that chain to it (mutual TLS)")
+    flag(p, "--health-port", type=int, default=0,
+         help="also serve the gRPC health service alone, in plain text, on this port (for "
+              "Kubernetes gRPC probes, which cannot speak TLS; 0: off)")
+
+
+def _internal_flag(p: argparse.ArgumentParser) -> None:
+    flag(p, "--internal-token-file", default="",
+         help="file holding the internal credential gateways send and workers require on "
+              "every worker call (empty: the worker API is open)")
+
+
+def _keyring_flag(p: argparse.ArgumentParser, who: str) -> None:
+    flag(p, "--worker-keyring", default="",
+         help=f"'<worker id> <hex key>' lines; {who} (Redis registry only; see "
+              "prefixgate/identity.py)")
+
+
+def gateway_flags(g: argparse.ArgumentParser) -> None:
+    _server_tls_flags(g, "Chat API")
+    flag(g, "--tokens-file", default="",
+         help="bearer tokens of the Chat API, one 'sha256:<hex> <namespace> [<label>]' per "
+              "line (prefixgate token); each token is bound to its namespace (empty: open)")
+    _internal_flag(g)
+    flag(g, "--worker-tls-ca", default="",
+         help="PEM CA that workers' certificates chain to: call workers over TLS")
+    flag(g, "--worker-tls-cert", default="",
+         help="PEM client certificate presented to workers (mutual TLS)")
+    flag(g, "--worker-tls-key", default="", help="PEM private key of --worker-tls-cert")
+    _keyring_flag(g, "workers must sign their registration and ownership with their key")
+
+
+def worker_flags(w: argparse.ArgumentParser) -> None:
+    _server_tls_flags(w, "worker API")
+    _internal_flag(w)
+    _keyring_flag(w, "this worker signs what it writes to Redis with its own line's key")
+
+
+def client_flags(c: argparse.ArgumentParser) -> None:
+    flag(c, "--tls-ca", default="",
+         help="PEM CA of the gateway's certificate: connect over TLS")
+    flag(c, "--token-file", default="", help="file holding this client's bearer token")
+
+
+def gateway_security(args: argparse.Namespace) -> dict:
+    """GatewayConfig fields from the gateway's security flags."""
+    from prefixgate.auth import AuthConfig
+    from prefixgate.rpc import TLSConfig
+
+    return dict(
+        tls=TLSConfig(args.tls_cert, args.tls_key, args.tls_client_ca),
+        worker_tls=TLSConfig(args.worker_tls_cert, args.worker_tls_key, args.worker_tls_ca),
+        health_port=args.health_port,
+        auth=AuthConfig(tokens_file=args.tokens_file,
+                        internal_token_file=args.internal_token_file,
+                        worker_keyring_file=args.worker_keyring))
+
+
+def worker_security(args: argparse.Namespace) -> dict:
+    """WorkerConfig fields from the worker's security flags."""
+    from prefixgate.auth import AuthConfig
+    from prefixgate.rpc import TLSConfig
+
+    return dict(tls=TLSConfig(args.tls_cert, args.tls_key, args.tls_client_ca),
+                health_port=args.health_port,
+                auth=AuthConfig(internal_token_file=args.internal_token_file,
+                                worker_keyring_file=args.worker_keyring))
+
+
+def worker_keyring(args: argparse.Namespace):
+    """The worker's keyring (prefixgate.identity.Keyring), or None."""
+    from prefixgate.identity import Keyring
+
+    return Keyring.from_file(args.worker_keyring) if args.worker_keyring else None
+
+
+def client_security(args: argparse.Namespace) -> dict:
+    """ChatClient keyword arguments from the client flags."""
+    from pathlib import Path
+
+    from prefixgate.rpc import TLSConfig
+
+    return dict(tls=TLSConfig(ca_file=args.tls_ca) if args.tls_ca else None,
+                token=Path(args.token_file).read_text().strip() if args.token_file else "")
+
+
+def add_arguments(t: argparse.ArgumentParser) -> None:
+    t.add_argument("--namespace", default="",
+                   help="bind the token to this cache namespace (prints the token file line)")
+    t.add_argument("--label", default="", help="a label for logs, in the token file line")
+    t.add_argument("--worker-key", default="", metavar="WORKER_ID",
+                   help="print a --worker-keyring line for this worker id instead")
+
+
+def run(args: argparse.Namespace) -> int:
+    import secrets
+
+    from prefixgate.auth import hash_token, new_token
+
+    if args.worker_key:
+        print(f"{args.worker_key} {secrets.token_hex(32)}")
+        return 0
+    token = new_token()
+    print(token)
+    if args.namespace:
+        line = f"{hash_token(token)} {args.namespace}" + (f" {args.label}" if args.label else "")
+        print(f"# add to --tokens-file; give the token above to the client only:\n{line}")
+    return 0

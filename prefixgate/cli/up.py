@@ -1,0 +1,184 @@
+"""`prefixgate up`: N workers (subprocesses) and a gateway (in this process) on this machine.
+
+Ctrl-C (or SIGTERM) stops every process it started; the workers also get SIGTERM when
+`up` dies by SIGKILL (Linux).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from prefixgate.cli import gateway as gateway_cli
+from prefixgate.cli.common import cache_dir, log, log_flags, model_flags, stop_event
+from prefixgate.cli.flags import flag
+
+HELP = "run N workers and a gateway on this machine"
+DESCRIPTION = ("Start N workers and a gateway on this machine; Ctrl-C stops every process "
+               "it started.")
+
+DEMO_SCRIPT = (
+    "What is the capital of France?",
+    "What is a famous museum there?",
+    "Thanks! Summarise our conversation in one sentence.",
+)
+
+
+def add_arguments(u: argparse.ArgumentParser) -> None:
+    log_flags(u)
+    model_flags(u)
+    flag(u, "--workers", type=int, default=2, help="number of workers")
+    flag(u, "--host", default="127.0.0.1", help="gateway address to listen on")
+    flag(u, "--port", type=int, default=50051, help="gateway port (0: any free port)")
+    flag(u, "--redis-url", default="",
+         help="use this Redis as the registry (default: embedded, no Redis)")
+    gateway_cli.policy_flags(u)
+    gateway_cli.overflow_flag(u)
+    gateway_cli.record_trace_flag(u)
+    gateway_cli.processes_flag(u)
+    flag(u, "--torch-threads", type=int, default=0,
+         help="torch threads per worker (0: CPU count / workers)")
+    flag(u, "--demo", action="store_true",
+         help="hold the scripted demo chat through the gateway, print it, then stop")
+    flag(u, "--startup-timeout", type=float, default=900.0,
+         help="seconds to wait for workers to load the model")
+
+
+def run(args: argparse.Namespace) -> int:
+    return asyncio.run(_up(args))
+
+
+def _die_with_parent() -> None:
+    """Child processes get SIGTERM when `prefixgate up` dies, even by SIGKILL (Linux)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+async def _wait_healthy(address: str, deadline: float, procs: list[subprocess.Popen]) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    # Short reconnect backoff: the worker is expected to start listening any moment.
+    options = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 500)]
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            dead = [p for p in procs if p.poll() is not None]
+            if dead:
+                raise SystemExit(f"prefixgate up: a worker exited with code {dead[0].returncode} "
+                                 "during start-up (its log is above)")
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            await asyncio.sleep(0.5)
+    raise SystemExit(f"prefixgate up: {address} did not become healthy in time")
+
+
+async def _up(args: argparse.Namespace) -> int:
+    from prefixgate.rpc import free_port
+
+    n = args.workers
+    if n < 1:
+        raise SystemExit("prefixgate up: --workers must be at least 1")
+    threads = args.torch_threads or max(1, (os.cpu_count() or 1) // n)
+    procs: list[subprocess.Popen] = []
+    addresses = []
+    stop = stop_event()
+    try:
+        for i in range(n):
+            port = free_port()
+            addresses.append(f"127.0.0.1:{port}")
+            cmd = [sys.executable, "-m", "prefixgate", "worker", "--model", args.model,
+                   "--port", str(port), "--worker-id", f"worker-{i}",
+                   "--torch-threads", str(threads), "--block-size", str(args.block_size),
+                   "--context-overflow", args.context_overflow,
+                   "--log-level", args.log_level]
+            if args.cache_dir:
+                cmd += ["--cache-dir", args.cache_dir]
+            if args.redis_url:
+                cmd += ["--redis-url", args.redis_url]
+            procs.append(subprocess.Popen(cmd, preexec_fn=_die_with_parent))
+        log.info("starting %d workers (%s); the first start of a model may take a minute", n,
+                 args.model)
+        deadline = time.monotonic() + args.startup_timeout
+        for address in addresses:
+            await _wait_healthy(address, deadline, procs)
+        from prefixgate.gateway.server import serve
+        from prefixgate.models import resolve_model
+        from prefixgate.registry import make_registry
+
+        spec = resolve_model(args.model, cache_dir(args))
+        started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        static = [] if args.redis_url else addresses
+        gw_stop = asyncio.Event()
+        gateway = asyncio.create_task(serve(
+            spec, make_registry(args.redis_url or None),
+            gateway_cli.gateway_config(args, static, args.port), gw_stop, started))
+        extra: list = []  # the other --processes gateway processes, on the same port
+        try:
+            port = await started
+            address = f"{args.host}:{port}"
+            if args.processes > 1:
+                from prefixgate.gateway import processes
+
+                child = argparse.Namespace(**vars(args))
+                child.worker, child.port, child.metrics_port = static, port, 0
+                extra = processes.spawn(gateway_cli.serve_process, child, args.processes - 1)
+                await asyncio.to_thread(processes.wait_ready, extra, args.startup_timeout)
+            log.info("prefixgate is up: gateway %s, workers %s", address, ", ".join(addresses))
+            if args.demo:
+                # The demo prints each turn's figures itself; keep the terminal readable.
+                logging.getLogger("prefixgate.gateway").setLevel(logging.WARNING)
+                return await _demo(address, len(addresses))
+            print(f"prefixgate up: gateway on {address}; chat with: prefixgate chat --address "
+                  f"{address}   (Ctrl-C stops everything)", file=sys.stderr, flush=True)
+            await stop.wait()
+            return 0
+        finally:
+            if extra:
+                await asyncio.to_thread(processes.stop, extra, 15)
+            gw_stop.set()
+            await gateway
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+async def _demo(address: str, num_workers: int) -> int:
+    from prefixgate.cli.chat import converse
+    from prefixgate.client import ChatClient
+
+    client = ChatClient(address)
+    await client.wait_ready(30)
+    # The gateway probes workers on start; wait until it routes to all of them.
+    for _ in range(100):
+        models = await client.list_models()
+        if models.models[0].num_workers >= num_workers:
+            break
+        await asyncio.sleep(0.2)
+    results = await converse(client, list(DEMO_SCRIPT), conversation_id="demo",
+                             system="", sampling_kwargs={"max_tokens": 96})
+    await client.close()
+    if len(results) < len(DEMO_SCRIPT):
+        return 1
+    first = results[0].text
+    if "paris" not in first.lower():
+        print(f"demo: the first reply does not mention Paris: {first!r}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,127 @@
+"""`prefixgate worker`: one model worker serving prefixgate.v1.WorkerService (needs torch)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from prefixgate.cli.common import cache_dir, log, log_flags, model_flags, start_metrics, stop_event
+from prefixgate.cli.flags import flag
+
+HELP = "run one model worker (WorkerService over gRPC)"
+DESCRIPTION = "Run one model worker serving prefixgate.v1.WorkerService."
+
+
+def add_arguments(w: argparse.ArgumentParser) -> None:
+    log_flags(w)
+    model_flags(w)
+    flag(w, "--host", default="127.0.0.1", help="address to listen on")
+    flag(w, "--port", type=int, default=50061, help="port to listen on (0: any free port)")
+    flag(w, "--worker-id", default="", help="stable worker id (default: worker-<port>)")
+    flag(w, "--advertise-address", default="",
+         help="host:port gateways use to reach this worker (default: host:port)")
+    flag(w, "--redis-url", default="", help="register in this Redis (redis://host:port/db)")
+    flag(w, "--lease-ms", type=int, default=10000, help="registry lease, renewed every third of it")
+    flag(w, "--kv-cache-memory", type=int, default=1 << 30,
+         help="bytes of KV pool (ignored when --num-blocks is given)")
+    flag(w, "--num-blocks", type=int, default=0, help="KV pool size in blocks (0: from --kv-cache-memory)")
+    flag(w, "--max-num-seqs", type=int, default=32, help="most requests in the running batch")
+    flag(w, "--max-num-batched-tokens", type=int, default=512,
+         help="tokens per step (decodes plus prefill chunks)")
+    flag(w, "--disable-prefix-cache", action="store_true",
+         help="compute every prompt in full (for comparisons)")
+    flag(w, "--context-overflow", default="fail", choices=("fail", "keep-system-drop-oldest"),
+         help="prompt + max_tokens over the context: fail, or keep the system prompt and drop "
+              "the oldest turns (requests may choose per request)")
+    flag(w, "--shifted-reuse", default="blend", choices=("recompute", "shift", "blend"),
+         help="how an overflowing turn reuses its kept turns' cached KV (docs/reindex.md)")
+    flag(w, "--blend-tokens", type=int, default=64,
+         help="tokens after the dropped gap recomputed under --shifted-reuse blend")
+    flag(w, "--reindex-backend", default="auto", choices=("auto", "torch", "triton"),
+         help="KV re-rotation: triton kernel (auto: on CUDA when installed) or torch")
+    flag(w, "--device", default="auto",
+         help="torch device for the model and KV pool: cpu, cuda, cuda:N (auto: cuda if available)")
+    flag(w, "--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+         help="model and KV dtype (auto: float32 on CPU, bfloat16 on GPU)")
+    flag(w, "--torch-threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    flag(w, "--drain-seconds", type=float, default=30.0,
+         help="on SIGTERM, how long in-flight requests may finish")
+    flag(w, "--metrics-port", type=int, default=0,
+         help="serve Prometheus metrics on this port at /metrics (0: off)")
+    from prefixgate.emulate.worker import add_arguments as add_emulation_arguments
+
+    add_emulation_arguments(w)  # --emulate: no model (prefixgate/emulate)
+
+
+def run(args: argparse.Namespace) -> int:
+    asyncio.run(_serve_emulated(args) if args.emulate else _serve(args))
+    return 0
+
+
+async def _serve_emulated(args: argparse.Namespace) -> None:
+    from prefixgate.emulate.worker import serve_emulated
+
+    await serve_emulated(args, stop_event())
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    import torch
+
+    from prefixgate.models import resolve_model
+    from prefixgate.overflow import user_turn_prefix
+    from prefixgate.registry import RedisRegistry, WorkerRecord
+    from prefixgate.tokenizer import ChatTokenizer
+    from prefixgate.worker.engine import EngineConfig, PagedEngine
+    from prefixgate.worker.events import EventLog, RedisPublisher
+    from prefixgate.worker.kv_pool import num_blocks_for_memory
+    from prefixgate.worker.metrics import WorkerMetrics
+    from prefixgate.worker.model_loader import load_model
+    from prefixgate.worker.model_runner import pool_config_for
+    from prefixgate.worker.server import WorkerConfig, WorkerService, serve
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    start_metrics(args.metrics_port)
+    stop = stop_event()
+    spec = resolve_model(args.model, cache_dir(args))
+    tokenizer = ChatTokenizer(spec)
+    device = args.device if args.device != "auto" else (
+        "cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (
+        torch.float32 if device == "cpu" else torch.bfloat16)
+    model = await asyncio.to_thread(load_model, spec, dtype, device)
+    bytes_per_token = pool_config_for(model, args.block_size, 1).bytes_per_token
+    num_blocks = args.num_blocks or num_blocks_for_memory(
+        args.kv_cache_memory, bytes_per_token, args.block_size)
+    log.info("KV pool: %d bytes per token, %d blocks of %d tokens = %d tokens (%.1f MiB)",
+             bytes_per_token, num_blocks, args.block_size, num_blocks * args.block_size,
+             num_blocks * args.block_size * bytes_per_token / 2**20)
+    events = EventLog()  # the engine's KV event sink; WatchEvents and Redis read it
+    engine = PagedEngine(model, tokenizer, EngineConfig(
+        num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_cache=not args.disable_prefix_cache,
+        eos_token_ids=tokenizer.eos_token_ids, max_context_tokens=spec.max_context_tokens,
+        model_fingerprint=spec.fingerprint, context_overflow=args.context_overflow,
+        turn_prefix=user_turn_prefix(tokenizer), shifted_reuse=args.shifted_reuse,
+        blend_tokens=args.blend_tokens, reindex_backend=args.reindex_backend),
+        metrics=WorkerMetrics(), event_sink=events)
+    worker_id = args.worker_id or f"worker-{args.port}"
+    config = WorkerConfig(worker_id=worker_id, host=args.host, port=args.port,
+                          block_size=args.block_size, drain_seconds=args.drain_seconds)
+    service = WorkerService(engine, spec, config, vocab_size=tokenizer.vocab_size,
+                            events=events)
+    started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    server = asyncio.create_task(serve(service, stop, started))
+    port = await started
+    if not args.redis_url:
+        await server
+        return
+    # Registration, lease renewal and KV event publishing (worker/events.py).
+    registry = RedisRegistry(args.redis_url)
+    address = args.advertise_address or f"{args.host}:{port}"
+    publisher = RedisPublisher(events, registry, WorkerRecord(
+        worker_id, address, spec.fingerprint, capacity_blocks=num_blocks), args.lease_ms)
+    await publisher.run(stop)
+    await server
+    await registry.close()
