@@ -134,6 +134,9 @@ class RoutingConfig:
     max_conversations: int = 100_000  # conversations remembered for the tie-breaker
     # Prefill rate assumed for a worker that has not reported a measured one yet.
     default_prefill_tokens_per_s: float = 10_000.0
+    # Use the rates workers measure and report (False: every worker at the default rate
+    # and running_weight, for identical workers whose measurement noise should not steer).
+    measured_rates: bool = True
     # How long a routed turn's blocks count as expected on its worker without an event
     # confirming them (0: no predictions). Longer than a prefill's queue plus event delay.
     prediction_ttl_s: float = 30.0
@@ -307,12 +310,14 @@ class Router:
         best = max(credit.values(), default=0.0)
         prompt = turn.num_prompt_tokens
         reuse = self.reuse
+        measured = cfg.measured_rates
         for w in workers:
             wid = w.worker_id
-            rate = getattr(w, "prefill_tokens_per_s", 0.0) or cfg.default_prefill_tokens_per_s
+            rate = ((getattr(w, "prefill_tokens_per_s", 0.0) if measured else 0.0)
+                    or cfg.default_prefill_tokens_per_s)
             queued = w.num_queued_prefill_tokens
             uncached = prompt - credit[wid]
-            step_s = getattr(w, "decode_step_s", 0.0)
+            step_s = getattr(w, "decode_step_s", 0.0) if measured else 0.0
             if step_s > 0:  # measured: decode delays prefill only where steps interleave
                 chunk = getattr(w, "prefill_chunk_tokens", 0)
                 decode_s = (step_s * -(-(queued + uncached) // chunk)

@@ -7,7 +7,8 @@ Contract
   then one GenerateFinal. A client that goes away (or whose deadline passes) cancels the
   request in the engine, which frees its resources.
 - GetInfo/GetStatus/FlushCache answer from the engine without waiting for it; WatchStatus
-  pushes the status on change (prefixgate/status.py).
+  pushes the status on change (prefixgate/status.py). The status carries the service
+  rates measured on finished requests (worker/rates.py) for routing by cost.
 - The prompt comes repeated or packed (prefixgate/token_ids.py).
 - WatchEvents streams the worker's KV events from its `EventLog` (worker/events.py, the
   sink the engine reports to): a snapshot of the cached blocks first unless the caller
@@ -43,6 +44,7 @@ from prefixgate.token_ids import prompt_token_ids
 from prefixgate.v1 import common_pb2, worker_pb2
 from prefixgate.worker.api import Engine, FinalEvent, FinishReason, Request, TokenEvent
 from prefixgate.worker.events import EventLog
+from prefixgate.worker.rates import ServiceRates
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,7 @@ class WorkerService:
         self.events = events if events is not None else EventLog()
         self._closing = False
         self._watchers: set[asyncio.Event] = set()
+        self.rates = ServiceRates()  # measured on finished requests, reported in the status
 
     async def Generate(self, request: worker_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext):
@@ -134,6 +137,7 @@ class WorkerService:
                 finals[ev.index] = ev
             finished = True
             first = finals[0]
+            self.rates.observe(first)
             yield worker_pb2.GenerateEvent(final=worker_pb2.GenerateFinal(
                 usage=common_pb2.Usage(
                     prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens,
@@ -172,7 +176,9 @@ class WorkerService:
             num_running_requests=s.num_running_requests,
             num_waiting_requests=s.num_waiting_requests,
             num_queued_prefill_tokens=s.num_queued_prefill_tokens,
-            kv_used_tokens=s.kv_used_tokens, kv_capacity_tokens=s.kv_capacity_tokens)
+            kv_used_tokens=s.kv_used_tokens, kv_capacity_tokens=s.kv_capacity_tokens,
+            prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
+            decode_step_s=self.rates.decode_step_s)
 
     async def FlushCache(self, request, context) -> worker_pb2.FlushCacheResponse:
         return worker_pb2.FlushCacheResponse(num_flushed_tokens=self.engine.flush_cache())

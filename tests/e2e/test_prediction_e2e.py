@@ -13,7 +13,7 @@ from prefixgate.gateway.index import PrefixIndex
 from prefixgate.gateway.routing import LoadSnapshot, Router, RoutingConfig, make_turn
 from prefixgate.radix import BlockHasher
 from prefixgate.registry import RedisRegistry, WorkerRecord
-from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2
+from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from prefixgate.worker.events import EventLog, RedisPublisher
 from tests.helpers import start_worker, wait_for
 
@@ -67,7 +67,7 @@ def _split_conversation_id(prompt: list[int], hasher: BlockHasher,
 
 def test_follow_up_sent_at_once_hits_the_cache(loop_thread, tiny_spec, tiny_model,
                                                redis_flush) -> None:
-    stops, pubs = [], []
+    stops, pubs, addresses = [], [], []
     for wid in ("w0", "w1"):
         log = EventLog()
         address, stop = start_worker(loop_thread, tiny_spec, tiny_model, wid, events=log,
@@ -78,11 +78,15 @@ def test_follow_up_sent_at_once_hits_the_cache(loop_thread, tiny_spec, tiny_mode
         loop_thread.spawn(pub.run(stop))
         stops.append(stop)
         pubs.append(pub)
+        addresses.append(address)
     wait_for(lambda: all(p.connected for p in pubs), what="workers to register")
     on_index, off_index = PrefixIndex(), PrefixIndex(prediction_ttl_s=0)
-    on, on_stop = _start_gateway(loop_thread, tiny_spec, redis_flush, RoutingConfig(), on_index)
+    # Identical workers ranked alike (measured_rates off), so the tie-breakers below decide.
+    on, on_stop = _start_gateway(loop_thread, tiny_spec, redis_flush,
+                                 RoutingConfig(measured_rates=False), on_index)
     off, off_stop = _start_gateway(loop_thread, tiny_spec, redis_flush,
-                                   RoutingConfig(prediction_ttl_s=0), off_index)
+                                   RoutingConfig(prediction_ttl_s=0, measured_rates=False),
+                                   off_index)
     stops += [on_stop, off_stop]
     hasher = BlockHasher(BLOCK, model_fingerprint=tiny_spec.fingerprint)
     try:
@@ -123,6 +127,12 @@ def test_follow_up_sent_at_once_hits_the_cache(loop_thread, tiny_spec, tiny_mode
             else:  # blind to its own decision: the race the prediction closes
                 assert follow.worker_id != first.worker_id
                 assert follow.usage.cached_tokens == 0 and follow.predicted_cached_tokens == 0
+        # The workers measure their service rates on these turns and report them.
+        for address in addresses:
+            with grpc.insecure_channel(address) as ch:
+                status = worker_pb2_grpc.WorkerServiceStub(ch).GetStatus(
+                    worker_pb2.GetStatusRequest(), timeout=10)
+            assert status.prefill_tokens_per_s > 0 and status.decode_step_s > 0
         for c in channels:
             c.close()
     finally:
