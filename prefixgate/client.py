@@ -10,7 +10,9 @@ are for gateways that require them. gRPC errors propagate as grpc.aio.AioRpcErro
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -61,7 +63,11 @@ class ChatClient:
                    on_text: Callable[[str], None] | None = None) -> TurnResult:
         request = chat_pb2.ChatRequest(conversation_id=conversation_id, namespace=namespace,
                                        sampling=sampling or common_pb2.SamplingParams())
-        if prompt_token_ids is not None:
+        if isinstance(prompt_token_ids, array) and prompt_token_ids.itemsize == 4 \
+                and sys.byteorder == "little":
+            # Packed: 4 bytes per id, little-endian, no per-id work on either side.
+            request.packed_prompt_token_ids = prompt_token_ids.tobytes()
+        elif prompt_token_ids is not None:
             request.prompt_token_ids.token_ids.extend(prompt_token_ids)
         else:
             request.messages.messages.extend(

@@ -14,7 +14,10 @@ Model of one worker (EmulationConfig; times below are *emulated* seconds, which 
            (they may hold the cache over its capacity until the request ends).
   prefill  one prompt at a time, first come first served. At its start a request matches
            its prompt's leading cached blocks (cached tokens = blocks x block size, at most
-           prompt - 1 tokens), then takes (prompt - cached) / `prefill_tokens_per_s`.
+           prompt - 1 tokens), then takes (prompt - cached) / `prefill_tokens_per_s`. The
+           schedule is computed from arrival times (a late timer on a busy host delays what
+           the worker sends, never the emulated start of the next prefill or the reported
+           timings).
   publish  when the prefill completes, the prompt's full blocks enter the cache and the
            event log (`stored`), as a real worker's do once computed; evictions publish
            `removed`. When the reply ends, the full blocks of prompt + reply are stored.
@@ -124,6 +127,7 @@ class _Req:
     cached: int = 0
     started: float = 0.0
     first_token: float = 0.0
+    done_at: float = 0.0
     handle: Node[int] | None = None
     timer: asyncio.TimerHandle | None = None
     stage: str = "queued"  # queued | prefill | decode | done
@@ -141,6 +145,7 @@ class EmulatedEngine(Engine):
         self._decoding: dict[str, _Req] = {}
         self._by_id: dict[str, _Req] = {}
         self._queued_tokens = 0
+        self._free_at = 0.0  # loop time the current prefill ends (computed)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._status = self._snapshot()
@@ -209,28 +214,33 @@ class EmulatedEngine(Engine):
             return
         req = self._queue.popleft()
         assert self._loop is not None
-        self._prefilling, req.stage, req.started = req, "prefill", self._loop.time()
         req.handle, m = self.cache.acquire(self._usable(req))
         req.cached = m * self.config.block_size
         uncached = len(req.request.prompt_token_ids) - req.cached
-        req.timer = self._loop.call_later(
-            self._wall(uncached / self.config.prefill_tokens_per_s), self._prefill_done, req)
+        # The schedule is computed, not measured: the prefill starts when the worker is
+        # free (the previous prefill's computed end) or the request arrived, whichever is
+        # later, however late a busy host runs this callback; so worker-side timings are
+        # the model's, and only arrival times carry the host's delays.
+        req.started = max(req.arrival, self._free_at)
+        req.first_token = self._free_at = req.started + self._wall(
+            uncached / self.config.prefill_tokens_per_s)
+        self._prefilling, req.stage = req, "prefill"
+        req.timer = self._loop.call_at(req.first_token, self._prefill_done, req)
 
     def _prefill_done(self, req: _Req) -> None:
         assert self._loop is not None
         self._prefilling, req.stage = None, "decode"
         self._queued_tokens -= req.expected_uncached
-        req.first_token = self._loop.time()
         req.handle = self.cache.store(req.handle, req.hashes)
         max_tokens = req.request.sampling.max_tokens
         req.reply = reply_token_ids(req.hashes, req.hasher.root_hash, max_tokens,
                                     self.config.vocab_size)
         req.emit(TokenEvent((req.reply[0],), "x"))
+        req.done_at = req.first_token + self._wall((max_tokens - 1) *
+                                                   self.config.decode_s_per_token)
         if max_tokens > 1:
             self._decoding[req.request.request_id] = req
-            req.timer = self._loop.call_later(
-                self._wall((max_tokens - 1) * self.config.decode_s_per_token), self._decode_done,
-                req)
+            req.timer = self._loop.call_at(req.done_at, self._decode_done, req)
         else:
             self._end(req, FinishReason.LENGTH)
         self._start_prefill()
@@ -276,6 +286,8 @@ class EmulatedEngine(Engine):
         self.cache.release(req.handle)
         req.handle = None
         now = self._loop.time() if self._loop is not None else time.monotonic()
+        if reason is not FinishReason.CANCELLED and req.done_at:
+            now = req.done_at  # the computed end (see _start_prefill)
         scale = self.config.time_scale
         start = req.started or now
         first = req.first_token or now

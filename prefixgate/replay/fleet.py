@@ -51,6 +51,37 @@ from prefixgate.replay.traces import Trace
 CHAT_BLOCK_SIZE = 16
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The --fleet flags of `prefixgate replay` (the workers' model is the simulator's:
+    --capacity-tokens, --sim-block-size, --prefill-tokens-per-s, --decode-s-per-token;
+    --gateways, --fleet-redis and --time-scale also shape --simulate)."""
+    from prefixgate.cli.flags import flag
+
+    flag(p, "--fleet", type=int, default=0,
+         help="replay through real gateways in front of this many emulated workers, all "
+              "started and stopped by this command (0: off; docs/traces.md)")
+    flag(p, "--gateways", action="append", type=int,
+         help="--fleet/--simulate: gateway replicas, one run per count, e.g. 1,2,4 (default: 1)")
+    flag(p, "--fleet-redis", action="store_true",
+         help="--fleet: workers register in and gateways follow a private Redis (else "
+              "gateways list the workers and follow WatchEvents); --simulate: gateways "
+              "share routing predictions")
+    flag(p, "--time-scale", type=float, default=1.0,
+         help="--fleet: emulated seconds per wall second (the whole fleet and the arrivals "
+              "run this much faster; reported times are emulated); --simulate: the same "
+              "fleet's, for the gateways' wall-clock constants")
+    flag(p, "--gateway-args", default="",
+         help="--fleet: more flags for every gateway, e.g. '--prediction-ttl-s 0'")
+    flag(p, "--peer-router", default="",
+         help="--fleet: also run this HTTP router (its command; it gets --host, --port and "
+              "--worker-urls) in place of the gateways, e.g. '/path/python -m "
+              "sglang_router.launch_router --policy cache_aware'")
+    flag(p, "--peer-label", default="",
+         help="--fleet: the peer router's name in reports")
+    flag(p, "--fleet-logs", default="",
+         help="--fleet: keep the processes' logs in this directory (default: a temporary one)")
+
+
 class RoundRobin(Target):
     """Turns spread over several front ends in turn (a load balancer in front of
     replicas): prefixgate gateways (host:port) or HTTP routers (http:// URLs, sent token
@@ -154,6 +185,14 @@ async def fleet_run(trace: Trace, fleet_config, arrival: ArrivalConfig, limits: 
     summary = summarize(records, result.duration_s * scale, workers=workers)
     summary["workers"] = worker_summary(served, workers)
     summary["decisions"] = decision_summary(records)
+    failed = {}
+    for r in records:
+        if not r.ok:
+            failed.setdefault(f"{r.status}: {r.error}"[:300], 0)
+            failed[f"{r.status}: {r.error}"[:300]] += 1
+    summary["failures"] = failed
+    # What the path around the workers added: client TTFT over the same turns' worker TTFT
+    # is not joinable per turn, so compare the distributions' medians and tails.
     cfg = dataclasses.asdict(fleet_config)
     return {"label": label,
             "config": {"trace": trace.source, "fleet": cfg, "arrival": vars(arrival),
@@ -192,7 +231,7 @@ def run_fleet(trace: Trace, args: argparse.Namespace, arrival: ArrivalConfig,
             max_context_tokens=context, peer_router=router,
             gateway_flags=() if router else (*policy_flags(policy),
                                              *shlex.split(args.gateway_args)),
-            cache_dir=args.cache_dir or "")
+            cache_dir=getattr(args, "cache_dir", None) or "")
         plural = "s" if gateways > 1 else ""
         if router:
             label = f"{args.peer_label or 'peer router'}, {gateways} replica{plural}"

@@ -13,7 +13,7 @@ send time from the run's start). Arrival modes (`ArrivalConfig.mode`):
 
 Chat turns send the conversation's history with the *recorded* replies, never the target's,
 so every target sees the same prompts. Token turns send synthesised token ids
-(prefixgate.replay.traces.synth_prompt). Bounds: at most `max_turns` turns are sent and none
+(prefixgate.replay.traces.synth_prompt_array: u32 arrays, sent packed). Bounds: at most `max_turns` turns are sent and none
 is started after `max_duration_s`; turns already sent finish (each under the target's own
 timeout), so a run always stops by itself. A tqdm bar on stderr shows progress.
 """
@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from prefixgate.replay.targets import Target, TurnRecord, TurnRequest
-from prefixgate.replay.traces import Conversation, Trace, synth_prompt
+from prefixgate.replay.traces import Conversation, Trace, synth_prompt_array
 
 ARRIVAL_MODES = ("open", "closed", "poisson")
 
@@ -72,7 +72,7 @@ def build_request(trace: Trace, conv: Conversation, index: int, limits: Limits) 
         max_tokens = max(1, min(max_tokens, turn.num_output_tokens))
     if trace.is_chat:
         return TurnRequest(conv.conversation_id, index, max_tokens, messages=conv.messages(index))
-    ids = synth_prompt(turn, trace.block_size, limits.vocab_size, limits.max_prompt_tokens)
+    ids = synth_prompt_array(turn, trace.block_size, limits.vocab_size, limits.max_prompt_tokens)
     return TurnRequest(conv.conversation_id, index, max_tokens, prompt_token_ids=ids)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -34,7 +35,7 @@ class TurnRequest:
     turn_index: int
     max_tokens: int
     messages: list[tuple[str, str]] | None = None  # chat turn
-    prompt_token_ids: list[int] | None = None  # token turn
+    prompt_token_ids: Sequence[int] | None = None  # token turn (an array('I'): sent packed)
 
 
 @dataclass
@@ -153,7 +154,7 @@ class OpenAITarget(Target):
                       "temperature": self.temperature, "stream": True,
                       "stream_options": {"include_usage": True}}
         if request.prompt_token_ids is not None:
-            path, body["prompt"] = "/v1/completions", request.prompt_token_ids
+            path, body["prompt"] = "/v1/completions", list(request.prompt_token_ids)
             if self.text_token_ids:
                 body["prompt"] = " ".join(map(str, request.prompt_token_ids))
         else:

@@ -136,6 +136,12 @@ def synth_prompt(turn: TraceTurn, block_size: int, vocab_size: int,
     """Token ids of a token turn: its blocks' runs, cut to `num_prompt_tokens` (the last
     block may be partial) and, when `max_tokens` > 0, to its first `max_tokens`. Tokens past
     the hashed blocks (a recorded prompt's unhashed tail) come from the last block's id."""
+    return synth_prompt_array(turn, block_size, vocab_size, max_tokens).tolist()
+
+
+def synth_prompt_array(turn: TraceTurn, block_size: int, vocab_size: int,
+                       max_tokens: int = 0) -> array:
+    """`synth_prompt` as an array of u32 ids (what a client sends packed)."""
     n = turn.num_prompt_tokens or len(turn.hash_ids) * block_size
     if max_tokens > 0:
         n = min(n, max_tokens)
@@ -145,11 +151,10 @@ def synth_prompt(turn: TraceTurn, block_size: int, vocab_size: int,
             break
         run += _block_run(h, block_size, vocab_size)
     del run[n:]
-    out = run.tolist()
-    if len(out) < n:
+    if len(run) < n:
         tail_seed = (turn.hash_ids[-1] if turn.hash_ids else 0) ^ 0x9E3779B97F4A7C15
-        out += synth_block_tokens(tail_seed, n - len(out), vocab_size)
-    return out
+        run += array("I", synth_block_tokens(tail_seed, n - len(run), vocab_size))
+    return run
 
 
 # --- reading -----------------------------------------------------------------------------
