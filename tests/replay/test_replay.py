@@ -407,11 +407,16 @@ def test_simulator_is_deterministic_and_caches_chat_replies(tiny_spec) -> None:
     assert [(r.conversation_id, r.turn_index, r.ttft_s, r.cached_tokens, r.worker)
             for r in a.records] == [(r.conversation_id, r.turn_index, r.ttft_s, r.cached_tokens,
                                      r.worker) for r in b.records]
-    later = [r for r in a.records if r.turn_index > 0]
-    # The reply is cached too: turn k+1 reuses more than turn k's prompt alone.
     prompt_of = {(t.conversation_id, t.turn_index): t.num_prompt_tokens for c in convs for t in c}
-    assert all(r.cached_tokens > prompt_of[(r.conversation_id, r.turn_index - 1)] - 4
-               for r in later)
+    # The worker's own reply is cached, but a replay's next prompt carries the recorded one:
+    # turn k+1 reuses turn k's prompt (its full blocks), not more.
+    later = [r for r in a.records if r.turn_index > 0]
+    assert all(prompt_of[(r.conversation_id, r.turn_index - 1)] - 4 < r.cached_tokens
+               <= prompt_of[(r.conversation_id, r.turn_index - 1)] for r in later)
+    # A worker that reproduced the recorded reply would cache it too: more than the prompt.
+    recorded = simulate(convs, SimConfig(**{**vars(cfg), "reply_blocks": "recorded"}))
+    assert all(r.cached_tokens > prompt_of[(r.conversation_id, r.turn_index - 1)]
+               for r in recorded.records if r.turn_index > 0)
 
 
 def test_build_request_caps_prompt_and_tokens() -> None:
