@@ -121,11 +121,12 @@ class Fleet:
     gateway_port: int = 0
     lease_ms: int = 1500
     extra_worker_args: tuple[str, ...] = ()
+    log_level: str = "WARNING"
 
     @property
     def env(self) -> dict[str, str]:
         return cli_env(PREFIXGATE_CACHE_DIR=str(self.workdir / "cache"),
-                       PREFIXGATE_MODEL="tiny-random", PREFIXGATE_LOG_LEVEL="WARNING",
+                       PREFIXGATE_MODEL="tiny-random", PREFIXGATE_LOG_LEVEL=self.log_level,
                        PREFIXGATE_REDIS_URL=self.redis.url if self.redis else "")
 
     @property
