@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# Make the Secrets the manifests expect (docs/deploy.md, "Security"), with fresh random
+# values and certificates:
+#   prefixgate-redis         password (Redis administrator), gateway-password, worker-password
+#   prefixgate-tls           tls.crt, tls.key, ca.crt: the Chat API's certificate
+#   prefixgate-internal-tls  ca.crt, worker.crt/.key (server), gateway.crt/.key (client)
+#   prefixgate-auth          tokens (hashed), internal-token, worker-keyring
+# A Secret that already exists is left alone (bring your own certificate by creating
+# prefixgate-tls first, e.g. with cert-manager). Prints the first client token, bound to
+# the namespace TENANT (default: "default"), once: it is stored nowhere else.
+#
+#   bash deploy/secrets.sh [-n NAMESPACE]     # kubectl create secret ... in NAMESPACE
+#   bash deploy/secrets.sh --dir DIR          # write the files to DIR instead
+# Needs openssl 1.1.1 or newer (and kubectl without --dir).
+set -euo pipefail
+
+namespace=prefixgate
+out_dir=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        -n|--namespace) namespace="$2"; shift 2 ;;
+        --dir) out_dir="$2"; shift 2 ;;
+        *) echo "usage: $0 [-n NAMESPACE] [--dir DIR]" >&2; exit 2 ;;
+    esac
+done
+tenant="${TENANT:-default}"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+umask 077
+cd "$work"
+
+hex() { openssl rand -hex "$1"; }
+
+# A CA, and certificates it signs: cert NAME CN SAN EXTENDED_KEY_USAGE
+ca() {
+    openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 825 \
+        -subj "/CN=$2" -keyout "$1.key" -out "$1.crt" \
+        -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign,cRLSign \
+        2>/dev/null
+}
+cert() {
+    local name="$1" ca="$2" cn="$3" san="$4" usage="$5"
+    openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "/CN=$cn" \
+        -keyout "$name.key" -out "$name.csr" 2>/dev/null
+    printf 'basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=%s\n%s' \
+        "$usage" "${san:+subjectAltName=$san}" > "$name.ext"
+    openssl x509 -req -in "$name.csr" -CA "$ca.crt" -CAkey "$ca.key" -CAcreateserial \
+        -days 825 -extfile "$name.ext" -out "$name.crt" 2>/dev/null
+}
+
+svc="svc.cluster.local"
+ca public-ca "prefixgate public CA"
+cert gateway-public public-ca prefixgate-gateway \
+    "DNS:prefixgate-gateway,DNS:prefixgate-gateway.$namespace,DNS:prefixgate-gateway.$namespace.svc,DNS:prefixgate-gateway.$namespace.$svc,DNS:localhost,IP:127.0.0.1" \
+    serverAuth
+ca internal-ca "prefixgate internal CA"
+cert worker internal-ca prefixgate-worker "DNS:*.prefixgate-worker.$namespace.$svc" serverAuth
+cert gateway internal-ca prefixgate-gateway "" clientAuth
+
+token="pg_$(openssl rand -base64 32 | tr '+/' '-_' | tr -d '=\n')"
+digest="$(printf '%s' "$token" | openssl dgst -sha256 -r | cut -d' ' -f1)"
+printf '# sha256:<hash of the token> <namespace> [<label>]; `prefixgate token` adds more\nsha256:%s %s\n' \
+    "$digest" "$tenant" > tokens
+printf 'pg_%s\n' "$(hex 32)" > internal-token
+printf '# * <master key>: each worker id gets HMAC(master, id) (prefixgate/identity.py)\n* %s\n' \
+    "$(hex 32)" > worker-keyring
+hex 24 > redis-password
+hex 24 > redis-gateway-password
+hex 24 > redis-worker-password
+
+# secret NAME TYPE key=file ...
+secret() {
+    local name="$1" type="$2"
+    shift 2
+    if [ -n "$out_dir" ]; then
+        mkdir -p "$out_dir/$name"
+        for pair in "$@"; do cp "${pair#*=}" "$out_dir/$name/${pair%%=*}"; done
+        return
+    fi
+    if kubectl -n "$namespace" get secret "$name" >/dev/null 2>&1; then
+        echo "secret/$name exists: left as it is" >&2
+        return
+    fi
+    local args=()
+    for pair in "$@"; do args+=("--from-file=$pair"); done
+    kubectl -n "$namespace" create secret generic "$name" --type="$type" "${args[@]}" >&2
+}
+
+if [ -z "$out_dir" ]; then
+    kubectl get namespace "$namespace" >/dev/null 2>&1 || kubectl create namespace "$namespace" >&2
+fi
+secret prefixgate-redis Opaque password=redis-password gateway-password=redis-gateway-password \
+    worker-password=redis-worker-password
+secret prefixgate-tls kubernetes.io/tls tls.crt=gateway-public.crt tls.key=gateway-public.key \
+    ca.crt=public-ca.crt
+secret prefixgate-internal-tls Opaque ca.crt=internal-ca.crt worker.crt=worker.crt \
+    worker.key=worker.key gateway.crt=gateway.crt gateway.key=gateway.key
+secret prefixgate-auth Opaque tokens=tokens internal-token=internal-token \
+    worker-keyring=worker-keyring
+if [ -z "$out_dir" ]; then
+    kubectl -n "$namespace" get secret prefixgate-tls -o jsonpath='{.data.ca\.crt}' \
+        | base64 -d > prefixgate-ca.crt 2>/dev/null && cp prefixgate-ca.crt "$OLDPWD/" || true
+    echo "the gateway's CA certificate: ./prefixgate-ca.crt (clients: --tls-ca)" >&2
+fi
+echo "client token for namespace '$tenant' (keep it; it is stored nowhere else):" >&2
+echo "$token"
