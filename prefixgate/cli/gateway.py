@@ -53,11 +53,21 @@ def policy_flags(p: argparse.ArgumentParser) -> None:
     flag(p, "--policy", default=d.policy, choices=POLICIES,
          help="routing policy (see docs/routing.md)")
     flag(p, "--prefix-weight", type=float, default=d.prefix_weight,
-         help="prefix policy: score per cached prompt token")
+         help="prefix policy: weight of the prefill and later re-prefill seconds in the cost")
     flag(p, "--load-weight", type=float, default=d.load_weight,
-         help="prefix policy: score subtracted per queued prefill token")
+         help="prefix policy: weight of the queued prefill and decode seconds in the cost")
     flag(p, "--running-weight", type=float, default=d.running_weight,
-         help="prefix policy: queued-token equivalents per running sequence")
+         help="prefix policy: queued-token equivalents per running sequence, for workers "
+              "that report no measured decode step time")
+    flag(p, "--default-prefill-tokens-per-s", type=float,
+         default=d.default_prefill_tokens_per_s,
+         help="prefix policy: prefill rate assumed until a worker reports its measured one")
+    flag(p, "--no-measured-rates", action="store_true", default=False,
+         help="prefix policy: rank every worker at the default rate (identical workers "
+              "whose measurement noise should not steer)")
+    flag(p, "--prediction-ttl-s", type=float, default=d.prediction_ttl_s,
+         help="prefix policy: a routed turn's blocks count as expected on its worker this "
+              "long unless the worker's events confirm or drop them (0: no predictions)")
     flag(p, "--shared-prefix-weight", type=float, default=d.shared_prefix_weight,
          help="prefix policy: credit per cached token of a prefix many conversations share, "
               "on a worker whose cache is fuller than the rest (see --occupancy-slack)")
@@ -95,7 +105,10 @@ def gateway_config(args: argparse.Namespace, workers: Sequence[str], port: int):
                              load_weight=args.load_weight, running_weight=args.running_weight,
                              shared_prefix_weight=args.shared_prefix_weight,
                              occupancy_slack=args.occupancy_slack,
-                             spread_fanout=args.spread_fanout),
+                             spread_fanout=args.spread_fanout,
+                             default_prefill_tokens_per_s=args.default_prefill_tokens_per_s,
+                             measured_rates=not args.no_measured_rates,
+                             prediction_ttl_s=args.prediction_ttl_s),
                          index_max_blocks=args.index_max_blocks,
                          static_workers=tuple(workers),
                          drain_seconds=getattr(args, "drain_seconds", 30.0),
