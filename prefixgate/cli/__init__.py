@@ -21,7 +21,7 @@ from prefixgate.cli.flags import Parser
 from prefixgate.models import ModelError
 
 # command -> module in this package, in --help order.
-COMMANDS = ("worker", "gateway", "up", "chat", "bench", "replay")
+COMMANDS = ("worker", "gateway", "up", "chat", "bench", "replay", "token")
 
 
 def build_parser() -> argparse.ArgumentParser:

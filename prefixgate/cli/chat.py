@@ -10,6 +10,7 @@ import argparse
 import asyncio
 from collections.abc import Sequence
 
+from prefixgate.cli import security
 from prefixgate.cli.common import log_flags
 from prefixgate.cli.flags import flag
 
@@ -21,6 +22,7 @@ DESCRIPTION = ("Chat with a prefixgate gateway. Type a message and press Enter; 
 def add_arguments(c: argparse.ArgumentParser) -> None:
     log_flags(c)
     flag(c, "--address", default="127.0.0.1:50051", help="gateway host:port")
+    security.client_flags(c)
     flag(c, "--message", action="append", comma_separated=False,
          help="send these messages as successive turns instead of reading stdin")
     flag(c, "--system", default="", help="system prompt")
@@ -117,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
 async def _chat(args: argparse.Namespace) -> None:
     from prefixgate.client import ChatClient
 
-    client = ChatClient(args.address)
+    client = ChatClient(args.address, **security.client_security(args))
     try:
         await client.wait_ready(10)
     except TimeoutError:

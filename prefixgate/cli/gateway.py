@@ -13,6 +13,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+from prefixgate.cli import security
 from prefixgate.cli.common import cache_dir, log_flags, model_flags, start_metrics, stop_event
 from prefixgate.cli.flags import flag
 
@@ -37,6 +38,7 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
          help="serve Prometheus metrics on this port at /metrics (0: off; with --processes "
               "N, process i serves on this port + i)")
     processes_flag(g)
+    security.gateway_flags(g)
 
 
 def overflow_flag(p: argparse.ArgumentParser) -> None:
@@ -114,7 +116,8 @@ def gateway_config(args: argparse.Namespace, workers: Sequence[str], port: int):
                          drain_seconds=getattr(args, "drain_seconds", 30.0),
                          record_trace=args.record_trace,
                          status_interval_ms=args.status_interval_ms,
-                         context_overflow=args.context_overflow)
+                         context_overflow=args.context_overflow,
+                         **security.gateway_security(args))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,5 +1,4 @@
-"""Security flags (TLS, bearer tokens, the internal credential, worker identity) and
-`prefixgate token`.
+"""Security flags: TLS, bearer tokens, the internal credential, worker identity.
 
 Each command that serves or calls takes its group here, and the `*_security` helpers are
 the one place those flags become configuration (rpc.TLSConfig, auth.AuthConfig). With
@@ -12,11 +11,6 @@ from __future__ import annotations
 import argparse
 
 from prefixgate.cli.flags import flag
-
-HELP = "print a new bearer token (and its --tokens-file line) or worker key"
-DESCRIPTION = ("Print a new random bearer token. With --namespace, also the line to add "
-               "to the gateway's --tokens-file (it holds only the token's hash). With "
-               "--worker-key ID, a --worker-keyring line for that worker instead.")
 
 
 def _server_tls_flags(p: argparse.ArgumentParser, what: str) -> None:
@@ -68,10 +62,13 @@ def client_flags(c: argparse.ArgumentParser) -> None:
 
 
 def gateway_security(args: argparse.Namespace) -> dict:
-    """GatewayConfig fields from the gateway's security flags."""
+    """GatewayConfig fields from the gateway's security flags ({} for `prefixgate up`,
+    which serves on loopback and has none)."""
     from prefixgate.auth import AuthConfig
     from prefixgate.rpc import TLSConfig
 
+    if not hasattr(args, "tokens_file"):
+        return {}
     return dict(
         tls=TLSConfig(args.tls_cert, args.tls_key, args.tls_client_ca),
         worker_tls=TLSConfig(args.worker_tls_cert, args.worker_tls_key, args.worker_tls_ca),
@@ -107,27 +104,3 @@ def client_security(args: argparse.Namespace) -> dict:
 
     return dict(tls=TLSConfig(ca_file=args.tls_ca) if args.tls_ca else None,
                 token=Path(args.token_file).read_text().strip() if args.token_file else "")
-
-
-def add_arguments(t: argparse.ArgumentParser) -> None:
-    t.add_argument("--namespace", default="",
-                   help="bind the token to this cache namespace (prints the token file line)")
-    t.add_argument("--label", default="", help="a label for logs, in the token file line")
-    t.add_argument("--worker-key", default="", metavar="WORKER_ID",
-                   help="print a --worker-keyring line for this worker id instead")
-
-
-def run(args: argparse.Namespace) -> int:
-    import secrets
-
-    from prefixgate.auth import hash_token, new_token
-
-    if args.worker_key:
-        print(f"{args.worker_key} {secrets.token_hex(32)}")
-        return 0
-    token = new_token()
-    print(token)
-    if args.namespace:
-        line = f"{hash_token(token)} {args.namespace}" + (f" {args.label}" if args.label else "")
-        print(f"# add to --tokens-file; give the token above to the client only:\n{line}")
-    return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from prefixgate.cli import security
 from prefixgate.cli.common import cache_dir, log, log_flags, model_flags, start_metrics, stop_event
 from prefixgate.cli.flags import flag
 
@@ -22,6 +23,7 @@ def add_arguments(w: argparse.ArgumentParser) -> None:
          help="host:port gateways use to reach this worker (default: host:port)")
     flag(w, "--redis-url", default="", help="register in this Redis (redis://host:port/db)")
     flag(w, "--lease-ms", type=int, default=10000, help="registry lease, renewed every third of it")
+    security.worker_flags(w)
     flag(w, "--kv-cache-memory", type=int, default=1 << 30,
          help="bytes of KV pool (ignored when --num-blocks is given)")
     flag(w, "--num-blocks", type=int, default=0, help="KV pool size in blocks (0: from --kv-cache-memory)")
@@ -108,7 +110,8 @@ async def _serve(args: argparse.Namespace) -> None:
         metrics=WorkerMetrics(), event_sink=events)
     worker_id = args.worker_id or f"worker-{args.port}"
     config = WorkerConfig(worker_id=worker_id, host=args.host, port=args.port,
-                          block_size=args.block_size, drain_seconds=args.drain_seconds)
+                          block_size=args.block_size, drain_seconds=args.drain_seconds,
+                          **security.worker_security(args))
     service = WorkerService(engine, spec, config, vocab_size=tokenizer.vocab_size,
                             events=events)
     started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -118,7 +121,7 @@ async def _serve(args: argparse.Namespace) -> None:
         await server
         return
     # Registration, lease renewal and KV event publishing (worker/events.py).
-    registry = RedisRegistry(args.redis_url)
+    registry = RedisRegistry(args.redis_url, keyring=security.worker_keyring(args))
     address = args.advertise_address or f"{args.host}:{port}"
     publisher = RedisPublisher(events, registry, WorkerRecord(
         worker_id, address, spec.fingerprint, capacity_blocks=num_blocks), args.lease_ms)
