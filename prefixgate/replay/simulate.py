@@ -25,8 +25,9 @@ Worker (SimConfig; the emulated worker's model, emulate/engine.py, with the same
            which a replay's next prompt, carrying the recorded reply, does not share) or
            "recorded" (the reply is the trace's: the next turn's prompt reuses it).
   status   queued prefill tokens (expected uncached tokens of the turns waiting or in
-           prefill, as at their arrival), running (decoding) sequences, its rates and KV
-           fill, as the worker reports them; a gateway sees them `status_interval_s` old
+           prefill, as at their arrival), running (decoding) sequences, KV fill, and its
+           rates once a finished request measured them (worker/rates.py), as the worker
+           reports them; a gateway sees them `status_interval_s` old
            at most (pushed on change), and takes the larger of them and its own in-flight
            counts (turns it routed and not finished; their uncached prompt tokens until the
            first token), as gateway/pool.py does.
@@ -192,7 +193,8 @@ def prepare_turns(trace: Trace, block_size: int = 16, tokenizer=None,
 
 
 class _Worker:
-    __slots__ = ("wid", "cache", "queue", "queued_tokens", "busy", "running", "status")
+    __slots__ = ("wid", "cache", "queue", "queued_tokens", "busy", "running", "status",
+                 "prefill_rate", "decode_step_s")
 
     def __init__(self, wid: str, cache: BlockCache) -> None:
         self.wid = wid
@@ -201,7 +203,10 @@ class _Worker:
         self.queued_tokens = 0  # expected uncached tokens of the turns queued or in prefill
         self.busy = False
         self.running = 0  # sequences decoding
-        self.status: tuple[int, int, float] = (0, 0, 0.0)  # what the gateways last saw
+        # Rates the worker reports once a finished request measured them (worker/rates.py).
+        self.prefill_rate = 0.0
+        self.decode_step_s = 0.0
+        self.status: tuple = (0, 0, 0.0, 0.0, 0.0)  # what the gateways last saw
 
 
 class _Gateway:
@@ -300,9 +305,10 @@ class _Sim:
 
     # -- load, as the gateways see it ---------------------------------------------------
 
-    def _live_status(self, w: _Worker) -> tuple[int, int, float]:
+    def _live_status(self, w: _Worker) -> tuple:
         return (w.queued_tokens, w.running,
-                min(1.0, w.cache.num_blocks / w.cache.capacity_blocks))
+                min(1.0, w.cache.num_blocks / w.cache.capacity_blocks), w.prefill_rate,
+                w.decode_step_s)
 
     def _tick(self) -> None:
         for w in self.workers:
@@ -311,14 +317,14 @@ class _Sim:
             self.at(self.now + self.status_interval, self._tick)
 
     def _loads(self, g: _Gateway) -> list[LoadSnapshot]:
-        cfg, out = self.cfg, []
+        out = []
         for w in self.workers:
-            queued, running, fill = w.status if self.status_interval else self._live_status(w)
+            queued, running, fill, rate, step_s = (w.status if self.status_interval
+                                                   else self._live_status(w))
             out.append(LoadSnapshot(
                 w.wid, max(queued, g.in_flight_tokens.get(w.wid, 0)),
-                max(running, g.in_flight.get(w.wid, 0)),
-                prefill_tokens_per_s=cfg.prefill_tokens_per_s,
-                decode_step_s=cfg.decode_s_per_token, prefill_chunk_tokens=0, kv_fill=fill))
+                max(running, g.in_flight.get(w.wid, 0)), prefill_tokens_per_s=rate,
+                decode_step_s=step_s, prefill_chunk_tokens=0, kv_fill=fill))
         return out
 
     # -- events ------------------------------------------------------------------------
@@ -391,6 +397,11 @@ class _Sim:
                                            (*t.block_hashes, *_reply_hashes(last, extra)))
         w.cache.release(req.handle)
         g.in_flight[w.wid] -= 1
+        # The worker measures its rates on finished requests (worker/rates.py thresholds).
+        if t.num_prompt_tokens - req.cached >= 32:
+            w.prefill_rate = cfg.prefill_tokens_per_s
+        if req.num_output_tokens > 1 and cfg.decode_s_per_token:
+            w.decode_step_s = cfg.decode_s_per_token
         g.router.record(Turn(t.num_prompt_tokens, t.conversation_id, t.block_hashes,
                              cfg.block_size), w.wid)
         self.records.append(TurnRecord(

@@ -434,12 +434,16 @@ def test_cli_simulate_and_combine(tmp_path, capsys) -> None:
               "hash_ids": [i % 5, 10 + i % 5, 20 + i, 30 + i]} for i in range(40)]
     trace = _write_lines(tmp_path / "m.jsonl", [json.dumps(x) for x in lines])
     assert main(["replay", "--simulate", "--trace", str(trace), "--sim-workers", "2,4",
-                 "--capacity-tokens", "8192", "--sim-policies", "prefix:shared_prefix_weight=1,round-robin",
+                 "--capacity-tokens", "8192", "--sim-policies",
+                 # Identical workers at the default rate: until each worker measured its own
+                 # rate, a measured one would look faster and draw these light early turns.
+                 "prefix:shared_prefix_weight=1:measured_rates=0,round-robin",
                  "--out", str(tmp_path / "sim"), "--name", "s", "--json", "--no-progress",
                  "--no-plots"]) == 0
     runs = json.loads(capsys.readouterr().out)["runs"]
-    assert [r["label"] for r in runs] == ["prefix:shared_prefix_weight=1 x2", "round-robin x2",
-                                          "prefix:shared_prefix_weight=1 x4", "round-robin x4"]
+    prefix = "prefix:shared_prefix_weight=1:measured_rates=0"
+    assert [r["label"] for r in runs] == [f"{prefix} x2", "round-robin x2", f"{prefix} x4",
+                                          "round-robin x4"]
     assert all(r["summary"]["turns_ok"] == 40 and r["config"]["arrival"]["mode"] == "open"
                for r in runs)
     # Two of every four blocks repeat (5 leading pairs, 16 blocks per worker): prefix
