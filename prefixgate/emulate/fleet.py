@@ -61,6 +61,16 @@ class FleetConfig:
             raise ValueError("a fleet needs at least one worker and one gateway")
 
 
+def _flags_of(command: str) -> set[str]:
+    """The option strings `prefixgate COMMAND` accepts."""
+    import argparse
+
+    from prefixgate.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return set(sub.choices[command]._option_string_actions)
+
+
 class Fleet:
     def __init__(self, config: FleetConfig, workdir: Path) -> None:
         self.config = config
@@ -106,6 +116,11 @@ class Fleet:
         common = ["--model", model, "--block-size", str(cfg.block_size), "--log-level", "WARNING"]
         if cfg.cache_dir:
             common += ["--cache-dir", cfg.cache_dir]
+        # Token traces carry prompts up to the context: raise the request limits to it.
+        limits = {"--max-prompt-tokens": str(cfg.max_context_tokens),
+                  "--max-request-bytes": str(4 * cfg.max_context_tokens + (1 << 16))}
+        limit_flags = {c: [x for k, v in limits.items() if k in _flags_of(c) for x in (k, v)]
+                       for c in ("worker", "gateway")}
         try:
             if (cfg.redis or cfg.redis_url) and not self.redis_url:
                 from prefixgate.bench.redis_server import RedisServer
@@ -118,7 +133,8 @@ class Fleet:
                 port = free_port()
                 records = self.workdir / f"worker-{i}.served.jsonl"
                 self._records.append(records)
-                args = ["worker", "--emulate", *common, "--port", str(port),
+                args = ["worker", "--emulate", *common, *limit_flags["worker"],
+                        "--port", str(port),
                         "--worker-id", f"worker-{i}", "--num-blocks", str(cfg.capacity_blocks),
                         "--prefill-tokens-per-s", str(cfg.prefill_tokens_per_s),
                         "--decode-s-per-token", str(cfg.decode_s_per_token),
@@ -134,7 +150,8 @@ class Fleet:
                 self.workers.append(f"127.0.0.1:{port}")
             for i in range(cfg.num_gateways if not cfg.peer_router else 0):
                 port = free_port()
-                args = ["gateway", *common, "--port", str(port), "--drain-seconds", "1",
+                args = ["gateway", *common, *limit_flags["gateway"], "--port", str(port),
+                        "--drain-seconds", "1",
                         *cfg.gateway_flags]
                 if self.redis_url:
                     args += ["--redis-url", self.redis_url]
