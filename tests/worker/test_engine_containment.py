@@ -11,7 +11,7 @@ from prefixgate.worker.sampling import Sampler
 from tests.helpers import make_engine
 from tests.worker.test_engine import assert_no_leak, collect, prompts, run, submit
 
-POISON = 7  # a token id the injected faults below react to
+POISON = 7  # the poison prompt is a run of it (a valid reply may contain one 7)
 
 
 def _reference(tiny_spec, tiny_model, good: list[list[int]]) -> list[list[int]]:
@@ -42,7 +42,7 @@ def test_forward_error_fails_only_its_request(tiny_spec, tiny_model) -> None:
     failed_sizes = []
 
     def faulty(input_ids, *args, **kwargs):  # a model failure on one request's tokens
-        if POISON in input_ids:
+        if [POISON] * 8 in (input_ids[i:i + 8] for i in range(len(input_ids) - 7)):
             failed_sizes.append(len(input_ids))
             raise RuntimeError("injected forward failure")
         return forward(input_ids, *args, **kwargs)
