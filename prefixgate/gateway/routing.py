@@ -45,8 +45,9 @@ Policies (RoutingConfig.policy)
                           best predicted hit of recent turns:
                             miss_s = (best - credited) / rate x reuse x kv_fill
                Rates are what the worker measures and reports (`prefill_tokens_per_s`,
-               `decode_step_s`, `prefill_chunk_tokens`, `kv_fill` in its status);
-               `default_prefill_tokens_per_s` only stands in until one is reported.
+               `decode_step_s`, `prefill_chunk_tokens`, `kv_fill` in its status); a
+               worker that has reported none counts at the mean of those that have, and
+               `default_prefill_tokens_per_s` only stands in while none has.
                Cached tokens of a worker: the leading blocks it holds (events) plus,
                credited at the index's measured `prediction_confidence`, the blocks it is
                *expected* to hold (routed there, not yet confirmed), × block size, capped at
@@ -311,10 +312,14 @@ class Router:
         prompt = turn.num_prompt_tokens
         reuse = self.reuse
         measured = cfg.measured_rates
+        rates = [r for w in workers if (r := getattr(w, "prefill_tokens_per_s", 0.0)) > 0] \
+            if measured else []
+        # A worker that has measured nothing yet (new, or never chosen) counts at its
+        # peers' mean rate: a constant would make it look slower or faster than it is.
+        unmeasured = sum(rates) / len(rates) if rates else cfg.default_prefill_tokens_per_s
         for w in workers:
             wid = w.worker_id
-            rate = ((getattr(w, "prefill_tokens_per_s", 0.0) if measured else 0.0)
-                    or cfg.default_prefill_tokens_per_s)
+            rate = (getattr(w, "prefill_tokens_per_s", 0.0) if measured else 0.0) or unmeasured
             queued = w.num_queued_prefill_tokens
             uncached = prompt - credit[wid]
             step_s = getattr(w, "decode_step_s", 0.0) if measured else 0.0
