@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
-import sys
 from collections.abc import Sequence
 
-from prefixgate import __version__
+from prefixgate import __version__, logs
 from prefixgate.cli.flags import Parser
 from prefixgate.models import ModelError
 
@@ -39,8 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(args.log_level, getattr(args, "log_format", "text"))
     try:
         return args._run(args) or 0
     except KeyboardInterrupt:

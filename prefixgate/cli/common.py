@@ -19,6 +19,9 @@ log = logging.getLogger("prefixgate")
 def log_flags(p: argparse.ArgumentParser) -> None:
     flag(p, "--log-level", help="logging level", default="INFO",
          choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    flag(p, "--log-format", help="text, or json: one JSON object per line (structured "
+         "fields as keys, e.g. the gateway's one line per turn)", default="text",
+         choices=["text", "json"])
 
 
 def model_flags(p: argparse.ArgumentParser) -> None:
@@ -42,10 +45,11 @@ def stop_event() -> asyncio.Event:
     return stop
 
 
-def start_metrics(port: int) -> None:
-    """Serve Prometheus metrics on `port` at /metrics (0: off)."""
+def start_metrics(port: int, model_name: str) -> None:
+    """Serve Prometheus metrics on `port` at /metrics (0: off), every prefixgate series
+    labelled `model_name` (prefixgate/metrics_export.py)."""
     if port:
-        from prometheus_client import start_http_server
+        from prefixgate import metrics_export
 
-        start_http_server(port)
+        metrics_export.serve(port, model_name)
         log.info("Prometheus metrics on :%d/metrics", port)

@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
-import sys
 from collections.abc import Callable, Sequence
 
 from prefixgate.cli import security
@@ -141,8 +139,9 @@ def run(args: argparse.Namespace) -> int:
 
 def serve_process(args: argparse.Namespace, on_listening: Callable[[], None]) -> None:
     """One of `--processes` gateway processes (prefixgate/gateway/processes.py)."""
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from prefixgate import logs
+
+    logs.configure(args.log_level, args.log_format)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C reaches every process
         asyncio.run(_serve(args, on_listening))
 
@@ -153,11 +152,11 @@ async def _serve(args: argparse.Namespace, on_listening: Callable[[], None] | No
     from prefixgate.models import resolve_model
     from prefixgate.registry import make_registry
 
-    start_metrics(args.metrics_port)
     if not args.worker and not args.redis_url:
         raise SystemExit("prefixgate gateway: give workers with --worker HOST:PORT "
                          "or a registry with --redis-url")
     spec = resolve_model(args.model, cache_dir(args))
+    start_metrics(args.metrics_port, spec.name)
     started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     if on_listening is not None:
         started.add_done_callback(lambda _: on_listening())

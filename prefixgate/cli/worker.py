@@ -83,9 +83,9 @@ async def _serve(args: argparse.Namespace) -> None:
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    start_metrics(args.metrics_port)
     stop = stop_event()
     spec = resolve_model(args.model, cache_dir(args))
+    start_metrics(args.metrics_port, spec.name)
     tokenizer = ChatTokenizer(spec)
     device = args.device if args.device != "auto" else (
         "cuda" if torch.cuda.is_available() else "cpu")

@@ -31,13 +31,39 @@ Index:    prefixgate:index_blocks                                distinct blocks
           prefixgate:index_resyncs_total{source}                 rebuilds from a snapshot
 Registry: prefixgate:registry_degraded                           1 while Redis is unreachable
           prefixgate:registry_reaped_workers_total               expired workers reaped here
+Requests (every front: route is "grpc:Chat", "grpc:ListModels" or the HTTP path):
+          prefixgate:gateway_requests_total{route,status}        finished requests; status is
+                                                                 the HTTP status (HTTP routes)
+                                                                 or the gRPC code name
+          prefixgate:gateway_requests_in_flight{route}           requests being served
+          prefixgate:gateway_time_to_first_token_seconds{route}  histogram, arrival to first
+                                                                 token
+          prefixgate:gateway_e2e_request_latency_seconds{route}  histogram, arrival to the end
+          prefixgate:gateway_inter_token_latency_seconds{route}  histogram, between tokens
+          prefixgate:gateway_prompt_tokens_total{route}          prompt tokens of served turns
+          prefixgate:gateway_cached_tokens_total{route}          ... served from a prefix cache
+          prefixgate:gateway_completion_tokens_total{route}      generated tokens
 Expected hit rate = expected_cached_tokens_total / prompt_tokens_total; the actual one uses
-cached_tokens_total (a gap between them means the index is stale or lagging).
+cached_tokens_total (a gap between them means the index is stale or lagging). Exposed with a
+`model_name` label on every series (prefixgate/metrics_export.py).
+
+`observe_turn(route, events, ...)` wraps one turn's ChatEvent stream (gRPC or HTTP): it
+keeps the request metrics above and logs one structured line per finished or failed turn
+(logger "prefixgate.turns": `turn done key=value ...`; with --log-format json, one object
+with the fields as keys).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
 from prometheus_client import Counter, Gauge, Histogram
+
+from prefixgate.v1 import chat_pb2, common_pb2
 
 TURNS = Counter("prefixgate:router_turns", "Turns routed, by first-choice worker and policy.",
                 ["worker", "policy"])
@@ -80,3 +106,113 @@ EXPECTED_BLOCKS = Gauge("prefixgate:index_expected_blocks",
                         "Blocks expected on workers (routed there, not yet confirmed).")
 PREDICTION_CONFIDENCE = Gauge("prefixgate:index_prediction_confidence",
                               "Share of predicted blocks that worker events confirmed.")
+
+
+# --- requests -----------------------------------------------------------------------------
+
+# Seconds; from 1 ms (a cached short prompt on a GPU) to minutes (a long CPU prefill).
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28,
+                    2.56, 5.12, 10.24, 20.48, 40.96, 81.92, 163.84)
+REQUESTS = Counter("prefixgate:gateway_requests",
+                   "Finished requests by route and status (HTTP status, or gRPC code name).",
+                   ["route", "status"])
+IN_FLIGHT = Gauge("prefixgate:gateway_requests_in_flight", "Requests being served.", ["route"])
+TTFT = Histogram("prefixgate:gateway_time_to_first_token_seconds",
+                 "Arrival at the gateway to the first generated token sent.", ["route"],
+                 buckets=_LATENCY_BUCKETS)
+E2E = Histogram("prefixgate:gateway_e2e_request_latency_seconds",
+                "Arrival at the gateway to the last event of the turn.", ["route"],
+                buckets=_LATENCY_BUCKETS)
+INTER_TOKEN = Histogram("prefixgate:gateway_inter_token_latency_seconds",
+                        "Time between successive token events of a turn.", ["route"],
+                        buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16,
+                                 0.32, 0.64, 1.28, 2.56))
+PROMPT = Counter("prefixgate:gateway_prompt_tokens", "Prompt tokens of served turns.", ["route"])
+CACHED_PROMPT = Counter("prefixgate:gateway_cached_tokens",
+                        "Prompt tokens of served turns found in a worker's prefix cache.",
+                        ["route"])
+COMPLETION = Counter("prefixgate:gateway_completion_tokens", "Generated tokens.", ["route"])
+
+turn_log = logging.getLogger("prefixgate.turns")
+
+FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+                common_pb2.FINISH_REASON_CANCELLED: "cancelled"}
+
+
+async def observe_turn(route: str, events: AsyncIterator[chat_pb2.ChatEvent], *,
+                       request_id: str, conversation_id: str,
+                       status_of: Callable[[BaseException], tuple[str, str]],
+                       ok_status: str = "OK") -> AsyncIterator[chat_pb2.ChatEvent]:
+    """Relay one turn's events, timing and counting them (route-labelled metrics) and
+    logging one line when it ends. `status_of(exc)` gives (status, message) of a failure;
+    the exception itself propagates unchanged."""
+    arrival = last = time.monotonic()
+    first = 0.0
+    final = None
+    status, error = ok_status, ""
+    IN_FLIGHT.labels(route).inc()
+    try:
+        async for ev in events:
+            if ev.HasField("delta"):
+                now = time.monotonic()
+                if ev.delta.token_ids:
+                    if not first:
+                        first = now
+                        TTFT.labels(route).observe(now - arrival)
+                    else:
+                        INTER_TOKEN.labels(route).observe(now - last)
+                    last = now
+            else:
+                final = ev.final
+            yield ev
+    except BaseException as exc:
+        status, error = status_of(exc)
+        raise
+    finally:
+        IN_FLIGHT.labels(route).dec()
+        done = time.monotonic()
+        REQUESTS.labels(route, status).inc()
+        fields = {"request_id": request_id, "route": route, "status": status,
+                  "conversation_id": conversation_id, "e2e_ms": round((done - arrival) * 1e3, 2)}
+        if first:
+            fields["ttft_ms"] = round((first - arrival) * 1e3, 2)
+        if final is not None:
+            E2E.labels(route).observe(done - arrival)
+            u = final.usage
+            PROMPT.labels(route).inc(u.prompt_tokens)
+            CACHED_PROMPT.labels(route).inc(u.cached_tokens)
+            COMPLETION.labels(route).inc(u.completion_tokens)
+            fields.update(worker=final.worker_id, prompt_tokens=u.prompt_tokens,
+                          cached_tokens=u.cached_tokens, completion_tokens=u.completion_tokens,
+                          dropped_tokens=u.dropped_tokens,
+                          predicted_cached_tokens=final.predicted_cached_tokens,
+                          best_predicted_cached_tokens=final.best_predicted_cached_tokens,
+                          finish_reason=FINISH_NAMES.get(final.finish_reason, "unspecified"))
+            _log_turn(logging.INFO, "turn done", fields)
+        else:
+            fields["error"] = error
+            level = logging.INFO if status in ("CANCELLED", "499") else logging.WARNING
+            _log_turn(level, "turn failed", fields)
+
+
+def _log_turn(level: int, event: str, fields: dict) -> None:
+    """One line: `event key=value ...` in text; in JSON (prefixgate/logs.py) the message is
+    `event` and the fields are keys."""
+    if turn_log.isEnabledFor(level):
+        text = " ".join(f"{k}={v!r}" if isinstance(v, str) and (not v or " " in v) else f"{k}={v}"
+                        for k, v in fields.items())
+        turn_log.log(level, "%s %s", event, text, extra={"fields": fields, "event": event})
+
+
+def grpc_status_of(context: grpc.aio.ServicerContext) -> Callable[[BaseException], tuple[str, str]]:
+    """status_of for a gRPC turn: the code and details the call was aborted with."""
+
+    def status_of(exc: BaseException) -> tuple[str, str]:
+        if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+            return "CANCELLED", "the client cancelled the call or went away"
+        code = context.code()
+        if isinstance(code, grpc.StatusCode) and code != grpc.StatusCode.OK:
+            return code.name, context.details() or ""
+        return "UNKNOWN", f"{type(exc).__name__}: {exc}"
+
+    return status_of

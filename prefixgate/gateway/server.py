@@ -167,6 +167,18 @@ class ChatService:
         raise InvalidRequest("the request has no input: set messages or prompt_token_ids")
 
     async def Chat(self, request: chat_pb2.ChatRequest, context: grpc.aio.ServicerContext):
+        """The gRPC entry: `chat_events`, observed (request metrics, one log line per turn)."""
+        request_id = uuid.uuid4().hex
+        async for ev in metrics.observe_turn(
+                "grpc:Chat", self.chat_events(request, context, request_id),
+                request_id=request_id, conversation_id=request.conversation_id,
+                status_of=metrics.grpc_status_of(context)):
+            yield ev
+
+    async def chat_events(self, request: chat_pb2.ChatRequest, context, request_id: str):
+        """One turn's ChatEvents. `context` is the gRPC ServicerContext, or any object with
+        its `invocation_metadata()`, `time_remaining()` and `abort(code, details)` (which
+        raises): the HTTP front (gateway/http.py) runs turns through here with its own."""
         arrival = time.monotonic()
         namespace = await self._namespace(request, context)
         try:
@@ -186,7 +198,7 @@ class ChatService:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "no worker is available: start a worker (prefixgate worker) or "
                                 "check that the workers' model matches the gateway's")
-        gen = worker_pb2.GenerateRequest(request_id=uuid.uuid4().hex,
+        gen = worker_pb2.GenerateRequest(request_id=request_id,
                                          packed_prompt_token_ids=prompt.obj,
                                          sampling=request.sampling, namespace=namespace)
         if not gen.sampling.context_overflow:
@@ -236,7 +248,7 @@ class ChatService:
                     metrics.DECISIONS.labels("true" if expected >= best else "false").inc()
                     metrics.REGRET_TOKENS.inc(best - expected)
                     metrics.PREDICTION_ERROR.observe(expected - final.usage.cached_tokens)
-                    log.info("turn conv=%s policy=%s worker=%s prompt=%d expected_cached=%d "
+                    log.debug("turn conv=%s policy=%s worker=%s prompt=%d expected_cached=%d "
                              "best_cached=%d cached=%d completion=%d ttft=%.1fms attempt=%d",
                              request.conversation_id or "-", policy, wid,
                              final.usage.prompt_tokens, expected, best,
