@@ -210,3 +210,62 @@ def test_router_benchmark_smoke() -> None:
     (row,) = rows
     assert row["indexed_blocks"] >= 3000 and row["workers"] == 8
     assert row["mean_expected_cached_tokens"] > 0  # resident conversations are found
+
+
+# --- the cost rule ------------------------------------------------------------------------
+
+
+def test_a_miss_costs_the_re_prefill_of_what_it_evicts() -> None:
+    """A (512 cached, 600 queued) against B (idle, empty) for a 1024-token prompt: on TTFT
+    alone B wins (1024 < 600 + 512 tokens of prefill); once reuse is measured, the 512
+    tokens B would store again (evicting as many from its full cache) tip it to A."""
+    index = PrefixIndex()
+    router = Router(RoutingConfig(), index)
+    serve(index, "w0", list(range(512)))
+    turn = make_turn(list(range(1024)), HASHER, "c")
+    loads = [LoadSnapshot("w0", 600), LoadSnapshot("w1")]
+    router.reuse = 0.0  # no measured reuse: a miss costs nothing later
+    d = router.decide(loads, turn)
+    assert d.ranked[0].worker_id == "w1" and d.regret_tokens("w1") == 512
+    assert d.cost_s["w1"] == pytest.approx(1024 / 10_000)
+    router.reuse = 0.5
+    d = router.decide(loads, turn)
+    assert d.ranked[0].worker_id == "w0" and d.regret_tokens("w0") == 0
+    assert d.cost_s["w1"] == pytest.approx((1024 + 512 * 0.5) / 10_000)
+    # An empty cache evicts nothing: the duplicate is free later.
+    d = router.decide([LoadSnapshot("w0", 600), LoadSnapshot("w1", kv_fill=0.0)], turn)
+    assert d.ranked[0].worker_id == "w1"
+
+
+def test_reuse_is_the_running_mean_of_the_best_predicted_hit() -> None:
+    index = PrefixIndex()
+    router = Router(RoutingConfig(reuse_window_turns=4), index)
+    serve(index, "w0", list(range(64)))
+    for _ in range(8):
+        router.decide(workers(2), make_turn(list(range(128)), HASHER, "c"))
+    assert router.reuse == pytest.approx(0.5)
+
+
+def test_measured_rates_rank_workers_and_unmeasured_count_at_the_mean() -> None:
+    router = Router(RoutingConfig(), PrefixIndex())
+    turn = make_turn(list(range(400)), HASHER, "c")
+    fast, slow, new = (LoadSnapshot("w0", 100, prefill_tokens_per_s=40_000),
+                       LoadSnapshot("w1", 0, prefill_tokens_per_s=10_000), LoadSnapshot("w2", 50))
+    d = router.decide([fast, slow, new], turn)
+    assert [w.worker_id for w in d.ranked] == ["w0", "w2", "w1"]  # 12.5, 18, 40 ms
+    assert d.cost_s["w2"] == pytest.approx(450 / 25_000)
+    d = Router(RoutingConfig(measured_rates=False), PrefixIndex()).decide([fast, slow, new], turn)
+    assert d.ranked[0].worker_id == "w1"  # the least queued, all at the default rate
+
+
+def test_decode_steps_delay_a_prefill_only_where_they_interleave() -> None:
+    router = Router(RoutingConfig(), PrefixIndex())
+    turn = make_turn(list(range(1000)), HASHER, "c")
+    common = dict(prefill_tokens_per_s=10_000, decode_step_s=0.02)
+    busy = LoadSnapshot("w0", 0, 8, prefill_chunk_tokens=256, **common)
+    alone = LoadSnapshot("w1", 0, 8, prefill_chunk_tokens=0, **common)
+    d = router.decide([busy, alone], turn)
+    assert d.cost_s["w0"] == pytest.approx(0.1 + 4 * 0.02)  # 4 chunks, a decode step each
+    assert d.cost_s["w1"] == pytest.approx(0.1) and d.ranked[0].worker_id == "w1"
+    d = router.decide([LoadSnapshot("w0", 0, 2), LoadSnapshot("w1")], turn)
+    assert d.cost_s["w0"] == pytest.approx((1000 + 2 * 64) / 10_000)  # nothing measured
