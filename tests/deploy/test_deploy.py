@@ -8,6 +8,10 @@ Service and scrape ports against the ports the binaries listen on, selectors aga
 labels, the worker's advertised pod DNS name against its headless Service, the Redis
 URL against the Redis Service and Secret, the grace period against the drain, and the
 container files (no torch in the gateway image; the worker's install order and pins).
+Security is on by default and checked the same way: every credential flag names a file of
+a mounted Secret key that deploy/secrets.sh makes, the NetworkPolicies are evaluated for
+who reaches whom, and the Redis ACL users of the manifest are loaded into a real
+redis-server and exercised as each role.
 """
 
 from __future__ import annotations
@@ -42,12 +46,13 @@ OVERLAYS = ("cpu-dev", "gpu")
 KUBERNETES_VERSIONS = ("1.35.0", "1.30.0")
 # Kinds from operators' CRDs: no bundled schema; checked structurally below instead.
 CRD_GROUPS = ("monitoring.coreos.com/",)
-# Secrets an overlay expects to exist in the cluster (created as docs/deploy.md says).
-EXTERNAL_SECRETS = {"gpu": {"prefixgate-redis"}}
+# Secrets an overlay expects to exist in the cluster (deploy/secrets.sh makes them).
+SECRETS = {"prefixgate-redis", "prefixgate-tls", "prefixgate-internal-tls", "prefixgate-auth"}
+EXTERNAL_SECRETS = {"cpu-dev": SECRETS, "gpu": SECRETS}
 # Variables the manifests set that are not prefixgate flags (Kubernetes downward API, the
 # parts the Redis URL is built from, $HOME for torch's caches, redis-cli's auth).
-NON_FLAG_VARIABLES = {"POD_NAME", "POD_NAMESPACE", "REDIS_PASSWORD", "REDIS_SCHEME",
-                      "REDIS_ADDRESS", "HOME", "REDISCLI_AUTH"}
+NON_FLAG_VARIABLES = {"POD_NAME", "POD_NAMESPACE", "REDIS_USER", "REDIS_PASSWORD",
+                      "REDIS_SCHEME", "REDIS_ADDRESS", "HOME", "REDISCLI_AUTH"}
 SECRET_STAND_IN = "s3cret"
 KUBECTL = shutil.which("kubectl") or ("/usr/bin/kubectl" if Path("/usr/bin/kubectl").exists()
                                       else None)
@@ -321,7 +326,9 @@ def test_ports_probes_and_services_match_the_cli(rendered, containers) -> None:
             for kind, probe in probes.items():
                 handler = probe.get("grpc") or probe.get("tcpSocket")
                 assert handler, f"{command} {kind}: a gRPC health or TCP probe"
-                assert c.port(handler["port"]) == c.args.port, f"{command} {kind} port"
+                # Kubernetes' gRPC probes speak no TLS: they ask the plaintext health port.
+                expected = c.args.health_port if "grpc" in probe else c.args.port
+                assert c.port(handler["port"]) == expected, f"{command} {kind} port"
                 # A service the binary reports on the standard health service; any
                 # other name is NOT_FOUND, and the probe fails forever.
                 assert probe.get("grpc", {}).get("service", "") in ("", HEALTH_NAMES[command])
@@ -361,7 +368,6 @@ def test_redis_url_points_at_the_redis_service(rendered, containers) -> None:
             raw = {e["name"]: e for e in c.spec["env"]}
             assert "$(REDIS_PASSWORD)" in raw["PREFIXGATE_REDIS_URL"]["value"]
             url = urlsplit(c.args.redis_url)
-            urls.add(url.geturl())
             assert url.scheme == "redis" and url.password == SECRET_STAND_IN
             service = _one(objs, "Service", url.hostname)
             assert _selects(service["spec"]["selector"], redis["spec"]["template"])
@@ -369,11 +375,15 @@ def test_redis_url_points_at_the_redis_service(rendered, containers) -> None:
             assert port["port"] == url.port
             assert {p["name"]: p["containerPort"] for p in server["ports"]}[port["targetPort"]] \
                 == url.port
-            # The clients' password comes from the Secret the server's does.
+            # Each role is its own ACL user, whose password comes from the Secret key the
+            # server sets that user's password from.
+            assert url.username == c.args.command
+            users = _redis_users(server["args"])
             server_env = {e["name"]: e for e in server["env"]}
-            assert raw["REDIS_PASSWORD"]["valueFrom"] == server_env["REDIS_PASSWORD"]["valueFrom"]
+            (var,) = _REFERENCE.findall(users[url.username][1])
+            assert raw["REDIS_PASSWORD"]["valueFrom"] == server_env[var]["valueFrom"]
+            urls.add(url._replace(netloc=url.hostname).geturl())
         assert len(urls) == 1, "gateways and workers must share one registry"
-        assert "$(REDIS_PASSWORD)" in server["args"]
 
 
 def test_config_and_secret_references_resolve(rendered, containers) -> None:
@@ -421,9 +431,211 @@ def test_every_variable_reference_is_defined_before_use(rendered) -> None:
 
 def test_external_secrets_are_documented() -> None:
     docs = (REPO / "docs" / "deploy.md").read_text()
+    script = (REPO / "deploy" / "secrets.sh").read_text()
+    assert "bash deploy/secrets.sh" in docs
     for names in EXTERNAL_SECRETS.values():
         for name in names:
-            assert f"create secret generic {name} --from-literal=password=" in docs
+            assert name in docs and f"secret {name} " in script, name
+
+
+# --- security ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def made_secrets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What deploy/secrets.sh makes: <dir>/<secret name>/<key>."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: deploy/secrets.sh cannot run here")
+    out = tmp_path_factory.mktemp("secrets")
+    run = subprocess.run(["bash", str(DEPLOY / "secrets.sh"), "--dir", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return out
+
+
+def _secret_files(pod: dict, spec: dict) -> dict[str, tuple[str, str]]:
+    """Path in the container -> (Secret, key), for the container's Secret volume mounts."""
+    volumes = {v["name"]: v["secret"] for v in pod["spec"]["volumes"] if "secret" in v}
+    out = {}
+    for m in spec.get("volumeMounts", []):
+        secret = volumes.get(m["name"])
+        if secret is not None:
+            assert secret.get("items"), f"{m['name']}: mount only the keys this pod needs"
+            assert m.get("readOnly") is True
+            for item in secret["items"]:
+                out[f"{m['mountPath']}/{item['path']}"] = (secret["secretName"], item["key"])
+    return out
+
+
+# Flags naming a credential file, per binary, and the Secret each must come from.
+CREDENTIALS = {
+    "gateway": {"tls_cert": "prefixgate-tls", "tls_key": "prefixgate-tls",
+                "tokens_file": "prefixgate-auth", "internal_token_file": "prefixgate-auth",
+                "worker_keyring": "prefixgate-auth", "worker_tls_ca": "prefixgate-internal-tls",
+                "worker_tls_cert": "prefixgate-internal-tls",
+                "worker_tls_key": "prefixgate-internal-tls"},
+    "worker": {"tls_cert": "prefixgate-internal-tls", "tls_key": "prefixgate-internal-tls",
+               "tls_client_ca": "prefixgate-internal-tls",
+               "internal_token_file": "prefixgate-auth", "worker_keyring": "prefixgate-auth"},
+}
+
+
+def test_secure_by_default(containers, made_secrets) -> None:
+    """TLS, tokens, mutual TLS with the internal credential, and worker keys are on in every
+    overlay, each flag naming a mounted key of the right Secret that secrets.sh makes, and
+    no pod mounts what it does not use (workers never see the client tokens)."""
+    for overlay, cs in containers.items():
+        for command, c in cs.items():
+            files = _secret_files(c.pod, c.spec)
+            for option, secret in CREDENTIALS[command].items():
+                path = getattr(c.args, option)
+                assert path, f"{overlay} {command}: --{option.replace('_', '-')} is off"
+                assert path in files, f"{overlay} {command}: {path} is on no Secret mount"
+                assert files[path][0] == secret, f"{overlay} {command}: {path}"
+                name, key = files[path]
+                assert (made_secrets / name / key).is_file(), f"secrets.sh makes no {name}/{key}"
+            used = {getattr(c.args, o) for o in CREDENTIALS[command]}
+            assert set(files) <= used, f"{overlay} {command} mounts unused {set(files) - used}"
+            assert c.args.health_port and c.port("health") == c.args.health_port
+        # Secrets read through variables exist too.
+        for c in cs.values():
+            for e in c.spec["env"]:
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    assert (made_secrets / ref["name"] / ref["key"]).is_file(), ref
+
+
+def _allowed(policies: list[dict], source: dict | None, target: dict, port: str) -> bool:
+    """Whether NetworkPolicies let a pod with labels `source` (None: outside the
+    namespace) connect to `target` (a pod template) on its container port `port`."""
+    labels = target["metadata"]["labels"]
+    ports = {p["name"] for c in target["spec"]["containers"] for p in c.get("ports", [])}
+    assert port in ports
+    selecting = [p for p in policies if all(labels.get(k) == v for k, v in
+                                            p["spec"]["podSelector"].get("matchLabels", {}).items())]
+    if not any("Ingress" in p["spec"]["policyTypes"] for p in selecting):
+        return True
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress", []):
+            if "ports" in rule and port not in {p["port"] for p in rule["ports"]}:
+                continue
+            peers = rule.get("from")
+            if peers is None:
+                return True
+            for peer in peers:
+                assert set(peer) == {"podSelector"}, "only same-namespace pod peers here"
+                if source is not None and all(
+                        source.get(k) == v for k, v in peer["podSelector"]["matchLabels"].items()):
+                    return True
+    return False
+
+
+def test_network_policies(rendered) -> None:
+    for overlay, objs in rendered.items():
+        policies = _of_kind(objs, "NetworkPolicy")
+        pods = {"gateway": _one(objs, "Deployment", "prefixgate-gateway")["spec"]["template"],
+                "worker": _one(objs, "StatefulSet", "prefixgate-worker")["spec"]["template"],
+                "redis": _one(objs, "StatefulSet", "redis")["spec"]["template"]}
+        labels = {name: pod["metadata"]["labels"] for name, pod in pods.items()}
+        sources = {**labels, "outside": None, "other pod": {"app": "something-else"}}
+        expect = {("gateway", "grpc"): {"gateway", "worker", "redis", "outside", "other pod"},
+                  ("worker", "grpc"): {"gateway"},
+                  ("redis", "redis"): {"gateway", "worker"}}
+        for (target, port), allowed in expect.items():
+            got = {s for s, src in sources.items()
+                   if _allowed(policies, src, pods[target], port)}
+            assert got == allowed, f"{overlay}: {target}:{port} is reached by {got}"
+
+
+def _redis_users(args: list[str]) -> dict[str, list[str]]:
+    """ACL user name -> its rules, from redis-server's `--user NAME RULE...` arguments."""
+    users: dict[str, list[str]] = {}
+    for i, arg in enumerate(args):
+        if arg == "--user":
+            rules = users.setdefault(args[i + 1], [])
+            for rule in args[i + 2:]:
+                if rule.startswith("--"):
+                    break
+                rules.append(rule)
+    return users
+
+
+def test_redis_acl_users_have_the_least_rights(rendered, tmp_path: Path) -> None:
+    """The manifest's ACL users, loaded into a real redis-server: each role does its whole
+    job through prefixgate's registry and nothing else."""
+    import asyncio
+
+    import redis
+
+    from prefixgate.events import OwnershipEvent
+    from prefixgate.identity import Keyring
+    from prefixgate.registry import RedisRegistry, WorkerRecord
+    from prefixgate.rpc import free_port
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    (server,) = _one(rendered["cpu-dev"], "StatefulSet", "redis")["spec"]["template"]["spec"][
+        "containers"]
+    users = _redis_users(server["args"])
+    assert set(users) == {"default", "gateway", "worker"}
+    passwords = {"REDIS_PASSWORD": "admin-pw", "REDIS_WORKER_PASSWORD": "worker-pw",
+                 "REDIS_GATEWAY_PASSWORD": "gateway-pw"}
+    acl = [a for name, rules in users.items() for a in ("--user", name, *rules)]
+    port = free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path),
+                             *[_expand(a, passwords) for a in acl]],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def url(user: str) -> str:
+        return f"redis://{user}:{user}-pw@127.0.0.1:{port}/0"
+
+    async def roles() -> None:
+        keys = Keyring({"w0": b"k" * 32})
+        w, g = RedisRegistry(url("worker"), keyring=keys), RedisRegistry(url("gateway"),
+                                                                           keyring=keys)
+        try:
+            rec = await w.register(WorkerRecord("w0", "a:1", "fp"), 2000)
+            assert await w.renew(rec, 2000)
+            assert await w.publish(rec, [OwnershipEvent("store", [1, 2, 3])])
+            assert [r.worker_id for r in await g.list_workers()] == ["w0"]
+            assert (await g.ownership_snapshot())[2]["w0"][1] == {1: None, 2: 1, 3: 2}
+            assert len(await g.read_events(b"0-0", 10)) == 2
+            await g.stream_state()
+            await g.server_id()
+            await w.deregister(rec)
+            await w.register(WorkerRecord("w0", "a:1", "fp"), 50)
+            await asyncio.sleep(0.2)
+            assert await g.reap_expired() == ["w0"]
+        finally:
+            await w.close()
+            await g.close()
+
+    try:
+        deadline = 50
+        while True:
+            try:
+                redis.Redis(port=port, password="admin-pw").ping()
+                break
+            except redis.ConnectionError:
+                assert proc.poll() is None and deadline, proc.stdout.read() if proc.stdout else ""
+                deadline -= 1
+                subprocess.run(["sleep", "0.1"])
+        asyncio.run(roles())
+        forbidden = {"worker": [["FLUSHALL"], ["KEYS", "*"], ["XREAD", "STREAMS", "pg:events", "0"],
+                                ["HSET", "elsewhere", "a", "b"], ["CONFIG", "GET", "*"]],
+                     "gateway": [["FLUSHALL"], ["HSET", "pg:kv:w0", "a", "b"],
+                                 ["CONFIG", "GET", "*"], ["SET", "pg:lease:w0", "1"]]}
+        for user, commands in forbidden.items():
+            client = redis.Redis(port=port, username=user, password=f"{user}-pw")
+            for command in commands:
+                with pytest.raises(redis.exceptions.NoPermissionError):
+                    client.execute_command(*command)
+            client.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 # --- labels, disruption, scaling ---------------------------------------------------------
