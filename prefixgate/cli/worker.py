@@ -121,7 +121,7 @@ async def _serve(args: argparse.Namespace) -> None:
         await server
         return
     # Registration, lease renewal and KV event publishing (worker/events.py).
-    registry = RedisRegistry(args.redis_url, keyring=security.worker_keyring(args))
+    registry = RedisRegistry(args.redis_url, keyring=security.worker_keyring(args, worker_id))
     address = args.advertise_address or f"{args.host}:{port}"
     publisher = RedisPublisher(events, registry, WorkerRecord(
         worker_id, address, spec.fingerprint, capacity_blocks=num_blocks), args.lease_ms)
