@@ -203,18 +203,39 @@ async def fleet_run(trace: Trace, fleet_config, arrival: ArrivalConfig, limits: 
             "worker_ttft_samples_s": sorted(r["ttft_s"] for r in served)}
 
 
-def run_fleet(trace: Trace, args: argparse.Namespace, arrival: ArrivalConfig,
-              limits: Limits) -> list[dict]:
-    """The --fleet runs of `prefixgate replay` (module docstring)."""
-    from prefixgate.emulate.fleet import FleetConfig
+def fleet_context_tokens(trace: Trace, max_tokens: int) -> int:
+    """The context the fleet's model gets: a power of two holding the trace's longest
+    prompt and a reply (at least 16k; a chat prompt's UTF-8 bytes bound its tokens under a
+    byte-level tokenizer, plus the template's few tokens per message)."""
+    longest = max((t.num_prompt_tokens or sum(len(m.encode()) + 16 for _, m in c.messages(i))
+                   for c in trace.conversations for i, t in enumerate(c.turns)), default=0)
+    return 1 << max(14, (longest + max_tokens + 1).bit_length())
+
+
+def fleet_model(trace: Trace, args: argparse.Namespace):
+    """(ModelSpec, block size) of the fleet `run_fleet` brings up for `trace`: the
+    --tokenizer-model's tokenizer with a context for the trace (emulate/model.py)."""
+    from prefixgate.emulate.model import emulation_model_dir
+    from prefixgate.models import resolve_model
 
     block_size = args.sim_block_size or trace.block_size or CHAT_BLOCK_SIZE
     if trace.block_size and block_size != trace.block_size:
         raise SystemExit(f"prefixgate replay: {trace.kind} traces have blocks of "
                          f"{trace.block_size} tokens; --sim-block-size must be that or 0")
-    longest = max((t.num_prompt_tokens for c in trace.conversations for t in c.turns),
-                  default=0)
-    context = 1 << max(14, (longest + limits.max_tokens + 1).bit_length())
+    cache = getattr(args, "cache_dir", None)
+    model_dir = emulation_model_dir(args.tokenizer_model,
+                                    fleet_context_tokens(trace, args.max_tokens),
+                                    Path(cache) if cache else None)
+    return resolve_model(str(model_dir), Path(cache) if cache else None), block_size
+
+
+def run_fleet(trace: Trace, args: argparse.Namespace, arrival: ArrivalConfig,
+              limits: Limits) -> list[dict]:
+    """The --fleet runs of `prefixgate replay` (module docstring)."""
+    from prefixgate.emulate.fleet import FleetConfig
+
+    spec, block_size = fleet_model(trace, args)
+    context = spec.max_context_tokens
     policies = list(args.sim_policies or []) or ["prefix"]
     fronts = [(g, policy, ()) for g in (args.gateways or [1]) for policy in policies]
     peer = tuple(shlex.split(args.peer_router))

@@ -67,11 +67,11 @@ from prefixgate.emulate.cache import BlockCache
 from prefixgate.events import KVEventSink
 from prefixgate.gateway.index import PrefixIndex
 from prefixgate.gateway.routing import POLICIES, LoadSnapshot, Router, RoutingConfig, Turn
-from prefixgate.radix import BlockHasher
+from prefixgate.radix import BlockHasher, packed
 from prefixgate.replay.loadgen import ArrivalConfig
 from prefixgate.replay.metrics import summarize
 from prefixgate.replay.targets import TurnRecord
-from prefixgate.replay.traces import Trace
+from prefixgate.replay.traces import Trace, synth_prompt_array
 
 
 @dataclass(frozen=True)
@@ -144,10 +144,28 @@ def chain_ids(hash_ids: Sequence[int]) -> tuple[int, ...]:
 
 
 def prepare_turns(trace: Trace, block_size: int = 16, tokenizer=None,
-                  progress: bool = False) -> list[list[SimTurn]]:
+                  progress: bool = False, hasher: BlockHasher | None = None,
+                  vocab_size: int = 32000, max_prompt_tokens: int = 0) -> list[list[SimTurn]]:
     """Turns per conversation. Token traces use their hash ids (the block size is the
-    trace's); chat traces are tokenized with `tokenizer` (a prefixgate ChatTokenizer: chat
-    template + the recorded replies) and hashed in blocks of `block_size`."""
+    trace's), or, given `hasher`, the hashes of the token ids a replay synthesises for them
+    (`synth_prompt_array` with `vocab_size` and `max_prompt_tokens`): exactly the keys a
+    gateway with that hasher routes by. Chat traces are tokenized with `tokenizer` (a
+    prefixgate ChatTokenizer: chat template + the recorded replies) and hashed in blocks of
+    `block_size` (with `hasher` when given)."""
+    if not trace.is_chat and hasher is not None:
+        if hasher.block_size != trace.block_size:
+            raise ValueError(f"hasher block size {hasher.block_size} is not the trace's "
+                             f"{trace.block_size}")
+        out = []
+        for c in trace.conversations:
+            turns = []
+            for i, t in enumerate(c.turns):
+                ids = synth_prompt_array(t, trace.block_size, vocab_size, max_prompt_tokens)
+                keys = tuple(hasher.hash_blocks(packed(ids.tobytes())))
+                turns.append(SimTurn(c.conversation_id, i, len(ids), t.num_output_tokens,
+                                     keys, keys, t.timestamp_s))
+            out.append(turns)
+        return out
     if not trace.is_chat:
         return [[SimTurn(c.conversation_id, i, t.num_prompt_tokens, t.num_output_tokens,
                          keys, keys, t.timestamp_s)
@@ -157,7 +175,7 @@ def prepare_turns(trace: Trace, block_size: int = 16, tokenizer=None,
         raise ValueError("simulating a chat trace needs a tokenizer to count its tokens")
     from tqdm import tqdm
 
-    hasher = BlockHasher(block_size)
+    hasher = hasher or BlockHasher(block_size)
     out = []
     convs = trace.conversations
     chunk = 64  # conversations per encode_batch call (the tokenizer batches in Rust)
@@ -275,7 +293,7 @@ class _Sim:
                          for _ in range(1 if ideal else cfg.num_gateways)]
         self.workers = []
         for i in range(n):
-            wid = f"worker-{i:03d}"
+            wid = f"worker-{i}"  # as the emulated fleet names them (tie-breaks hash ids)
             self.workers.append(_Worker(wid, BlockCache(capacity, _IndexFeed(self, wid))))
             for g in self.gateways:
                 g.index.reset_worker(wid, 1)
@@ -508,19 +526,21 @@ def run_simulations(trace: Trace, args: argparse.Namespace, arrival: ArrivalConf
     except ValueError as exc:
         raise SystemExit(f"prefixgate replay: {exc}") from None
     counts = list(worker_counts) or [8]
+    # Hash as the emulated fleet's gateways do (prefixgate replay --fleet: same model, so
+    # the same fingerprint and the same keys), so the two can be compared turn by turn.
+    from prefixgate.replay.fleet import fleet_model
+
+    spec, block_size = fleet_model(trace, args)
+    hasher = BlockHasher(block_size, spec.fingerprint)
     if trace.is_chat:
         from prefixgate.models import resolve_model
         from prefixgate.tokenizer import ChatTokenizer
 
-        block_size = args.sim_block_size or 16
         tokenizer = ChatTokenizer(resolve_model(args.tokenizer_model))
-        convs = prepare_turns(trace, block_size, tokenizer, progress)
+        convs = prepare_turns(trace, block_size, tokenizer, progress, hasher=hasher)
     else:
-        if args.sim_block_size and args.sim_block_size != trace.block_size:
-            raise SystemExit(f"prefixgate replay: a {trace.kind} trace has blocks of "
-                             f"{trace.block_size} tokens; --sim-block-size must be that or 0")
-        block_size = trace.block_size
-        convs = prepare_turns(trace)
+        convs = prepare_turns(trace, hasher=hasher, vocab_size=args.vocab_size,
+                              max_prompt_tokens=args.max_prompt_tokens)
     gateway_counts = list(getattr(args, "gateways", None) or []) or [1]
     runs = []
     bar = tqdm(total=len(counts) * (len(policies) * len(gateway_counts) + 1), desc="simulating",
