@@ -40,7 +40,7 @@ import hashlib
 import hmac
 import logging
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +99,15 @@ def bearer(authorization: str | None) -> str:
     return token.strip()
 
 
+def credential_lines(text: str, source: str) -> Iterator[tuple[str, list[str]]]:
+    """("file:line", whitespace-separated fields) of each line of a credential file (token
+    file, keyring) that is not empty once `#` comments are dropped."""
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        fields = raw.split("#", 1)[0].split()
+        if fields:
+            yield f"{source}:{lineno}", fields
+
+
 def metadata_value(metadata: Iterable[tuple[str, str | bytes]] | None, key: str) -> str | None:
     """The first value of `key` in gRPC metadata (keys are lower case)."""
     for k, v in metadata or ():
@@ -119,12 +128,7 @@ class TokenStore:
     @classmethod
     def parse(cls, text: str, source: str = "<tokens>") -> TokenStore:
         tenants: dict[str, Tenant] = {}
-        for lineno, raw in enumerate(text.splitlines(), 1):
-            line = raw.split("#", 1)[0].strip()
-            if not line:
-                continue
-            fields = line.split()
-            where = f"{source}:{lineno}"
+        for where, fields in credential_lines(text, source):
             if len(fields) not in (2, 3):
                 raise ValueError(f"{where}: expected 'sha256:<hex> <namespace> [<label>]'")
             digest, namespace = fields[0], fields[1]

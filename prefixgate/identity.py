@@ -42,6 +42,7 @@ import hmac
 from collections.abc import Sequence
 from pathlib import Path
 
+from prefixgate.auth import credential_lines
 from prefixgate.events import OwnershipEvent
 
 _MIN_KEY_HEX = 32
@@ -70,12 +71,7 @@ class Keyring:
     @classmethod
     def parse(cls, text: str, source: str = "<keyring>") -> Keyring:
         keys: dict[str, bytes] = {}
-        for lineno, raw in enumerate(text.splitlines(), 1):
-            line = raw.split("#", 1)[0].strip()
-            if not line:
-                continue
-            fields = line.split()
-            where = f"{source}:{lineno}"
+        for where, fields in credential_lines(text, source):
             if len(fields) != 2:
                 raise ValueError(f"{where}: expected '<worker id> <hex key>'")
             wid, hexkey = fields
