@@ -90,8 +90,9 @@ class EngineConfig:
     shifted_reuse: str = "blend"
     blend_tokens: int = 64  # recomputed after the gap under "blend" (docs/reindex.md)
     reindex_backend: str = "auto"  # "torch", "triton" or "auto" (triton on CUDA)
-    # Key of prefixgate.worker.paged_attention.BACKENDS that attends every step.
-    attention_backend: str = "torch"
+    # Key of prefixgate.worker.paged_attention.BACKENDS that attends every step, or
+    # "auto" (the fastest that runs here: paged_attention.resolve_backend).
+    attention_backend: str = "auto"
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` tokens."""

@@ -69,7 +69,7 @@ from prefixgate.worker.detokenizer import Decoder, StreamDecoder
 from prefixgate.worker.kv_pool import KVPool
 from prefixgate.worker.metrics import WorkerMetrics
 from prefixgate.worker.model_runner import ModelRunner, pool_config_for
-from prefixgate.worker.paged_attention import StepMetadata
+from prefixgate.worker.paged_attention import StepMetadata, resolve_backend
 from prefixgate.worker.prefix_cache import PrefixCache
 from prefixgate.worker.reindex import rope_spec_or_none
 from prefixgate.worker.reuse import ReusePlanner
@@ -125,6 +125,8 @@ class PagedEngine(Engine):
         self.tokenizer = tokenizer
         self.pool = KVPool(pool_config_for(model, config.block_size, config.num_blocks))
         self.runner = ModelRunner(model, self.pool)
+        self.attention_backend = resolve_backend(config.attention_backend, self.pool,
+                                                 model.config.num_attention_heads)
         self.cache = PrefixCache(self.pool, event_sink)
         self.blocks = BlockManager(self.pool, self.cache, metrics)
         self.reuse = ReusePlanner(config, self.cache, self.blocks, rope_spec_or_none(model))
@@ -327,7 +329,7 @@ class PagedEngine(Engine):
                 samplers.append(seq)
         step = StepMetadata.build(self.pool, [s.block_table for s, _ in batch],
                                   [s.num_computed_tokens + n for s, n in batch],
-                                  [n for _, n in batch], self.config.attention_backend)
+                                  [n for _, n in batch], self.attention_backend)
         logits = self.runner.forward(input_ids, positions, step, sample_indices)
         for seq, n in batch:
             seq.advance(n)

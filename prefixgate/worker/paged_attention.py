@@ -25,9 +25,10 @@ query [T, H, D] (the step's new tokens, any strides), k_cache/v_cache
 [T, H, D] contiguous, dtype of query. H is a multiple of KVH (GQA: query head h reads KV
 head h // (H // KVH)). "torch" (below) runs anywhere: one batched attention for the
 decode rows (padded only to the longest decode context, never to a prefill chunk) and
-one attention per prefill chunk; it gathers each context's slots, which a kernel that
-reads blocks in place (worker/kernels/) avoids. Other backends register themselves in
-`BACKENDS`.
+one attention per prefill chunk; it gathers each context's slots out of the pool. "cpu"
+reads the decode rows' K/V in place (worker/kernels/cpu_decode.py, read once instead of
+three times) and runs prefill chunks as "torch" does. Other backends (Triton on CUDA)
+register themselves in `BACKENDS`; `resolve_backend("auto", ...)` picks one.
 """
 
 from __future__ import annotations
@@ -191,32 +192,77 @@ def _torch_plan(step: StepMetadata) -> _TorchPlan:
     return _TorchPlan(decode_slots, decode_mask, prefill)
 
 
-def torch_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    step: StepMetadata, scale: float) -> torch.Tensor:
-    """The reference backend (any device): query [T, H, D] -> [T, H, D]."""
+def _prepared(step: StepMetadata) -> _TorchPlan:
     if step._torch_plan is None:
         step._torch_plan = _torch_plan(step)
-    plan = step._torch_plan
-    num_tokens, num_heads, _ = query.shape
-    gqa = num_heads != k_cache.shape[1]
-    out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    if plan.decode_slots is not None:
-        nd = step.num_decodes
-        k = k_cache[plan.decode_slots].to(query.dtype).transpose(1, 2)  # [nd, KVH, ctx, D]
-        v = v_cache[plan.decode_slots].to(query.dtype).transpose(1, 2)
-        q = query[:nd, :, None]  # [nd, H, 1, D]
-        out[:nd] = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask,
-                                                  scale=scale, enable_gqa=gqa)[:, :, 0]
-    for lo, hi, slots, mask in plan.prefill:
+    return step._torch_plan
+
+
+def _prefill_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   step: StepMetadata, scale: float, out: torch.Tensor) -> None:
+    """One attention per prefill chunk (sequences num_decodes.., rows out of `query`)."""
+    gqa = query.shape[1] != k_cache.shape[1]
+    for lo, hi, slots, mask in _prepared(step).prefill:
         k = k_cache[slots].to(query.dtype).transpose(0, 1)  # [KVH, ctx, D]
         v = v_cache[slots].to(query.dtype).transpose(0, 1)
         q = query[lo:hi].transpose(0, 1)  # [H, q_len, D]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            scale=scale, enable_gqa=gqa)
         out[lo:hi] = o.transpose(0, 1)
+
+
+def torch_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    step: StepMetadata, scale: float) -> torch.Tensor:
+    """The reference backend (any device): query [T, H, D] -> [T, H, D]. Decodes: one
+    batched attention, padded to the longest decode context only."""
+    plan = _prepared(step)
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if plan.decode_slots is not None:
+        nd = step.num_decodes
+        k = k_cache[plan.decode_slots].to(query.dtype).transpose(1, 2)  # [nd, KVH, ctx, D]
+        v = v_cache[plan.decode_slots].to(query.dtype).transpose(1, 2)
+        q = query[:nd, :, None]  # [nd, H, 1, D]
+        out[:nd] = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=plan.decode_mask, scale=scale,
+            enable_gqa=query.shape[1] != k_cache.shape[1])[:, :, 0]
+    _prefill_torch(query, k_cache, v_cache, step, scale, out)
     return out
 
 
-BACKENDS: dict[str, AttentionFn] = {"torch": torch_attention}
+def cpu_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  step: StepMetadata, scale: float) -> torch.Tensor:
+    """CPU backend: decodes by the kernel that reads blocks in place
+    (worker/kernels/cpu_decode.py), prefill chunks as in the torch path."""
+    from prefixgate.worker.kernels import cpu_decode
+
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    nd = step.num_decodes
+    if nd:
+        out[:nd] = cpu_decode.decode_attention(query[:nd], k_cache, v_cache,
+                                               step.block_tables[:nd], step.context_lens[:nd],
+                                               step.block_size, scale)
+    _prefill_torch(query, k_cache, v_cache, step, scale, out)
+    return out
+
+
+BACKENDS: dict[str, AttentionFn] = {"torch": torch_attention, "cpu": cpu_attention}
+
+
+def resolve_backend(name: str, pool: KVPool, num_heads: int) -> str:
+    """The backend `name` stands for: "auto" picks the fastest one that runs here (a
+    registered "triton" on CUDA; the CPU kernel when it builds and fits; else "torch")."""
+    if name != "auto":
+        if name not in BACKENDS:
+            raise ValueError(f"unknown attention backend {name!r} (have {sorted(BACKENDS)})")
+        return name
+    if pool.k.device.type == "cuda":
+        return "triton" if "triton" in BACKENDS else "torch"
+    from prefixgate.worker.kernels import cpu_decode
+
+    if pool.k.device.type == "cpu" and cpu_decode.supports(pool.k[0], num_heads) \
+            and cpu_decode.available():
+        return "cpu"
+    return "torch"
+
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
