@@ -102,6 +102,8 @@ class GatewayConfig:
     worker_tls: rpc.TLSConfig = rpc.TLSConfig()  # to workers: their CA, our client cert
     auth: auth.AuthConfig = auth.AuthConfig()  # tokens (public), internal credential
     limits: RequestLimits = RequestLimits()  # what one request may carry
+    # The OpenAI-compatible HTTP front (gateway/http.py) on this port: -1 off, 0 any free.
+    http_port: int = -1
 
 
 OVERFLOW_TO_PROTO = {name: value for value, name in OVERFLOW_FROM_PROTO.items() if name}
@@ -338,6 +340,14 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
     port = rpc.bind(server, config.host, config.port, config.tls, "gateway")
     await server.start()
     health_server = await rpc.start_health_port(health, config.host, config.health_port)
+    http = None
+    if config.http_port >= 0:
+        from prefixgate.gateway.http import HTTPFront
+
+        http = HTTPFront(service)
+        http_port = await http.start(config.host, config.http_port, config.tls)
+        log.info("gateway serving the OpenAI-compatible HTTP API on %s:%d", config.host,
+                 http_port)
     log.info("gateway serving %s on %s:%d (policy %s)", spec.name, config.host, port,
              config.routing.policy)
     if started is not None:
@@ -372,6 +382,8 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
         await rpc.set_serving(health, [SERVICE.full_name], False)
         await feed.close()
         await status.close()
+        if http is not None:
+            await http.stop(config.drain_seconds)
         await server.stop(config.drain_seconds)
         if health_server is not None:
             await health_server.stop(0)

@@ -1,0 +1,573 @@
+"""The gateway's OpenAI-compatible HTTP front (aiohttp, in the gateway's event loop).
+
+Contract
+--------
+`HTTPFront(service)` serves, beside the gRPC ChatService and through the very same turn
+path (`ChatService.chat_events`: the same validation, limits and messages, tokenizing,
+routing, namespaces, retries and worker calls; only the wire format differs):
+
+  POST /v1/chat/completions  messages -> a chat completion; `stream` (SSE, `data: [DONE]`
+                             last), `stream_options.include_usage`, `n`, `stop`, `seed`,
+                             `max_tokens` / `max_completion_tokens` (the latter wins),
+                             `temperature` (default 1), `top_p`
+  POST /v1/completions       `prompt` as text (tokenized with the model's tokenizer, no
+                             chat template) or as token ids; same sampling fields
+  GET  /v1/models            the served model (and /v1/models/{id})
+  GET  /health               200 while a worker is routable, else 503
+  GET  /metrics              Prometheus text, every series labelled model_name
+
+`usage` always carries `prompt_tokens_details.cached_tokens`: prompt tokens the serving
+worker found in its prefix cache.
+
+Routing: prompts route by their cached prefix, as on gRPC. Conversation affinity (the
+`session` policy, and the trace recorder's conversation id) comes from the request's
+`prompt_cache_key` field, OpenAI's own field for cache affinity; `user` is not used.
+prefixgate extensions in the body (the SDK's `extra_body`): `namespace` (cache namespace;
+with --tokens-file the token's own), `top_k`, `context_overflow`, `shifted_reuse` (as
+the gRPC SamplingParams names them: "keep-system-drop-oldest", "blend", ...).
+
+Authentication: with --tokens-file, `Authorization: Bearer <token>` as on gRPC (the
+same tokens, the same namespace binding, prefixgate/auth.py); /health and /metrics stay
+open (probes, scrapers). TLS: the gateway's --tls-cert/--tls-key (and --tls-client-ca)
+serve HTTPS here too.
+
+Errors are OpenAI's error object `{"error": {"message", "type", "param", "code"}}` with the
+HTTP status of the gRPC code the turn path chose (INVALID_ARGUMENT 400, UNAUTHENTICATED 401,
+PERMISSION_DENIED 403, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504);
+`code` is the gRPC code's name in lower case. A stream fails before its first byte with
+that status when it can; after it has begun, with one SSE `data: {"error": ...}` event and
+no `[DONE]`. A client that disconnects cancels its turn (and the worker's request).
+Unsupported OpenAI features (tools, logprobs, penalties, ...) are refused with 400 when
+asked for, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import ssl
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from aiohttp import web
+
+from prefixgate import metrics_export, rpc
+from prefixgate.gateway import metrics
+from prefixgate.protocol import (
+    OVERFLOW_FROM_PROTO,
+    SHIFTED_REUSE_FROM_PROTO,
+    InvalidRequest,
+    check_id,
+)
+from prefixgate.v1 import chat_pb2, common_pb2
+
+if TYPE_CHECKING:
+    from prefixgate.gateway.server import ChatService
+
+log = logging.getLogger(__name__)
+
+CHAT_ROUTE = "/v1/chat/completions"
+COMPLETIONS_ROUTE = "/v1/completions"
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNIMPLEMENTED: 501, grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               403: "permission_error", 404: "not_found_error", 413: "invalid_request_error",
+               429: "rate_limit_error"}
+FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+          common_pb2.FINISH_REASON_CANCELLED: "stop"}
+# OpenAI fields prefixgate cannot honour, with the value that asks for nothing.
+UNSUPPORTED = {"tools": None, "functions": None, "logprobs": False, "top_logprobs": None,
+               "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0,
+               "response_format": None, "echo": False, "best_of": 1, "suffix": None,
+               "audio": None, "modalities": None, "prediction": None}
+OVERFLOW_TO_PROTO = {name: value for value, name in OVERFLOW_FROM_PROTO.items() if name}
+SHIFTED_REUSE_TO_PROTO = {name: value for value, name in SHIFTED_REUSE_FROM_PROTO.items()
+                          if name}
+
+
+class TurnFailed(Exception):
+    """A turn that ends with an error the client should see (gRPC code + message)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, param: str | None = None) -> None:
+        super().__init__(details)
+        self.code, self.details, self.param = code, details, param
+
+    @property
+    def http_status(self) -> int:
+        return HTTP_STATUS.get(self.code, 500)
+
+
+class _TurnContext:
+    """What ChatService.chat_events needs of a gRPC ServicerContext, for an HTTP turn:
+    the caller's credentials, no deadline (an HTTP client ends a turn by disconnecting),
+    and an abort that raises TurnFailed."""
+
+    def __init__(self, authorization: str | None) -> None:
+        self._metadata = (("authorization", authorization),) if authorization else ()
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise TurnFailed(code, details)
+
+
+def error_body(status: int, message: str, code: str | None = None,
+               param: str | None = None) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message,
+                      "type": ERROR_TYPES.get(status, "server_error" if status >= 500
+                                              else "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, code: str | None = None,
+                   param: str | None = None) -> web.Response:
+    return web.json_response(error_body(status, message, code, param), status=status)
+
+
+# --- request fields -------------------------------------------------------------------------
+
+
+def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        names = " or ".join(k.__name__.replace("str", "string").replace("int", "integer")
+                            .replace("float", "number") for k in kinds)
+        raise InvalidRequest(f"{name} must be {names}, not {json.dumps(value)[:40]}")
+    return value
+
+
+def _count(body: dict, name: str, lo: int, hi: int = 2**32 - 1) -> int | None:
+    value = _field(body, name, (int,))
+    if value is not None and not lo <= value <= hi:
+        raise InvalidRequest(f"{name} is {value}: it must be between {lo} and {hi}")
+    return value
+
+
+def sampling_params(body: dict) -> common_pb2.SamplingParams:
+    """SamplingParams of an OpenAI request; InvalidRequest naming a bad field. Ranges the
+    gRPC path checks (n, temperature, max_tokens against the context) are left to it, so
+    both fronts say the same."""
+    for name, off in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and value != off and value != [] and value != {} and not (
+                name == "response_format" and isinstance(value, dict)
+                and value.get("type") == "text"):
+            raise InvalidRequest(f"{name} is not supported by prefixgate: leave it out")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise InvalidRequest("tool_choice is not supported by prefixgate: leave it out")
+    params = common_pb2.SamplingParams(
+        temperature=float(_field(body, "temperature", (int, float), 1.0)),
+        top_p=float(_field(body, "top_p", (int, float), 1.0)),
+        n=_count(body, "n", 0) or 0)
+    max_tokens = _count(body, "max_completion_tokens", 0)
+    if max_tokens is None:
+        max_tokens = _count(body, "max_tokens", 0)
+    if max_tokens is not None:
+        params.max_tokens = max_tokens
+    seed = _count(body, "seed", 0, 2**64 - 1)
+    if seed is not None:
+        params.seed = seed
+    top_k = _count(body, "top_k", -1)
+    params.top_k = max(0, top_k or 0)  # -1 (vLLM) and 0: off
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise InvalidRequest("stop must be a string or a list of strings")
+        params.stop.extend(stop)
+    for name, table, field in (("context_overflow", OVERFLOW_TO_PROTO, "context_overflow"),
+                               ("shifted_reuse", SHIFTED_REUSE_TO_PROTO, "shifted_reuse")):
+        value = _field(body, name, (str,), "")
+        if value:
+            if value not in table:
+                raise InvalidRequest(f"{name} is {value!r}: use one of {', '.join(table)}")
+            setattr(params, field, table[value])
+    return params
+
+
+def _text_content(i: int, content: Any) -> str:
+    """A message's text: a string, or a list of text parts."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or \
+                    not isinstance(part.get("text"), str):
+                raise InvalidRequest(f"messages[{i}].content: only text parts "
+                                     '({"type": "text", "text": ...}) are supported')
+            texts.append(part["text"])
+        return "".join(texts)
+    raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts")
+
+
+def _common_fields(body: dict, request: chat_pb2.ChatRequest) -> None:
+    request.model = _field(body, "model", (str,), "")
+    request.conversation_id = _field(body, "prompt_cache_key", (str,), "")
+    request.namespace = _field(body, "namespace", (str,), "")
+    request.sampling.CopyFrom(sampling_params(body))
+
+
+def chat_request(body: dict) -> chat_pb2.ChatRequest:
+    """The ChatRequest of a /v1/chat/completions body."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise InvalidRequest("messages must be a list of {role, content} objects")
+    request = chat_pb2.ChatRequest()
+    request.messages.SetInParent()  # an empty list is still messages (the path says so)
+    out = request.messages.messages
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidRequest(f"messages[{i}] must be an object with a role and content")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.add(role=role, content=_text_content(i, m.get("content")))
+    _common_fields(body, request)
+    return request
+
+
+def completion_request(body: dict, encode: Callable[[str], list[int]],
+                       vocab_size: int) -> chat_pb2.ChatRequest:
+    """The ChatRequest of a /v1/completions body (one prompt: text or token ids)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    request = chat_pb2.ChatRequest()
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequest("prompt is empty: send some text or token ids")
+        request.prompt_token_ids.token_ids.extend(encode(prompt))
+    elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt: token id {bad} is out of range: the model's "
+                                 f"vocabulary has {vocab_size} tokens (ids 0..{vocab_size - 1})")
+        request.prompt_token_ids.token_ids.extend(prompt)
+    else:
+        raise InvalidRequest("prompt must be a string or a list of token ids (one prompt per "
+                             "request)")
+    _common_fields(body, request)
+    return request
+
+
+# --- responses ---------------------------------------------------------------------------
+
+
+def usage_json(usage: common_pb2.Usage) -> dict:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def finish_reasons(final: chat_pb2.ChatFinal, n: int) -> list[str]:
+    reasons = list(final.sample_finish_reasons) or [final.finish_reason] * n
+    return [FINISH.get(r, "stop") for r in reasons] + ["stop"] * (n - len(reasons))
+
+
+class _Turn:
+    """One HTTP turn's identity and shape: ids, route, number of choices, chat or text."""
+
+    def __init__(self, route: str, request_id: str, model: str, n: int) -> None:
+        self.route, self.request_id, self.model, self.n = route, request_id, model, n
+        self.chat = route == CHAT_ROUTE
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
+        self.object = "chat.completion" if self.chat else "text_completion"
+        self.created = int(time.time())
+
+    def envelope(self, choices: list, **extra) -> dict:
+        return {"id": self.id, "object": self.object, "created": self.created,
+                "model": self.model, "choices": choices, **extra}
+
+    def chunk(self, choices: list, **extra) -> bytes:
+        doc = {"id": self.id, "object": "chat.completion.chunk" if self.chat
+               else "text_completion", "created": self.created, "model": self.model,
+               "choices": choices, **extra}
+        return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
+
+    def piece(self, index: int, text: str | None, finish: str | None) -> dict:
+        if self.chat:
+            delta = {} if text is None else {"content": text}
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+
+# --- the server ----------------------------------------------------------------------------
+
+
+class HTTPFront:
+    """The OpenAI-compatible HTTP server of one gateway process (see the module docstring)."""
+
+    def __init__(self, service: ChatService) -> None:
+        self.service = service
+        self.model = service.spec.name
+        self.app = web.Application(client_max_size=service.config.limits.max_request_bytes,
+                                   middlewares=[self._errors])
+        self.app.add_routes([
+            web.post(CHAT_ROUTE, self.chat_completions),
+            web.post(COMPLETIONS_ROUTE, self.completions),
+            web.get("/v1/models", self.models),
+            web.get("/v1/models/{model:.+}", self.model_info),
+            web.get("/health", self.health),
+            web.get("/metrics", self.metrics),
+        ])
+        self.runner: web.AppRunner | None = None
+        self.turns_in_flight = 0
+
+    async def start(self, host: str, port: int, tls: rpc.TLSConfig | None = None) -> int:
+        """Listen on host:port (0: any free port); returns the bound port."""
+        # handler_cancellation: a client that disconnects cancels its turn at once.
+        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                    shutdown_timeout=0)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port, ssl_context=_ssl_context(tls),
+                           reuse_port=True)
+        await site.start()
+        return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def stop(self, drain_seconds: float) -> None:
+        """Stop accepting; let turns in flight finish for up to `drain_seconds`."""
+        if self.runner is None:
+            return
+        for site in list(self.runner.sites):
+            await site.stop()
+        deadline = time.monotonic() + drain_seconds
+        while self.turns_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self.runner.cleanup()
+
+    # --- middleware: every answer counted; every failure as OpenAI's error object --------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        route = request.match_info.route.resource.canonical if request.match_info.route.resource \
+            else "other"
+        try:
+            response = await handler(request)
+        except TurnFailed as exc:
+            response = error_response(exc.http_status, exc.details, exc.code.name.lower(),
+                                      exc.param)
+        except web.HTTPRequestEntityTooLarge:
+            limit = self.service.config.limits.max_request_bytes
+            response = error_response(413, f"the request body is over {limit} bytes: send a "
+                                           "shorter prompt", "request_too_large")
+        except web.HTTPException as exc:
+            response = error_response(exc.status, exc.reason, None)
+        except asyncio.CancelledError:
+            metrics.REQUESTS.labels(route, "499").inc()
+            raise
+        except Exception:
+            log.exception("HTTP %s %s failed", request.method, request.path)
+            response = error_response(500, "internal error (the gateway's log has the details)",
+                                      "internal")
+        if not request.get("counted"):
+            metrics.REQUESTS.labels(route, str(response.status)).inc()
+        return response
+
+    # --- routes ---------------------------------------------------------------------------
+
+    async def _authenticate(self, request: web.Request) -> None:
+        if self.service.tokens is not None:
+            from prefixgate import auth
+
+            try:
+                self.service.tokens.authenticate(request.headers.get("Authorization"))
+            except auth.AuthError as exc:
+                code = grpc.StatusCode.PERMISSION_DENIED if isinstance(
+                    exc, auth.PermissionDenied) else grpc.StatusCode.UNAUTHENTICATED
+                raise TurnFailed(code, str(exc)) from None
+
+    async def models(self, request: web.Request) -> web.Response:
+        await self._authenticate(request)
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        await self._authenticate(request)
+        if request.match_info["model"] != self.model:
+            return error_response(404, f"model {request.match_info['model']!r} is not served "
+                                       f"here: this gateway serves {self.model!r}",
+                                  "model_not_found", "model")
+        return web.json_response(self._model_card())
+
+    def _model_card(self) -> dict:
+        spec = self.service.spec
+        return {"id": spec.name, "object": "model", "created": 0, "owned_by": "prefixgate",
+                "max_model_len": spec.max_context_tokens, "fingerprint": spec.fingerprint,
+                "num_workers": len(self.service.pool.healthy())}
+
+    async def health(self, request: web.Request) -> web.Response:
+        workers = len(self.service.pool.healthy())
+        return web.json_response({"status": "ok" if workers else "no workers",
+                                  "workers": workers}, status=200 if workers else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return web.Response(body=metrics_export.exposition(self.model),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._turn(request, CHAT_ROUTE, chat_request)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        tokenizer = self.service.tokenizer
+
+        def build(body: dict) -> chat_pb2.ChatRequest:
+            return completion_request(body, lambda text: tokenizer.tokenizer.encode(text).ids,
+                                      tokenizer.vocab_size)
+
+        return await self._turn(request, COMPLETIONS_ROUTE, build)
+
+    async def _turn(self, request: web.Request, route: str,
+                    build: Callable[[dict], chat_pb2.ChatRequest]) -> web.StreamResponse:
+        try:
+            body = await request.json(loads=json.loads)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise TurnFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                             "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise TurnFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                             "the request body must be a JSON object")
+        request_id = _request_id(request)
+        stream = body.get("stream") is True
+        options = body.get("stream_options") or {}
+        include_usage = stream and isinstance(options, dict) and \
+            options.get("include_usage") is True
+        n = body.get("n") if type(body.get("n")) is int and body.get("n") > 0 else 1
+        turn = _Turn(route, request_id, self.model, n)
+        context = _TurnContext(request.headers.get("Authorization"))
+        conversation_id = body.get("prompt_cache_key")
+        request["counted"] = True  # observe_turn counts the turn routes
+        events = metrics.observe_turn(
+            route, self._events(build, body, context, request_id), request_id=request_id,
+            conversation_id=conversation_id if isinstance(conversation_id, str) else "",
+            status_of=_http_status_of, ok_status="200")
+        self.turns_in_flight += 1
+        try:
+            if stream:
+                return await self._stream(request, turn, events, include_usage)
+            return await self._collect(turn, events)
+        finally:
+            self.turns_in_flight -= 1
+            await events.aclose()
+
+    async def _events(self, build: Callable[[dict], chat_pb2.ChatRequest], body: dict,
+                      context: _TurnContext, request_id: str
+                      ) -> AsyncIterator[chat_pb2.ChatEvent]:
+        try:
+            chat = build(body)
+        except InvalidRequest as exc:
+            raise TurnFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        async for ev in self.service.chat_events(chat, context, request_id):
+            yield ev
+
+    async def _collect(self, turn: _Turn, events: AsyncIterator[chat_pb2.ChatEvent]
+                       ) -> web.Response:
+        texts = [[] for _ in range(turn.n)]
+        final = None
+        async for ev in events:
+            if ev.HasField("delta"):
+                if ev.delta.index < turn.n:
+                    texts[ev.delta.index].append(ev.delta.text)
+            else:
+                final = ev.final
+        assert final is not None  # chat_events ends with a final event or raises
+        reasons = finish_reasons(final, turn.n)
+        if turn.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": "".join(t)},
+                        "logprobs": None, "finish_reason": reasons[i]}
+                       for i, t in enumerate(texts)]
+        else:
+            choices = [{"index": i, "text": "".join(t), "logprobs": None,
+                        "finish_reason": reasons[i]} for i, t in enumerate(texts)]
+        return web.json_response(
+            turn.envelope(choices, usage=usage_json(final.usage)),
+            headers={"X-Request-Id": turn.request_id, "X-Prefixgate-Worker": final.worker_id})
+
+    async def _stream(self, request: web.Request, turn: _Turn,
+                      events: AsyncIterator[chat_pb2.ChatEvent], include_usage: bool
+                      ) -> web.StreamResponse:
+        # The first event comes before the headers, so a turn refused before it started
+        # (bad input, no worker, auth) gets its HTTP status instead of a 200 stream.
+        first = await anext(events)
+        response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "X-Request-Id": turn.request_id})
+        await response.prepare(request)
+        usage_none = {"usage": None} if include_usage else {}
+        if turn.chat:  # OpenAI's first chunk of each choice names the role
+            await response.write(turn.chunk(
+                [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None} for i in range(turn.n)], **usage_none))
+        ev: chat_pb2.ChatEvent | None = first
+        try:
+            while ev is not None:
+                if ev.HasField("delta"):
+                    if ev.delta.text:
+                        await response.write(turn.chunk(
+                            [turn.piece(ev.delta.index, ev.delta.text, None)], **usage_none))
+                else:
+                    final = ev.final
+                    reasons = finish_reasons(final, turn.n)
+                    await response.write(turn.chunk(
+                        [turn.piece(i, None if turn.chat else "", reasons[i])
+                         for i in range(turn.n)], **usage_none))
+                    if include_usage:
+                        await response.write(turn.chunk([], usage=usage_json(final.usage)))
+                    await response.write(b"data: [DONE]\n\n")
+                ev = await anext(events, None)
+        except TurnFailed as exc:  # after the headers: the error is the stream's last event
+            body = error_body(exc.http_status, exc.details, exc.code.name.lower(), exc.param)
+            await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+        await response.write_eof()
+        return response
+
+
+def _request_id(request: web.Request) -> str:
+    """The client's X-Request-Id when it is a sane identifier, else a new one."""
+    given = request.headers.get("X-Request-Id", "")
+    if given and given.isascii() and given.isprintable() and " " not in given:
+        try:
+            check_id("X-Request-Id", given)
+            return given
+        except InvalidRequest:
+            pass
+    return uuid.uuid4().hex
+
+
+def _http_status_of(exc: BaseException) -> tuple[str, str]:
+    if isinstance(exc, TurnFailed):
+        return str(exc.http_status), exc.details
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit, ConnectionResetError)):
+        return "499", "the client went away"
+    return "500", f"{type(exc).__name__}: {exc}"
+
+
+def _ssl_context(tls: rpc.TLSConfig | None) -> ssl.SSLContext | None:
+    """HTTPS with the gateway's certificate; client certificates required when it has a
+    client CA (mutual TLS), as on gRPC."""
+    if tls is None or not tls.enabled:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tls.cert_file, tls.key_file)
+    if tls.ca_file:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(tls.ca_file)
+    return context

@@ -1,0 +1,204 @@
+"""The gateway's OpenAI-compatible HTTP front, driven by the real `openai` SDK (sync and
+async, streaming and not), raw HTTP for the edges, and prefixgate's own replay OpenAI
+target; tiny-random workers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from prefixgate.rpc import free_port
+from tests.helpers import start_gateway, start_worker, wait_for
+
+USER = "tell me about the weather on a long walk in the hills " * 4
+
+
+@pytest.fixture(scope="module")
+def front(loop_thread, tiny_spec, tiny_model):
+    w0, stop0 = start_worker(loop_thread, tiny_spec, tiny_model, "h0")
+    w1, stop1 = start_worker(loop_thread, tiny_spec, tiny_model, "h1")
+    http_port = free_port()
+    gw, gstop = start_gateway(loop_thread, tiny_spec, [w0, w1], http_port=http_port)
+    base = f"http://127.0.0.1:{http_port}"
+    wait_for(lambda: httpx.get(base + "/health").status_code == 200 and
+             httpx.get(base + "/v1/models").json()["data"][0]["num_workers"] == 2,
+             what="the HTTP front to see both workers")
+    yield {"base": base, "grpc": gw, "model": tiny_spec.name}
+    for stop in (gstop, stop0, stop1):
+        loop_thread.loop.call_soon_threadsafe(stop.set)
+
+
+@pytest.fixture
+def client(front) -> openai.OpenAI:
+    with openai.OpenAI(base_url=front["base"] + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def test_sdk_multi_turn_chat_reports_cached_tokens_on_turn_two(client, front) -> None:
+    messages = [{"role": "system", "content": "You answer briefly."},
+                {"role": "user", "content": USER}]
+    r1 = client.chat.completions.create(model=front["model"], messages=messages, max_tokens=8,
+                                        temperature=0, prompt_cache_key="conv-a")
+    assert r1.object == "chat.completion" and r1.model == front["model"]
+    assert r1.choices[0].finish_reason in ("stop", "length")
+    assert r1.usage.completion_tokens == 8 or r1.choices[0].finish_reason == "stop"
+    assert r1.usage.total_tokens == r1.usage.prompt_tokens + r1.usage.completion_tokens
+    messages += [{"role": "assistant", "content": r1.choices[0].message.content},
+                 {"role": "user", "content": "and in winter?"}]
+    r2 = client.chat.completions.create(model=front["model"], messages=messages, max_tokens=8,
+                                        temperature=0, prompt_cache_key="conv-a")
+    # Turn 1's prompt is reused in whole 16-token blocks on the worker that holds it.
+    assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens // 16 * 16 > 0
+
+
+def test_sdk_streaming_with_usage_matches_the_whole_reply(client, front) -> None:
+    kwargs = dict(model=front["model"], messages=[{"role": "user", "content": USER}],
+                  max_completion_tokens=12, temperature=0, seed=3)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and
+                c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
+        whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    # Without include_usage no chunk carries usage.
+    plain = list(client.chat.completions.create(**kwargs, stream=True))
+    assert all(c.usage is None for c in plain) and plain[-1].choices
+
+
+def test_sdk_n_stop_and_seed(client, front) -> None:
+    kwargs = dict(model=front["model"], messages=[{"role": "user", "content": USER}],
+                  max_tokens=10, temperature=1.0, top_p=0.9, seed=11, n=3)
+    a = client.chat.completions.create(**kwargs)
+    b = client.chat.completions.create(**kwargs)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    greedy = client.chat.completions.create(model=front["model"], max_tokens=10, temperature=0,
+                                            messages=[{"role": "user", "content": USER}])
+    text = greedy.choices[0].message.content
+    if len(text) > 3:
+        stop = text[2:4]
+        stopped = client.chat.completions.create(
+            model=front["model"], max_tokens=10, temperature=0, stop=[stop],
+            messages=[{"role": "user", "content": USER}])
+        assert stop not in stopped.choices[0].message.content
+        assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_async_sdk_streams_completions_from_text_and_token_ids(front) -> None:
+    async def run() -> tuple[str, str, int]:
+        async with openai.AsyncOpenAI(base_url=front["base"] + "/v1", api_key="x",
+                                      max_retries=0) as c:
+            text = await c.completions.create(model=front["model"], prompt="Once upon a time",
+                                              max_tokens=6, temperature=0)
+            ids = await c.completions.create(model=front["model"], prompt=[1, 2, 3, 4, 5],
+                                             max_tokens=6, temperature=0)
+            stream = await c.completions.create(model=front["model"], prompt="Once upon a time",
+                                                max_tokens=6, temperature=0, stream=True,
+                                                stream_options={"include_usage": True})
+            streamed, usage = "", 0
+            async for chunk in stream:
+                streamed += "".join(ch.text for ch in chunk.choices)
+                usage = chunk.usage.completion_tokens if chunk.usage else usage
+            assert ids.usage.prompt_tokens == 5 and ids.object == "text_completion"
+            return text.choices[0].text, streamed, usage
+
+    whole, streamed, usage = asyncio.run(run())
+    assert streamed == whole and usage == 6 or usage < 6
+
+
+def test_errors_are_openai_error_objects_with_the_right_status(client, front) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=front["model"], messages=[])
+    assert "messages is empty" in err.value.message
+    assert err.value.body["code"] == "invalid_argument"
+    with pytest.raises(openai.BadRequestError, match="is not served here"):
+        client.chat.completions.create(model="gpt-4o",
+                                       messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="tools is not supported"):
+        client.chat.completions.create(
+            model=front["model"], messages=[{"role": "user", "content": "hi"}],
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(model=front["model"], max_tokens=0,
+                                       messages=[{"role": "user", "content": "hi"}])
+    # A streaming request refused before it starts gets the status, not a 200 stream.
+    r = httpx.post(front["base"] + "/v1/chat/completions",
+                   json={"model": front["model"], "stream": True, "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(front["base"] + "/v1/chat/completions", content=b"{not json")
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(front["base"] + "/v1/chat/completions", content=b"x" * (1 << 20))
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.post(front["base"] + "/v1/completions",
+                   json={"model": front["model"], "prompt": [1, 10**9]})
+    assert r.status_code == 400 and "out of range" in r.json()["error"]["message"]
+    assert httpx.get(front["base"] + "/v1/models/nope").status_code == 404
+
+
+def test_same_limits_and_messages_as_grpc(front) -> None:
+    """One turn path: a request the gRPC front refuses is refused here with its message."""
+    import grpc
+
+    from prefixgate.v1 import chat_pb2, chat_pb2_grpc
+
+    long_id = "c" * 300
+    with grpc.insecure_channel(front["grpc"]) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            list(chat_pb2_grpc.ChatServiceStub(ch).Chat(chat_pb2.ChatRequest(
+                conversation_id=long_id, messages=chat_pb2.Messages(
+                    messages=[chat_pb2.ChatMessage(role="user", content="hi")]))))
+    r = httpx.post(front["base"] + "/v1/chat/completions", json={
+        "model": front["model"], "prompt_cache_key": long_id,
+        "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == err.value.details()
+
+
+def test_metrics_health_and_request_counts(client, front) -> None:
+    client.chat.completions.create(model=front["model"], max_tokens=2,
+                                   messages=[{"role": "user", "content": "hello"}])
+    text = httpx.get(front["base"] + "/metrics").text
+    model = f'model_name="{front["model"]}"'
+    ok = [line for line in text.splitlines() if line.startswith(
+        "prefixgate:gateway_requests_total{") and 'route="/v1/chat/completions"' in line
+        and 'status="200"' in line]
+    assert ok and model in ok[0] and float(ok[0].split()[-1]) >= 1
+    assert "prefixgate:gateway_time_to_first_token_seconds_bucket" in text
+    assert any(line.startswith("prefixgate:gateway_cached_tokens_total{") and model in line
+               for line in text.splitlines())
+    assert httpx.get(front["base"] + "/health").json()["workers"] == 2
+
+
+def test_replay_openai_target_against_the_front(front, tmp_path) -> None:
+    from prefixgate.replay.loadgen import ArrivalConfig, Limits, run_load
+    from prefixgate.replay.targets import OpenAITarget
+    from prefixgate.replay.traces import read_trace
+
+    trace = tmp_path / "chat.json"
+    conversations = [{"id": f"c{i}", "conversations": [
+        {"from": "human", "value": USER + str(i)}, {"from": "gpt", "value": "fine weather"},
+        {"from": "human", "value": "and tomorrow?"}, {"from": "gpt", "value": "rain"}]}
+        for i in range(3)]
+    trace.write_text(json.dumps(conversations))
+
+    async def run():
+        target = OpenAITarget(front["base"], model=front["model"])
+        try:
+            return await run_load(read_trace(str(trace)), target, ArrivalConfig("closed", 1, 2),
+                                  Limits(max_tokens=4), progress=False)
+        finally:
+            await target.close()
+
+    records = asyncio.run(run()).records
+    assert len(records) == 6 and all(r.ok for r in records), [r.error for r in records]
+    second = [r for r in records if r.turn_index == 1]
+    assert all(r.cached_tokens > 0 for r in second)
