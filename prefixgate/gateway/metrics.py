@@ -63,6 +63,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
+from prefixgate.protocol import clip  # client strings are logged cut (docs/reliability.md)
 from prefixgate.v1 import chat_pb2, common_pb2
 
 TURNS = Counter("prefixgate:router_turns", "Turns routed, by first-choice worker and policy.",
@@ -173,7 +174,7 @@ async def observe_turn(route: str, events: AsyncIterator[chat_pb2.ChatEvent], *,
         done = time.monotonic()
         REQUESTS.labels(route, status).inc()
         fields = {"request_id": request_id, "route": route, "status": status,
-                  "conversation_id": conversation_id, "e2e_ms": round((done - arrival) * 1e3, 2)}
+                  "conversation_id": clip(conversation_id), "e2e_ms": round((done - arrival) * 1e3, 2)}
         if first:
             fields["ttft_ms"] = round((first - arrival) * 1e3, 2)
         if final is not None:
