@@ -43,8 +43,8 @@ def _start_worker(loop_thread, spec, model, worker_id: str):
     async def start():
         stop = asyncio.Event()
         started = asyncio.get_running_loop().create_future()
-        asyncio.create_task(serve(service, stop, started))
-        return await started, stop
+        task = asyncio.create_task(serve(service, stop, started))
+        return await started, (stop, task)
 
     port, stop = loop_thread.run(start())
     return f"127.0.0.1:{port}", stop, engine, failures
@@ -82,9 +82,14 @@ def test_engine_error_fails_only_its_request(loop_thread, tiny_spec, tiny_model)
             w[2].check_integrity()
     finally:
         loop_thread.run(_set(gw_stop))
-        for w in workers:
-            loop_thread.run(_set(w[1]))
+        for w in workers:  # stopped (engine thread joined) before the integrity check
+            loop_thread.run(_stop(*w[1]))
 
 
 async def _set(event: asyncio.Event) -> None:
     event.set()
+
+
+async def _stop(event: asyncio.Event, task: asyncio.Task) -> None:
+    event.set()
+    await task
