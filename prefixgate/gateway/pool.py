@@ -99,9 +99,10 @@ class WorkerPool:
     connect_timeout_s: float = 2.0
     block_size: int = 0  # workers must use this block size (0: not checked)
     close_grace_s: float = 30.0  # in-flight turns of a worker that left may finish this long
-    # A live worker missing from the registry stays this long (a registry that restarted
-    # empty lists it again once it re-registers, within one lease renewal).
-    absent_grace_s: float = 10.0
+    # A live worker missing from the registry stays this long: a registry that restarted
+    # empty lists it again once it re-registers, normally within one lease renewal (under
+    # load, 12 s was measured: docs/reliability.md); three default 10 s leases.
+    absent_grace_s: float = 30.0
     workers: dict[str, WorkerHandle] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)  # worker id -> reason
     tls: rpc.TLSConfig | None = None  # worker channels over TLS (rpc.channel)
