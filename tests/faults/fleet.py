@@ -54,13 +54,14 @@ class Outcome:
     seconds: float
     details: str = ""
     worker_id: str = ""
+    cached_tokens: int = 0
 
 
 def turn(stub: chat_pb2_grpc.ChatServiceStub, request: chat_pb2.ChatRequest,
          deadline_s: float = 60.0, on_token=None) -> Outcome:
     """One Chat call, as a client sees it."""
     t0 = time.monotonic()
-    tokens, worker = 0, ""
+    tokens, worker, cached = 0, "", 0
     try:
         for ev in stub.Chat(request, timeout=deadline_s):
             if ev.HasField("delta"):
@@ -68,8 +69,8 @@ def turn(stub: chat_pb2_grpc.ChatServiceStub, request: chat_pb2.ChatRequest,
                 if on_token is not None:
                     on_token()
             else:
-                worker = ev.final.worker_id
-        return Outcome("OK", tokens, time.monotonic() - t0, worker_id=worker)
+                worker, cached = ev.final.worker_id, ev.final.usage.cached_tokens
+        return Outcome("OK", tokens, time.monotonic() - t0, worker_id=worker, cached_tokens=cached)
     except grpc.RpcError as exc:
         code = exc.code().name
         if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and \
