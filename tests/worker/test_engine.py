@@ -12,9 +12,6 @@ import torch
 from prefixgate.protocol import SamplingConfig
 from prefixgate.tokenizer import ChatTokenizer
 from prefixgate.worker.engine import FinalEvent, FinishReason, PagedEngine, Request, TokenEvent
-from prefixgate.worker.kv_pool import KVPool
-from prefixgate.worker.model_runner import ModelRunner, pool_config_for
-from prefixgate.worker.paged_attention import StepMetadata
 from tests.helpers import make_engine, track
 
 
@@ -53,24 +50,6 @@ def assert_no_leak(engine: PagedEngine) -> None:
     engine.flush_cache()
     assert engine.pool.num_free_blocks == engine.pool.config.num_blocks
     assert engine.cache.num_blocks == 0
-
-
-def test_paged_logits_match_transformers(tiny_model, tiny_reference_model) -> None:
-    """Two sequences in one flat batch, prefilled in chunks and decoded, with scattered
-    block tables: logits equal transformers' own full forward."""
-    pool = KVPool(pool_config_for(tiny_model, 16, 64))
-    runner = ModelRunner(tiny_model, pool)
-    a, b = prompts(2, seed=3, lo=60, hi=80)
-    a, b = a[:50], b[:21]
-    step = StepMetadata.build(pool, [[5, 9], [1, 2]], [30, 21], [30, 21])
-    first = runner.forward(a[:30] + b, [*range(30), *range(21)], step, [29, 50])
-    step = StepMetadata.build(pool, [[5, 9, 11, 3], [1, 2]], [50, 22], [20, 1])
-    second = runner.forward(a[30:] + [7], [*range(30, 50), 21], step, [19, 20])
-    with torch.inference_mode():
-        ref = lambda ids: tiny_reference_model(input_ids=torch.tensor([ids])).logits[0, -1]  # noqa: E731
-        expected = [ref(a[:30]), ref(b), ref(a), ref(b + [7])]
-    for got, want in zip([*first, *second], expected, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_cache_on_equals_off_and_turn_two_hits(tiny_spec, tiny_model) -> None:
