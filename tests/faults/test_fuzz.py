@@ -132,6 +132,16 @@ def seen(fleet: Fleet):
            rss_mib_before=rss0, rss_mib_after=rss1, alive=fleet.alive())
 
 
+def _count(seen: dict[str, Counter], service: str, code: str, fleet: Fleet) -> None:
+    """Count one case; every 5,000 cases a progress line goes to the report (a long run
+    cut short still says how far it got)."""
+    seen[service][code] += 1
+    total = sum(sum(c.values()) for c in seen.values())
+    if total % 5000 == 0:
+        report("fuzz progress", cases=total, statuses={k: dict(v) for k, v in seen.items()},
+               rss_mib=_rss(fleet), alive=fleet.alive())
+
+
 def _rss(fleet: Fleet) -> dict[str, float]:
     return {"gateway": round(rss_mb(fleet.gateway.pid)), **{
         w: round(rss_mb(p.pid)) for w, p in fleet.workers.items()}}
@@ -145,7 +155,7 @@ def test_fuzz_chat_service(fleet: Fleet, seen) -> None:
     @given(req=chat_request())
     def case(req: chat_pb2.ChatRequest) -> None:
         code = _call(stub.Chat(req, timeout=DEADLINE_S))
-        seen["chat"][code] += 1
+        _count(seen, "chat", code, fleet)
         assert code not in FORBIDDEN, (code, req)
 
     try:
@@ -168,7 +178,7 @@ def test_fuzz_worker_service(fleet: Fleet, seen) -> None:
                               (stub.FlushCache, worker_pb2.FlushCacheRequest())):
                 call(msg, timeout=DEADLINE_S)
         code = _call(stub.Generate(req, timeout=DEADLINE_S))
-        seen["worker"][code] += 1
+        _count(seen, "worker", code, fleet)
         assert code not in FORBIDDEN, (code, req)
 
     try:
