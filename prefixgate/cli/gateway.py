@@ -32,6 +32,7 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
     flag(g, "--drain-seconds", type=float, default=30.0,
          help="on SIGTERM, how long in-flight streams may finish")
     overflow_flag(g)
+    http_flag(g)
     flag(g, "--metrics-port", type=int, default=0,
          help="serve Prometheus metrics on this port at /metrics (0: off; with --processes "
               "N, process i serves on this port + i)")
@@ -43,6 +44,13 @@ def overflow_flag(p: argparse.ArgumentParser) -> None:
     flag(p, "--context-overflow", default="fail", choices=("fail", "keep-system-drop-oldest"),
          help="requests that do not choose: over the context, fail or keep the system prompt "
               "and drop the oldest turns (docs/reindex.md)")
+
+
+def http_flag(p: argparse.ArgumentParser) -> None:
+    flag(p, "--http-port", type=int, default=8000,
+         help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+              "/v1/models, /health, /metrics) on this port, on --host (-1: off; 0: any free "
+              "port)")
 
 
 def policy_flags(p: argparse.ArgumentParser) -> None:
@@ -115,6 +123,7 @@ def gateway_config(args: argparse.Namespace, workers: Sequence[str], port: int):
                          record_trace=args.record_trace,
                          status_interval_ms=args.status_interval_ms,
                          context_overflow=args.context_overflow,
+                         http_port=args.http_port,
                          **security.gateway_security(args))
 
 

@@ -41,6 +41,7 @@ def add_arguments(u: argparse.ArgumentParser) -> None:
          help="use this Redis as the registry (default: embedded, no Redis)")
     gateway_cli.policy_flags(u)
     gateway_cli.overflow_flag(u)
+    gateway_cli.http_flag(u)
     gateway_cli.record_trace_flag(u)
     gateway_cli.processes_flag(u)
     flag(u, "--torch-threads", type=int, default=0,
@@ -140,8 +141,11 @@ async def _up(args: argparse.Namespace) -> int:
                 # The demo prints each turn's figures itself; keep the terminal readable.
                 logging.getLogger("prefixgate.gateway").setLevel(logging.WARNING)
                 return await _demo(address, len(addresses))
-            print(f"prefixgate up: gateway on {address}; chat with: prefixgate chat --address "
-                  f"{address}   (Ctrl-C stops everything)", file=sys.stderr, flush=True)
+            http = (f"; OpenAI-compatible API on http://{args.host}:{args.http_port}/v1"
+                    if args.http_port > 0 else "")
+            print(f"prefixgate up: gateway on {address}{http}; chat with: prefixgate chat "
+                  f"--address {address}   (Ctrl-C stops everything)", file=sys.stderr,
+                  flush=True)
             await stop.wait()
             return 0
         finally:

@@ -110,10 +110,19 @@ def _alive(pid: int) -> bool:
 def test_up_chat_and_ctrl_c(tmp_path) -> None:
     """`prefixgate up` (tiny-random, 2 workers) serves `prefixgate chat`; turn 2 reports
     cached tokens; Ctrl-C stops every process `up` started."""
-    port = free_port()
+    port, http_port = free_port(), free_port()
     env = cli_env(PREFIXGATE_CACHE_DIR=str(tmp_path))
-    up = start_up(["--model", "tiny-random", "--workers", "2", "--port", str(port)], env)
+    up = start_up(["--model", "tiny-random", "--workers", "2", "--port", str(port),
+                   "--http-port", str(http_port)], env)
     try:
+        # The OpenAI-compatible front and its metrics are on under `up`.
+        import httpx
+
+        base = f"http://127.0.0.1:{http_port}"
+        reply = httpx.post(base + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny-random", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
+        assert 'model_name="tiny-random"' in httpx.get(base + "/metrics").text
         chat = subprocess.run(
             [*PG, "chat", "--address", f"127.0.0.1:{port}", "--message",
              "hello there, how are you doing today?", "--message", "and again", "--max-tokens", "8"],
