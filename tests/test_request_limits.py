@@ -56,3 +56,14 @@ def test_prompt_tokens_and_clip() -> None:
         check_prompt_tokens(11, LIMITS)
     assert clip("a" * 100, 4) == "aaaa...(+96 chars)" and clip("ab") == "ab"
     assert RequestLimits().worker_receive_bytes > 4 * RequestLimits().max_prompt_tokens
+
+
+def test_limit_flags_and_env(monkeypatch) -> None:
+    from prefixgate.cli.flags import Parser
+    from prefixgate.cli.limits import limit_flags, request_limits
+
+    monkeypatch.setenv("PREFIXGATE_MAX_STOP", "3")
+    p = Parser()
+    limit_flags(p)
+    got = request_limits(p.parse_args(["--max-request-bytes", "1000"]))
+    assert got == RequestLimits(max_request_bytes=1000, max_stop=3)

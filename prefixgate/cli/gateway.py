@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from prefixgate.cli import security
 from prefixgate.cli.common import cache_dir, log_flags, model_flags, start_metrics, stop_event
 from prefixgate.cli.flags import flag
+from prefixgate.cli.limits import limit_flags, request_limits
 
 HELP = "run the Chat gateway"
 DESCRIPTION = "Run the gateway serving prefixgate.v1.ChatService."
@@ -38,6 +39,7 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
               "N, process i serves on this port + i)")
     processes_flag(g)
     security.gateway_flags(g)
+    limit_flags(g)
 
 
 def overflow_flag(p: argparse.ArgumentParser) -> None:
@@ -124,6 +126,7 @@ def gateway_config(args: argparse.Namespace, workers: Sequence[str], port: int):
                          status_interval_ms=args.status_interval_ms,
                          context_overflow=args.context_overflow,
                          http_port=args.http_port,
+                         limits=request_limits(args),
                          **security.gateway_security(args))
 
 

@@ -8,6 +8,7 @@ import asyncio
 from prefixgate.cli import security
 from prefixgate.cli.common import cache_dir, log, log_flags, model_flags, start_metrics, stop_event
 from prefixgate.cli.flags import flag
+from prefixgate.cli.limits import limit_flags, request_limits
 
 HELP = "run one model worker (WorkerService over gRPC)"
 DESCRIPTION = "Run one model worker serving prefixgate.v1.WorkerService."
@@ -24,6 +25,7 @@ def add_arguments(w: argparse.ArgumentParser) -> None:
     flag(w, "--redis-url", default="", help="register in this Redis (redis://host:port/db)")
     flag(w, "--lease-ms", type=int, default=10000, help="registry lease, renewed every third of it")
     security.worker_flags(w)
+    limit_flags(w)
     flag(w, "--kv-cache-memory", type=int, default=1 << 30,
          help="bytes of KV pool (ignored when --num-blocks is given)")
     flag(w, "--num-blocks", type=int, default=0, help="KV pool size in blocks (0: from --kv-cache-memory)")
@@ -111,7 +113,7 @@ async def _serve(args: argparse.Namespace) -> None:
     worker_id = args.worker_id or f"worker-{args.port}"
     config = WorkerConfig(worker_id=worker_id, host=args.host, port=args.port,
                           block_size=args.block_size, drain_seconds=args.drain_seconds,
-                          **security.worker_security(args))
+                          limits=request_limits(args), **security.worker_security(args))
     service = WorkerService(engine, spec, config, vocab_size=tokenizer.vocab_size,
                             events=events)
     started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
