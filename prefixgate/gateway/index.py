@@ -61,6 +61,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from prefixgate.radix import OwnerIndex
+from prefixgate.radix.owners import owner_runs
 
 __all__ = ["PrefixIndex", "PrefixMatch"]
 
@@ -92,29 +93,6 @@ class _Expected:
 
     def __hash__(self) -> int:
         return self._hash
-
-
-def _runs(sets: list[frozenset], key: Callable[[frozenset], frozenset]) -> dict[str, int]:
-    """Per holder of block 0 (after `key`), its run of leading blocks. `sets` are interned,
-    so runs of the same object are skipped by identity."""
-    runs: dict[str, int] = {}
-    if not sets:
-        return runs
-    prev = sets[0]
-    alive = set(key(prev))
-    for i, s in enumerate(sets):
-        if s is prev:
-            continue
-        prev = s
-        cur = key(s)
-        for o in alive - cur:
-            runs[o] = i
-        alive &= cur
-        if not alive:
-            break
-    for o in alive:
-        runs[o] = len(sets)
-    return runs
 
 
 class _Tree(OwnerIndex):
@@ -222,8 +200,8 @@ class PrefixIndex:
         if not res.num_blocks:
             return PrefixMatch(0, {}, False, 0)
         sets = res.values
-        cached = _runs(sets, self._certain_of if self._expected else _identity)
-        expected = _runs(sets, self._holders_of) if self._expected else cached
+        cached = owner_runs(sets, self._certain_of if self._expected else None)
+        expected = owner_runs(sets, self._holders_of) if self._expected else cached
         cached = {w: n for w, n in cached.items() if n}
         fanout = self._tree.fanout(block_hashes[res.num_blocks - 1])
         return PrefixMatch(res.num_blocks, cached, fanout >= self.spread_fanout, fanout,
@@ -318,11 +296,9 @@ class PrefixIndex:
         mine = self._expected.get(worker_id)
         if not mine:
             return
-        hit = [h for h in block_hashes if h in mine]
+        hit = [h for h in block_hashes if mine.pop(h, None) is not None]  # once each
         if not hit:
             return
-        for h in hit:
-            del mine[h]
         if not mine:
             del self._expected[worker_id]
         self._tree.discard(hit, self._key(worker_id))
@@ -395,6 +371,3 @@ class PrefixIndex:
         self._holders.clear()
         self._certain.clear()
 
-
-def _identity(owners: frozenset) -> frozenset:
-    return owners

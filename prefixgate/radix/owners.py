@@ -20,13 +20,13 @@ side indexes follow).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from prefixgate.radix.tree import Node, RadixTree
 
-__all__ = ["OwnerIndex", "OwnerMatch"]
+__all__ = ["OwnerIndex", "OwnerMatch", "owner_runs"]
 
 O = TypeVar("O", bound=Hashable)  # noqa: E741
 
@@ -39,6 +39,31 @@ class OwnerMatch(Generic[O]):
     owners: list[frozenset[O]]  # one owner set per matched block
     # owner -> its longest run of leading blocks it holds (only owners of block 0)
     run_blocks: dict[O, int]
+
+
+def owner_runs(sets: Sequence[frozenset],
+               key: Callable[[frozenset], frozenset] | None = None) -> dict:
+    """For each owner of the first block (after `key`, which maps an owner set to the
+    owners it stands for), how many leading blocks it holds. `sets` are interned, so runs
+    of the same set object are skipped by identity (the common case)."""
+    runs: dict = {}
+    if not sets:
+        return runs
+    prev = sets[0]
+    alive = set(key(prev) if key else prev)
+    for i, s in enumerate(sets):
+        if s is prev:
+            continue
+        prev = s
+        cur = key(s) if key else s
+        for o in alive - cur:
+            runs[o] = i
+        alive &= cur
+        if not alive:
+            break
+    for o in alive:
+        runs[o] = len(sets)
+    return runs
 
 
 class OwnerIndex(RadixTree[frozenset]):
@@ -69,23 +94,7 @@ class OwnerIndex(RadixTree[frozenset]):
         """Per-block owner sets of the longest cached prefix of `block_hashes`, and for
         each owner of the first block the number of leading blocks it holds."""
         res = self.match(block_hashes, touch=touch)
-        owners = res.values
-        runs: dict[Hashable, int] = {}
-        if owners:
-            alive = set(owners[0])
-            prev = owners[0]
-            for i, s in enumerate(owners):
-                if s is prev:  # interned: runs of equal sets are the common case
-                    continue
-                prev = s
-                for o in alive - s:
-                    runs[o] = i
-                alive &= s
-                if not alive:
-                    break
-            for o in alive:
-                runs[o] = len(owners)
-        return OwnerMatch(res.num_blocks, owners, runs)
+        return OwnerMatch(res.num_blocks, res.values, owner_runs(res.values))
 
     # ------------------------------------------------------------------ updates
 
