@@ -2,12 +2,13 @@
 
 Keys are sequences of ints in [0, 2**64) called "tokens". The tree only ever looks at
 whole blocks of `block_size` tokens: a sequence of L tokens is L // block_size blocks and
-its tail is ignored. The worker keys it by token ids (block_size=16); the gateway keys it
-by chained block hashes (block_size=1: each hash is one "token" and one block).
+its tail is ignored. Both users key it by chained block hashes with block_size=1 (each
+hash is one "token" and one block): the worker's prefix cache, whose values are KV block
+ids, and the gateway's owner index, whose values are sets of workers.
 
-Each block carries one value of type V (the worker: a KV block id; the gateway: a set of
-owner workers). A node holds a run of blocks (its `key` holds their tokens, `values` one
-value per block) and every node boundary is a block boundary: splits happen only there.
+Each block carries one value of type V. A node holds a run of blocks (its `key` holds
+their tokens, `values` one value per block) and every node boundary is a block boundary:
+splits happen only there.
 
 Contract, shared by every method:
 

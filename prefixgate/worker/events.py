@@ -10,7 +10,7 @@ Transports read it from the asyncio side, each with its own cursor:
 
   WorkerService.WatchEvents  (server.py) streams it to gateways that follow the worker
                              directly (embedded registry, `prefixgate up` without Redis);
-  RedisEventPublisher        (below) applies it to Redis: block ownership and the shared
+  RedisPublisher             (below) applies it to Redis: block ownership and the shared
                              event stream, one round trip per batch, fenced by the lease's
                              epoch.
 

@@ -4,8 +4,10 @@ Contract
 --------
 - Memory is allocated once: `k` and `v` are tensors of shape
   [num_layers, num_blocks * block_size, num_kv_heads, head_dim]. Block b holds the token
-  slots [b * block_size, (b + 1) * block_size) of every layer. A token's KV lives at one
-  slot; nothing is ever copied between blocks.
+  slots [b * block_size, (b + 1) * block_size) of every layer. A token's KV is written
+  once, at its slot, and read in place; it is copied only when a sequence takes a copy of
+  a partial block it will write into (`copy_prefix`: a cached tail, a forked sample's
+  last block) or when shifted reuse moves cached K/V to new positions (worker/reindex.py).
 - `allocate(num_blocks)` returns distinct free block ids each with one reference, or
   None (allocating nothing) when fewer are free. `ref` adds a reference (a block shared
   by a sequence and the prefix cache, or by several sequences); `release` drops one and

@@ -73,10 +73,6 @@ class PrefixCache:
         if m < len(block_hashes):
             self.events.stored(block_hashes[m - 1] if m else None, block_hashes[m:])
 
-    @property
-    def num_tail_blocks(self) -> int:
-        return len(self._tails)
-
     def store_tail(self, parent_hash: int, tokens: Sequence[int], block_id: int) -> None:
         """Keep `block_id` (holding `tokens`, fewer than a block) as the tail after
         `parent_hash`; takes the caller's reference. Replaces an older tail there."""
