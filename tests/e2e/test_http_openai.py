@@ -202,3 +202,68 @@ def test_replay_openai_target_against_the_front(front, tmp_path) -> None:
     assert len(records) == 6 and all(r.ok for r in records), [r.error for r in records]
     second = [r for r in records if r.turn_index == 1]
     assert all(r.cached_tokens > 0 for r in second)
+
+
+def test_bearer_tokens_bind_namespaces_as_on_grpc(loop_thread, tiny_spec, tiny_model,
+                                                  tmp_path) -> None:
+    """--tokens-file: the SDK's api_key is the bearer token; the same tokens, statuses and
+    namespace binding as the gRPC front; /health and /metrics stay open."""
+    from prefixgate.auth import AuthConfig, hash_token, new_token
+
+    acme, globex = new_token(), new_token()
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{hash_token(acme)} acme\n{hash_token(globex)} globex\n")
+    w, wstop = start_worker(loop_thread, tiny_spec, tiny_model, "auth0")
+    http_port = free_port()
+    _, gstop = start_gateway(loop_thread, tiny_spec, [w], http_port=http_port,
+                             auth=AuthConfig(tokens_file=str(tokens)))
+    base = f"http://127.0.0.1:{http_port}"
+    try:
+        wait_for(lambda: httpx.get(base + "/health").status_code == 200, what="a worker")
+        messages = [{"role": "user", "content": USER}]
+        with openai.OpenAI(base_url=base + "/v1", api_key=acme, max_retries=0) as c:
+            assert c.models.list().data[0].id == tiny_spec.name
+            r = c.chat.completions.create(model=tiny_spec.name, messages=messages, max_tokens=2)
+            assert r.usage.completion_tokens >= 1
+            with pytest.raises(openai.PermissionDeniedError):
+                c.chat.completions.create(model=tiny_spec.name, messages=messages, max_tokens=2,
+                                          extra_body={"namespace": "globex"})
+            # Namespaces do not share cache: globex's copy of the same prompt is cold.
+            again = c.chat.completions.create(model=tiny_spec.name, messages=messages,
+                                              max_tokens=2)
+            assert again.usage.prompt_tokens_details.cached_tokens > 0
+        with openai.OpenAI(base_url=base + "/v1", api_key=globex, max_retries=0) as c:
+            cold = c.chat.completions.create(model=tiny_spec.name, messages=messages,
+                                             max_tokens=2)
+            assert cold.usage.prompt_tokens_details.cached_tokens == 0
+        with openai.OpenAI(base_url=base + "/v1", api_key="pg_wrong", max_retries=0) as c:
+            with pytest.raises(openai.AuthenticationError, match="not valid here"):
+                c.chat.completions.create(model=tiny_spec.name, messages=messages)
+            with pytest.raises(openai.AuthenticationError):
+                c.models.list()
+        assert httpx.get(base + "/metrics").status_code == 200
+    finally:
+        for stop in (gstop, wstop):
+            loop_thread.loop.call_soon_threadsafe(stop.set)
+
+
+def test_one_structured_log_line_per_turn_with_its_request_id(front, caplog) -> None:
+    import logging
+
+    from prefixgate.logs import JsonFormatter
+
+    caplog.set_level(logging.INFO, logger="prefixgate.turns")
+    ok = httpx.post(front["base"] + "/v1/chat/completions", timeout=60,
+                    headers={"X-Request-Id": "req-42"},
+                    json={"model": front["model"], "max_tokens": 2,
+                          "messages": [{"role": "user", "content": "hi"}]})
+    bad = httpx.post(front["base"] + "/v1/chat/completions", json={"messages": "nope"})
+    assert ok.headers["X-Request-Id"] == "req-42" and ok.json()["id"] == "chatcmpl-req-42"
+    assert bad.status_code == 400
+    done = [r for r in caplog.records if getattr(r, "event", "") == "turn done"]
+    failed = [r for r in caplog.records if getattr(r, "event", "") == "turn failed"]
+    assert [r.fields["request_id"] for r in done] == ["req-42"]
+    assert len(failed) == 1 and failed[0].fields["status"] == "400"
+    line = json.loads(JsonFormatter().format(done[0]))
+    assert line["message"] == "turn done" and line["request_id"] == "req-42"
+    assert line["prompt_tokens"] > 0 and "cached_tokens" in line and "ttft_ms" in line
