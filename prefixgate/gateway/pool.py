@@ -138,6 +138,8 @@ class WorkerPool:
                 if now - w.absent_since < self.absent_grace_s:
                     continue
             del self.workers[wid]
+            log.info("worker %s at %s left (deregistered, lease expired or replaced); turns "
+                     "streaming from it may finish", wid, w.record.address)
             # Turns already streaming from it may finish; new ones no longer go there.
             task = asyncio.create_task(w.channel.close(grace=self.close_grace_s))
             self._closing.add(task)

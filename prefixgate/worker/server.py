@@ -268,9 +268,12 @@ async def serve(service: WorkerService, stop: asyncio.Event,
     if started is not None:
         started.set_result(port)
     await stop.wait()
+    log.info("worker %s draining: NOT_SERVING, in-flight requests get up to %.0f s",
+             cfg.worker_id, cfg.drain_seconds)
     await rpc.set_serving(health, [SERVICE.full_name], False)
     service.close_watchers()
     await server.stop(cfg.drain_seconds)
     if health_server is not None:
         await health_server.stop(0)
     service.engine.shutdown()
+    log.info("worker %s stopped", cfg.worker_id)
