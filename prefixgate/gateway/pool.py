@@ -6,7 +6,7 @@ streaming get `close_grace_s` to finish). A worker registered again at the same 
 (a new epoch) keeps its connection and in-flight turns. A worker whose
 model fingerprint differs from the gateway's is refused: logged, listed in `refused`,
 never routed to (so is one whose block size differs: its block hashes would never match).
-Each refresh also polls every worker's GetStatus (its load, see `WorkerHandle`).
+A worker's load (`WorkerHandle.status`) is pushed to it by gateway/status.py.
 `healthy()` lists the workers a turn may be routed to, sorted by id.
 
 Health comes from probes and transport errors only, never from one request's outcome:
@@ -49,8 +49,13 @@ class WorkerHandle:
     # still waiting for their first token (prefill this gateway knows is queued).
     in_flight: int = 0
     in_flight_prompt_tokens: int = 0
-    # The worker's own figures from its last polled GetStatus (all gateways' requests).
+    # The worker's own figures (all gateways' requests), pushed (gateway/status.py).
     status: worker_pb2.WorkerStatus | None = None
+    # This gateway's turns here that ended, and prompt tokens whose prefill it saw end,
+    # since `status` was set: the status is up to an interval old, and a turn that just
+    # ended must not count against the worker its conversation's next turn prefers.
+    finished_since_status: int = 0
+    prefilled_since_status: int = 0
     absent_since: float | None = None  # monotonic time it was first missing from the registry
 
     @property
@@ -58,18 +63,23 @@ class WorkerHandle:
         """The id the worker reports (static workers are listed under their address)."""
         return self.info.worker_id if self.info is not None else self.record.worker_id
 
-    # The routing.WorkerLoad view. The polled status lags by up to a refresh interval and
-    # this gateway's counters miss other gateways' turns: take the larger of the two, so
-    # a burst routed here counts at once without counting it twice once polled.
+    def set_status(self, status: worker_pb2.WorkerStatus | None) -> None:
+        self.status = status
+        self.finished_since_status = self.prefilled_since_status = 0
+
+    # The routing.WorkerLoad view. The worker's status lags by up to its push interval
+    # (less what this gateway saw end since) and this gateway's counters miss other
+    # gateways' turns: take the larger of the two, so a burst routed here counts at once
+    # without counting it twice once reported.
     @property
     def num_queued_prefill_tokens(self) -> int:
         polled = self.status.num_queued_prefill_tokens if self.status is not None else 0
-        return max(polled, self.in_flight_prompt_tokens)
+        return max(polled - self.prefilled_since_status, self.in_flight_prompt_tokens)
 
     @property
     def num_running_requests(self) -> int:
         polled = self.status.num_running_requests if self.status is not None else 0
-        return max(polled, self.in_flight)
+        return max(polled - self.finished_since_status, self.in_flight)
 
     # The worker's measured rates (routing by cost; 0 = not measured) and cache fill.
     @property
@@ -190,11 +200,6 @@ class WorkerPool:
             w.up = False
             return
         self.refused.pop(w.worker_id, None)
-        try:  # the load signal; a worker that answers GetInfo but not this is still usable
-            w.status = await w.stub.GetStatus(worker_pb2.GetStatusRequest(),
-                                              timeout=self.connect_timeout_s)
-        except grpc.aio.AioRpcError:
-            w.status = None
         if not w.up:
             log.info("worker %s at %s is up (%s)", info.worker_id, w.record.address,
                      info.model_name)

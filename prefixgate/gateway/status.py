@@ -1,7 +1,7 @@
 """Fresh worker load for routing: each healthy worker's status, pushed.
 
 Contract: `StatusFollower.sync(workers)` keeps one task per given worker handle that sets
-`handle.status` from the worker's WatchStatus stream (prefixgate/status.py: the current
+`handle.status` (`set_status`) from the worker's WatchStatus stream (prefixgate/status.py: the current
 status at once, then each change, at most one message per `interval_ms`), so the load a
 turn is routed on is at most about `interval_ms` plus one hop old; it cancels the tasks of
 handles no longer given. A worker without WatchStatus (UNIMPLEMENTED) is polled with
@@ -57,20 +57,20 @@ class StatusFollower:
             try:
                 async for status in w.stub.WatchStatus(
                         worker_pb2.WatchStatusRequest(min_interval_ms=self.interval_ms)):
-                    w.status = status
+                    w.set_status(status)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                     await self._poll(w, interval_s)
                     return
                 log.debug("status stream of %s broke: %s", w.worker_id, exc.code().name)
-            w.status = None
+            w.set_status(None)
             await asyncio.sleep(interval_s)
 
     async def _poll(self, w: WorkerHandle, interval_s: float) -> None:
         while True:
             try:
-                w.status = await w.stub.GetStatus(worker_pb2.GetStatusRequest(),
-                                                  timeout=max(1.0, 10 * interval_s))
+                w.set_status(await w.stub.GetStatus(worker_pb2.GetStatusRequest(),
+                                                    timeout=max(1.0, 10 * interval_s)))
             except grpc.aio.AioRpcError:
-                w.status = None
+                w.set_status(None)
             await asyncio.sleep(interval_s)

@@ -35,6 +35,10 @@ class FakeWorker:
         return worker_pb2.WorkerStatus(num_queued_prefill_tokens=self.queued,
                                        kv_capacity_tokens=4096)
 
+    async def WatchStatus(self, request, context):
+        yield await self.GetStatus(request, context)
+        await asyncio.Event().wait()
+
     async def FlushCache(self, request, context):
         return worker_pb2.FlushCacheResponse()
 
