@@ -51,7 +51,7 @@ from prefixgate.gateway import metrics
 from prefixgate.gateway.feeds import EventFeed, WorkerStreamFeed
 from prefixgate.gateway.index import PrefixIndex
 from prefixgate.gateway.pool import WorkerPool
-from prefixgate.gateway.routing import Router, RoutingConfig, make_turn
+from prefixgate.gateway.routing import Router, RoutingConfig, Turn
 from prefixgate.gateway.status import StatusFollower
 from prefixgate.models import ModelSpec
 from prefixgate.protocol import (
@@ -64,7 +64,7 @@ from prefixgate.protocol import (
     check_prompt_tokens,
     sampling_from_proto,
 )
-from prefixgate.radix import BlockHasher
+from prefixgate.radix import BlockHasher, HashMemo
 from prefixgate.registry import Registry, WorkerRecord
 from prefixgate.token_ids import pack, packed_token_ids, repeated_token_ids
 from prefixgate.tokenizer import ChatTokenizer
@@ -90,6 +90,8 @@ class GatewayConfig:
     refresh_interval_s: float = 2.0  # registry, worker probes, index feeds
     # Worker load is pushed at most this often (WatchStatus; polled where unsupported).
     status_interval_ms: int = 50
+    # Recent prompts kept so that a turn hashes only its new blocks (radix.HashMemo).
+    hash_memo_bytes: int = 64 << 20
     drain_seconds: float = 30.0
     record_trace: str = ""  # append one line per finished turn here (prefixgate.trace_recorder)
     index_max_blocks: int = 0  # hard cap on the routing index (0: bounded by the workers)
@@ -124,6 +126,7 @@ class ChatService:
         self.recorder = (TraceRecorder(config.record_trace, config.block_size)
                          if config.record_trace else None)
         self._hashers: dict[str, BlockHasher] = {}
+        self.hash_memo = HashMemo(config.hash_memo_bytes)
         self.tokens: auth.TokenStore | None = None  # serve() loads them from config.auth
 
     async def _namespace(self, request: chat_pb2.ChatRequest,
@@ -192,7 +195,10 @@ class ChatService:
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         t0 = time.perf_counter()
-        turn = make_turn(prompt, self._hasher(namespace), request.conversation_id)
+        hasher = self._hasher(namespace)
+        turn = Turn(len(prompt), request.conversation_id,  # make_turn, new blocks only
+                    self.hash_memo.hash_blocks(hasher, prompt, request.conversation_id),
+                    hasher.block_size)
         decision = self.router.decide(self.pool.healthy(), turn)
         metrics.DECISION_SECONDS.observe(time.perf_counter() - t0)
         candidates = decision.ranked
@@ -231,6 +237,7 @@ class ChatService:
                         if not ttft_ms and ev.chunk.token_ids:
                             ttft_ms = (time.monotonic() - arrival) * 1e3
                             worker.in_flight_prompt_tokens -= pending
+                            worker.prefilled_since_status += pending
                             pending = 0
                         sent_tokens += len(ev.chunk.token_ids)
                         yield chat_pb2.ChatEvent(delta=chat_pb2.ChatDelta(
@@ -297,6 +304,8 @@ class ChatService:
             finally:
                 worker.in_flight -= 1
                 worker.in_flight_prompt_tokens -= pending
+                worker.finished_since_status += 1
+                worker.prefilled_since_status += pending
         if context.time_remaining() is not None and context.time_remaining() <= 0:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 "the deadline passed before any worker answered")

@@ -12,13 +12,20 @@ Shared by the gateway and the worker; pure Python (stdlib + xxhash), no torch, n
   set of workers holding them (the gateway), with per-owner updates that never scan.
 """
 
-from prefixgate.radix.hashing import HASH_VERSION, BlockHasher, packed, tokens_to_bytes
+from prefixgate.radix.hashing import (
+    HASH_VERSION,
+    BlockHasher,
+    HashMemo,
+    packed,
+    tokens_to_bytes,
+)
 from prefixgate.radix.owners import OwnerIndex, OwnerMatch
 from prefixgate.radix.tree import InsertResult, LockedError, MatchResult, Node, RadixTree
 
 __all__ = [
     "HASH_VERSION",
     "BlockHasher",
+    "HashMemo",
     "InsertResult",
     "LockedError",
     "MatchResult",

@@ -41,12 +41,13 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import xxhash
 
-__all__ = ["BlockHasher", "HASH_VERSION", "SALT_PREFIX", "packed", "tokens_to_bytes"]
+__all__ = ["BlockHasher", "HASH_VERSION", "HashMemo", "SALT_PREFIX", "packed", "tokens_to_bytes"]
 
 HASH_VERSION = 1
 SALT_PREFIX = b"prefixgate.block.v1\x00"
@@ -152,3 +153,70 @@ class BlockHasher:
             h = _xxh3(_u64(h) + data[off : off + step], seed)
             append(h)
         return out
+
+
+class HashMemo:
+    """Block hashes of recent prompts, so that a prompt extending one seen before hashes
+    only its new blocks (a multi-turn chat's next turn repeats the whole conversation:
+    at 12k tokens that is ~750 blocks of 16 hashed again for ~30 new ones).
+
+    Contract: `hash_blocks(hasher, token_ids, key)` returns exactly
+    `hasher.hash_blocks(token_ids)`. It looks up the last prompt remembered under `key`
+    (a conversation id; empty: the prompt's first block hash, so prompts that start alike
+    share an entry) and with the same hasher, reuses the hashes of the full blocks both
+    prompts share byte for byte (checked with memcmp, never assumed), hashes the rest,
+    and remembers this prompt in its place. At most `max_bytes` of prompt bytes are kept
+    (least recently used entries go first); prompts are kept by reference to their bytes.
+    """
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[object, tuple[BlockHasher, bytes, list[int]]] = OrderedDict()
+        self._bytes = 0
+        self.hashed_blocks = 0  # blocks hashed (the rest came from the memo)
+        self.reused_blocks = 0
+
+    def hash_blocks(self, hasher: BlockHasher, token_ids: memoryview, key: str = "") -> list[int]:
+        step = 4 * hasher.block_size
+        n = len(token_ids) // hasher.block_size
+        if n == 0 or self.max_bytes <= 0:
+            return hasher.hash_blocks(token_ids)
+        data = token_ids.obj if isinstance(token_ids.obj, bytes) and \
+            len(token_ids.obj) == 4 * len(token_ids) else token_ids.cast("B").tobytes()
+        if not key:
+            key = hasher.hash_blocks(packed(data[:step]))[0]
+        entry = self._entries.pop(key, None)
+        same = 0
+        if entry is not None:
+            self._bytes -= len(entry[1])
+            if entry[0] == hasher:
+                same = self._shared_blocks(data, entry[1], min(n, len(entry[2])), step)
+        if same:
+            prev = entry[2]
+            out = prev[:same] + hasher.hash_blocks(packed(data[same * step: n * step]),
+                                                   prev[same - 1])
+        else:
+            out = hasher.hash_blocks(token_ids)
+        self.hashed_blocks += n - same
+        self.reused_blocks += same
+        if len(data) <= self.max_bytes:
+            self._entries[key] = (hasher, data, out)
+            self._bytes += len(data)
+            while self._bytes > self.max_bytes:
+                self._bytes -= len(self._entries.popitem(last=False)[1][1])
+        return out
+
+    @staticmethod
+    def _shared_blocks(data: bytes, prev: bytes, limit: int, step: int) -> int:
+        """The most leading full blocks (<= limit) equal in `data` and `prev`."""
+        view = memoryview(prev)
+        if data.startswith(view[: limit * step]):  # the usual case: a continuation
+            return limit
+        lo, hi = 0, limit - 1  # binary search: lo blocks are known equal
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if data.startswith(view[: mid * step]):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo

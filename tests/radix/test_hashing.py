@@ -9,7 +9,7 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixgate.radix import BlockHasher, packed, tokens_to_bytes
+from prefixgate.radix import BlockHasher, HashMemo, packed, tokens_to_bytes
 
 # (block_size, model_fingerprint, namespace, tokens) -> (root_hash, block hashes).
 # These pin spec version 1; if they change, every cache and every other-language
@@ -151,3 +151,35 @@ def test_packed_ids_hash_like_the_list(block_size, tokens, parent):
 def test_packed_rejects_a_partial_id():
     with pytest.raises(ValueError, match="multiple of 4"):
         packed(b"\x01\x00\x00")
+
+
+@given(steps=st.lists(st.tuples(st.sampled_from(["extend", "cut", "new", "other-ns"]),
+                                st.integers(0, 40), st.sampled_from(["", "c1", "c2"])),
+                      min_size=1, max_size=25),
+       max_bytes=st.sampled_from([0, 64, 1 << 20]))
+def test_hash_memo_equals_hashing(steps, max_bytes):
+    # Whatever was seen before (continuations, cut prompts, unrelated ones, another
+    # namespace under the same key, eviction), the memo returns exactly the hashes.
+    hashers = {"a": BlockHasher(4, "fp", "a"), "b": BlockHasher(4, "fp", "b")}
+    memo = HashMemo(max_bytes)
+    prompt: list[int] = [1, 2, 3, 4, 5]
+    for i, (op, n, key) in enumerate(steps):
+        if op == "extend":
+            prompt = prompt + list(range(i, i + n))
+        elif op == "cut":
+            prompt = prompt[: n] + [i]
+        else:
+            prompt = [i] + list(range(n))
+        hasher = hashers["b" if op == "other-ns" else "a"]
+        view = packed(tokens_to_bytes(prompt))
+        assert memo.hash_blocks(hasher, view, key) == hasher.hash_blocks(prompt)
+    assert memo.hashed_blocks + memo.reused_blocks >= 0
+
+
+def test_hash_memo_hashes_only_new_blocks():
+    hasher, memo = BlockHasher(16), HashMemo()
+    turn1 = list(range(1600))
+    memo.hash_blocks(hasher, packed(tokens_to_bytes(turn1)))
+    turn2 = turn1 + list(range(5000, 5100))
+    assert memo.hash_blocks(hasher, packed(tokens_to_bytes(turn2))) == hasher.hash_blocks(turn2)
+    assert (memo.reused_blocks, memo.hashed_blocks) == (100, 100 + 6)
