@@ -10,12 +10,16 @@ stream (one output token), in two ways against that same worker over real gRPC:
   -> worker (validation, block hashing, routing, request building, relaying).
 
 added = gateway latency - direct latency, per quantile (p50, p99), for prompts of 1k and
-12k tokens (fresh random ids each request: no cache effects), in two traffic shapes:
-idle (one request at a time) and burst (`--burst` requests, default 30, sent at once,
-each on its own connection, so that N processes can share them; latency counted from
-the burst's start). The gateway runs as 1 and as N processes (`--processes`). Both paths
+12k tokens, of two kinds: `fresh` (random ids, every block new to the gateway's index: its
+worst case) and `turn` (one of `--burst` conversations seen before plus `--new-tokens` new
+ones, as a multi-turn chat's next turn), in two traffic shapes: idle (one request at a
+time) and burst (`--burst` requests, default 30, sent at once, each on its own connection,
+so that N processes can share them; latency counted from the burst's start). The gateway runs as 1 and as N processes (`--processes`). Both paths
 share the client and the worker, so their costs cancel out of `added`; `queueing` is the
 burst's added p50 minus the idle one (what the burst makes a request wait in the gateway).
+`gateway_cpu_ms_per_request` is the CPU time all gateway processes used per request
+(/proc): unlike latencies it does not depend on what else the machine runs, and a burst
+of B requests on N processes queues for about B / N times it.
 
 Targets (issue 11): added p50 <= 1 ms at 12k-token prompts under the burst, and no queueing
 behind a burst (queueing p50 <= 1 ms). The load average is reported beside the figures:
@@ -26,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing
 import os
 import random
 import statistics
@@ -36,6 +39,7 @@ import time
 from typing import Any
 
 TARGETS = {"added_p50_ms_12k_burst": 1.0, "queueing_p50_ms_12k": 1.0}
+KINDS = ("turn", "fresh")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,13 +52,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bursts", type=int, default=20, help="bursts per configuration")
     parser.add_argument("--idle", type=int, default=200,
                         help="one-at-a-time requests per configuration")
+    parser.add_argument("--new-tokens", type=int, default=512,
+                        help="multi-turn shape: tokens each turn adds to a prompt seen before")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
 
 
-def _quantiles(samples: list[float]) -> dict[str, float]:
-    qs = statistics.quantiles(samples, n=100, method="inclusive")
-    return {"p50": round(qs[49] * 1e3, 3), "p99": round(qs[98] * 1e3, 3), "n": len(samples)}
+def _quantiles(samples: list[float | None]) -> dict[str, float]:
+    ok = [x for x in samples if x is not None]
+    qs = statistics.quantiles(ok, n=100, method="inclusive") if len(ok) > 1 else [0.0] * 99
+    return {"p50": round(qs[49] * 1e3, 3), "p99": round(qs[98] * 1e3, 3), "n": len(ok),
+            "errors": len(samples) - len(ok)}
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used by process `pid` and its children so far (Linux
+    /proc; 0 elsewhere). Unlike latency, this does not depend on the machine's load."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks
+            todo += [int(c) for c in open(f"/proc/{p}/task/{p}/children").read().split()]
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
 
 
 class _Client:
@@ -81,29 +106,29 @@ class _Client:
             return chat_pb2.ChatRequest(packed_prompt_token_ids=data, sampling=sampling)
         return worker_pb2.GenerateRequest(packed_prompt_token_ids=data, sampling=sampling)
 
-    async def one(self, i: int, request, t0: float | None = None) -> float:
-        """Seconds from `t0` (default: now) until request's stream ended on connection i."""
+    async def one(self, i: int, request, t0: float | None = None) -> float | None:
+        """Seconds from `t0` (default: now) until request's stream ended on connection i;
+        None when it failed (counted as an error, not as a latency)."""
+        import grpc
+
         stub = self.stubs[i % len(self.stubs)]
         call = stub.Chat if self.gateway else stub.Generate
         t0 = time.perf_counter() if t0 is None else t0
-        async for _ in call(request, timeout=60):
-            pass
+        try:
+            async for _ in call(request, timeout=60):
+                pass
+        except grpc.aio.AioRpcError:
+            return None
         return time.perf_counter() - t0
 
     async def ready(self) -> None:
         """Every connection answers (the gateway has probed the worker)."""
-        import grpc
-
         data = bytes(4 * 8)
         for i in range(len(self.stubs)):
             for _ in range(200):
-                try:
-                    await self.one(i, self.request(data))
+                if await self.one(i, self.request(data)) is not None:
                     break
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                        raise
-                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)
 
     async def close(self) -> None:
         for ch in self.channels:
@@ -119,27 +144,53 @@ def _prompt(rng: random.Random, num_tokens: int, vocab_size: int) -> bytes:
     return ids.tobytes()
 
 
+class _Prompts:
+    """Packed prompts of `num_tokens`: fresh, or a turn of one of `conversations` known
+    prefixes followed by `new_tokens` fresh ids (the prefixes are sent once up front)."""
+
+    def __init__(self, kind: str, rng: random.Random, num_tokens: int, vocab_size: int,
+                 conversations: int, new_tokens: int) -> None:
+        self.kind, self.rng, self.vocab_size = kind, rng, vocab_size
+        self.num_tokens = num_tokens
+        self.new_tokens = min(new_tokens, num_tokens) if kind == "turn" else num_tokens
+        self.bases = [_prompt(rng, num_tokens - self.new_tokens, vocab_size)
+                      for _ in range(conversations if kind == "turn" else 0)]
+        self.i = 0
+
+    def next(self) -> bytes:
+        self.i += 1
+        new = _prompt(self.rng, self.new_tokens, self.vocab_size)
+        return self.bases[self.i % len(self.bases)] + new if self.bases else new
+
+
 async def _measure(direct: _Client, gateway: _Client, args: argparse.Namespace,
-                   num_tokens: int, vocab_size: int, progress) -> dict[str, Any]:
-    rng = random.Random(args.seed)
-    out: dict[str, Any] = {"prompt_tokens": num_tokens}
+                   prompts: _Prompts, progress, gateway_pid: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"prompt_tokens": prompts.num_tokens, "kind": prompts.kind,
+                           "new_tokens_per_request": prompts.new_tokens}
+    for base in prompts.bases:  # the conversations so far: known to index and worker
+        await direct.one(0, direct.request(base))
+        await gateway.one(0, gateway.request(base))
     samples: dict[str, list[float]] = {"direct": [], "gateway": []}
-    for i in range(args.idle):  # alternate, fresh prompts: drift hits both alike
+    cpu0 = _cpu_s(gateway_pid)
+    for i in range(args.idle):  # alternate: drift hits both alike
         for name, client in (("direct", direct), ("gateway", gateway))[:: 1 if i % 2 else -1]:
-            samples[name].append(await client.one(i, client.request(
-                _prompt(rng, num_tokens, vocab_size))))
+            samples[name].append(await client.one(i, client.request(prompts.next())))
         progress.update()
     out["idle"] = _summary(samples)
+    out["idle"]["gateway_cpu_ms_per_request"] = round(
+        (_cpu_s(gateway_pid) - cpu0) * 1e3 / max(1, args.idle), 3)
     samples = {"direct": [], "gateway": []}
+    cpu0 = _cpu_s(gateway_pid)
     for b in range(args.bursts):
         for name, client in (("direct", direct), ("gateway", gateway))[:: 1 if b % 2 else -1]:
-            reqs = [client.request(_prompt(rng, num_tokens, vocab_size))
-                    for _ in range(args.burst)]
+            reqs = [client.request(prompts.next()) for _ in range(args.burst)]
             t0 = time.perf_counter()
             samples[name] += await asyncio.gather(*(client.one(i, r, t0)
                                                     for i, r in enumerate(reqs)))
         progress.update(args.idle // max(1, args.bursts))
     out["burst"] = _summary(samples)
+    out["burst"]["gateway_cpu_ms_per_request"] = round(
+        (_cpu_s(gateway_pid) - cpu0) * 1e3 / max(1, args.bursts * args.burst), 3)
     out["queueing_p50_ms"] = round(out["burst"]["added_ms"]["p50"]
                                    - out["idle"]["added_ms"]["p50"], 3)
     return out
@@ -149,21 +200,6 @@ def _summary(samples: dict[str, list[float]]) -> dict[str, Any]:
     d, g = _quantiles(samples["direct"]), _quantiles(samples["gateway"])
     return {"direct_ms": d, "gateway_ms": g,
             "added_ms": {q: round(g[q] - d[q], 3) for q in ("p50", "p99")}}
-
-
-def _worker(args: argparse.Namespace) -> None:
-    """The emulated worker (`prefixgate worker --emulate`), in its own process."""
-    import logging
-
-    from prefixgate.cli.common import stop_event
-    from prefixgate.emulate.worker import serve_emulated
-
-    logging.basicConfig(level=logging.WARNING)
-
-    async def main() -> None:
-        await serve_emulated(args, stop_event())
-
-    asyncio.run(main())
 
 
 def _wait_port(address: str, procs: list[subprocess.Popen], timeout_s: float = 120) -> None:
@@ -201,6 +237,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
     from prefixgate.emulate.model import emulation_model_dir
+    from prefixgate.gateway.processes import die_with_parent
     from prefixgate.models import resolve_model
     from prefixgate.rpc import free_port
     from prefixgate.tokenizer import ChatTokenizer
@@ -210,17 +247,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cli = [sys.executable, "-m", "prefixgate"]
     quiet = ["--log-level", "WARNING"]
     wport = free_port()
-    worker = multiprocessing.get_context("spawn").Process(target=_worker, args=(
-        argparse.Namespace(model=str(model_dir), cache_dir=None, host="127.0.0.1", port=wport,
-                           worker_id="bench-worker", block_size=args.block_size,
-                           num_blocks=1_000_000, prefill_tokens_per_s=1e15,
-                           decode_s_per_token=0.0, time_scale=1.0, drain_seconds=1.0,
-                           emulate_records="", redis_url=""),))
-    worker.start()
-    procs: list[subprocess.Popen] = []
+    worker = subprocess.Popen([*cli, "worker", "--emulate", "--model", str(model_dir),
+                               "--port", str(wport), "--worker-id", "bench-worker",
+                               "--block-size", str(args.block_size), "--num-blocks", "1000000",
+                               "--prefill-tokens-per-s", "1e15", "--decode-s-per-token", "0",
+                               *quiet], preexec_fn=die_with_parent)
+    procs = [worker]
     results: list[dict[str, Any]] = []
     load_before = os.getloadavg()
-    steps = len(args.processes) * len(args.prompt_tokens) * 2 * args.idle
+    steps = len(args.processes) * len(args.prompt_tokens) * len(KINDS) * 2 * args.idle
     try:
         _wait_port(f"127.0.0.1:{wport}", procs)
         with tqdm(total=steps, desc="bench gateway", file=sys.stderr) as progress:
@@ -229,32 +264,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 gw = subprocess.Popen([*cli, "gateway", "--model", str(model_dir),
                                        "--worker", f"127.0.0.1:{wport}", "--port", str(gport),
                                        "--block-size", str(args.block_size),
-                                       "--processes", str(n), *quiet])
+                                       "--processes", str(n), *quiet],
+                                      preexec_fn=die_with_parent)
                 procs.append(gw)
                 try:
                     _wait_port(f"127.0.0.1:{gport}", procs)
                     for num_tokens in args.prompt_tokens:
-                        r = asyncio.run(_one_config(f"127.0.0.1:{wport}",
-                                                    f"127.0.0.1:{gport}", args, num_tokens,
-                                                    vocab_size, progress))
-                        results.append({"processes": n, **r})
+                        for kind in KINDS:
+                            prompts = _Prompts(kind, random.Random(args.seed), num_tokens,
+                                               vocab_size, args.burst, args.new_tokens)
+                            r = asyncio.run(_one_config(f"127.0.0.1:{wport}",
+                                                        f"127.0.0.1:{gport}", args, prompts,
+                                                        progress, gw.pid))
+                            results.append({"processes": n, **r})
                 finally:
                     _stop([gw])
                     procs.remove(gw)
     finally:
         _stop(procs)
-        worker.terminate()
-        worker.join(20)
     return _report(args, results, load_before)
 
 
-async def _one_config(worker: str, gateway: str, args: argparse.Namespace, num_tokens: int,
-                      vocab_size: int, progress) -> dict[str, Any]:
+async def _one_config(worker: str, gateway: str, args: argparse.Namespace, prompts: _Prompts,
+                      progress, gateway_pid: int) -> dict[str, Any]:
     direct, via = _Client(worker, args.burst, False), _Client(gateway, args.burst, True)
     try:
         await direct.ready()
         await via.ready()
-        return await _measure(direct, via, args, num_tokens, vocab_size, progress)
+        return await _measure(direct, via, args, prompts, progress, gateway_pid)
     finally:
         await direct.close()
         await via.close()
@@ -268,7 +305,8 @@ def _report(args: argparse.Namespace, results: list[dict[str, Any]],
         if r["prompt_tokens"] != big:
             continue
         n = r["processes"]
-        targets[f"{n}_processes"] = {
+        targets[f"{n}_processes_{r['kind']}"] = {
+            "gateway_cpu_ms_per_request": r["burst"]["gateway_cpu_ms_per_request"],
             "added_p50_ms_12k_burst": r["burst"]["added_ms"]["p50"],
             "queueing_p50_ms_12k": r["queueing_p50_ms"],
             "met": r["burst"]["added_ms"]["p50"] <= TARGETS["added_p50_ms_12k_burst"]

@@ -34,10 +34,11 @@ from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event
 
-__all__ = ["Child", "spawn", "stop", "wait_ready"]
+__all__ = ["Child", "die_with_parent", "spawn", "stop", "wait_ready"]
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """Get SIGTERM when the parent process dies, even by SIGKILL (Linux; a no-op elsewhere)."""
     with contextlib.suppress(Exception):
         import ctypes
 
@@ -46,7 +47,7 @@ def _die_with_parent() -> None:
 
 def _child(target: Callable[[argparse.Namespace, Callable[[], None]], object],
            args: argparse.Namespace, ready: Event) -> None:
-    _die_with_parent()
+    die_with_parent()
     target(args, ready.set)
 
 
