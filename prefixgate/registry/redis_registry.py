@@ -32,7 +32,10 @@ The scripts are in registry/lua.py.
 With a `keyring` (prefixgate.identity) the registry signs what a worker writes with that
 worker's key (registration, each batch, the held-block set) and, for gateways, reads only
 ownership that verifies: a batch entry whose MAC fails is skipped, a worker whose pg:kv
-does not match its held-set MAC is left out of `ownership_snapshot` (both logged).
+does not match its held-set MAC is left out of `ownership_snapshot` (both logged), and
+"join" entries are skipped: Redis writes them unsigned, and a forged one with a high epoch
+would fence off the worker's genuine batches. Nothing is lost, since a worker's first
+batch after registering is a signed "clear" under its new epoch, which resets it.
 Registrations are verified by the gateway's WorkerPool (it says why it refuses one).
 """
 
@@ -279,8 +282,9 @@ class RedisRegistry(Registry):
         out: list[StreamEntry] = []
         for _key, entries in reply or ():
             for entry_id, f in entries:
-                if (self.keyring is not None and f.get(b"k") == b"batch"
-                        and not self._batch_verifies(f)):
+                if self.keyring is not None and (
+                        f.get(b"k") == b"join"
+                        or (f.get(b"k") == b"batch" and not self._batch_verifies(f))):
                     f = {b"w": f[b"w"], b"e": f[b"e"], b"k": b"batch", b"n": b"0"}
                 out.append(decode_entry(entry_id, f))
         return out

@@ -15,6 +15,7 @@ from collections import Counter
 
 import grpc
 import pytest
+import redis
 
 from prefixgate.auth import AuthConfig
 from prefixgate.events import OwnershipEvent
@@ -22,7 +23,7 @@ from prefixgate.gateway.index import PrefixIndex
 from prefixgate.identity import Keyring
 from prefixgate.radix import BlockHasher
 from prefixgate.registry import RedisRegistry, WorkerRecord
-from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2
+from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from tests.helpers import start_worker, wait_for
 
 BLOCK = 16
@@ -123,7 +124,8 @@ def test_forged_ownership_for_another_worker_steers_no_turns(
         loop_thread, tiny_spec, tiny_model, redis_flush, keyring_file) -> None:
     url, keys = redis_flush, Keyring.from_file(keyring_file)
     _, s0, _, _ = _redis_worker(loop_thread, tiny_spec, tiny_model, "w0", url, keys)
-    _, s1, _, pub1 = _redis_worker(loop_thread, tiny_spec, tiny_model, "w1", url, keys)
+    w1_address, s1, _, pub1 = _redis_worker(loop_thread, tiny_spec, tiny_model, "w1", url,
+                                            keys)
     guarded, gstop, index = _gateway(loop_thread, tiny_spec, url, keyring_file)
     open_gw, ostop, open_index = _gateway(loop_thread, tiny_spec, url)
     hasher = BlockHasher(BLOCK, model_fingerprint=tiny_spec.fingerprint)
@@ -154,6 +156,18 @@ def test_forged_ownership_for_another_worker_steers_no_turns(
             assert sum(_forged_owner(index, hasher, ids) > 0 for ids in forged) == 0
             finals = [_turn(stub, ids + [5], f"f{i}") for i, ids in enumerate(forged)]
             assert all(f.usage.cached_tokens == 0 for f in finals)
+            # A forged "join" with a far higher epoch would fence off w1's genuine batches
+            # (unsigned: Redis writes joins); the guarded gateway skips joins.
+            r = redis.Redis.from_url(url)
+            r.xadd("pg:events", {"w": "w1", "e": pub1.record.epoch + 100, "k": "join"})
+            r.close()
+            later = _prompts(1, salt=4)[0]  # served by w1 directly: its signed batch follows
+            with grpc.insecure_channel(w1_address) as wc:
+                list(worker_pb2_grpc.WorkerServiceStub(wc).Generate(worker_pb2.GenerateRequest(
+                    prompt_token_ids=later, sampling=common_pb2.SamplingParams(max_tokens=1)),
+                    timeout=60))
+            wait_for(lambda: _forged_owner(index, hasher, later) >= 3,
+                     what="w1's genuine blocks after a forged join")
         # A gateway that starts now rebuilds from the pg:kv hashes, where the forged
         # blocks are too: it leaves out w1's unverifiable set instead of trusting it.
         late, lstop, late_index = _gateway(loop_thread, tiny_spec, url, keyring_file)
