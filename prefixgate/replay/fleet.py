@@ -71,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
               "run this much faster; reported times are emulated); --simulate: the same "
               "fleet's, for the gateways' wall-clock constants")
     flag(p, "--gateway-args", default="",
-         help="--fleet: more flags for every gateway, e.g. '--prediction-ttl-s 0'")
+         help="--fleet: more flags for every gateway, given with '=': "
+              "--gateway-args='--prediction-ttl-s 0'")
     flag(p, "--peer-router", default="",
          help="--fleet: also run this HTTP router (its command; it gets --host, --port and "
               "--worker-urls) in place of the gateways, e.g. '/path/python -m "
