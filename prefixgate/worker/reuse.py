@@ -230,7 +230,13 @@ class ReusePlanner:
         dst = dst_blocks[pos // bs - gap_block] * bs + pos % bs
         shift = torch.where(pos < n_keep, 0, delta)
         assert self.rope is not None
-        reindex_slots(self.pool, src, dst, shift, self.rope, self.config.reindex_backend)
+        try:
+            reindex_slots(self.pool, src, dst, shift, self.rope, self.config.reindex_backend)
+        except Exception:  # the engine fails this request: give back what it holds only here
+            self.pool.release(new_blocks)
+            self.cache.unlock(handle)
+            self.pool.release(found)
+            raise
         self.cache.unlock(handle)
         self.pool.release(found)
         self.pool.release(seq.block_table[gap_block:])

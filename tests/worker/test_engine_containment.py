@@ -102,3 +102,34 @@ def test_admission_error_fails_only_its_request(tiny_spec, tiny_model) -> None:
         assert_no_leak(engine)
     finally:
         engine.shutdown()
+
+
+def test_shifted_reuse_error_leaks_nothing(tiny_spec, tiny_model, monkeypatch) -> None:
+    """A failure while moving cached K/V (after fresh blocks were taken) fails that
+    request only and gives every block back."""
+    from prefixgate.overflow import user_turn_prefix
+    from prefixgate.protocol import SamplingConfig
+    from prefixgate.tokenizer import ChatTokenizer
+    from prefixgate.worker import reuse
+    from prefixgate.worker.api import Request
+
+    prefix = user_turn_prefix(ChatTokenizer(tiny_spec))
+    engine = make_engine(tiny_spec, tiny_model, num_blocks=512, turn_prefix=prefix,
+                         context_overflow="keep-system-drop-oldest", shifted_reuse="shift")
+    prompt = [90] * 40
+    for i in range(400):
+        prompt += [*prefix, 100 + i % 50, 150 + i // 50 % 50, 200]
+    sampling = SamplingConfig(max_tokens=1, context_overflow="keep-system-drop-oldest")
+    try:
+        engine.run_to_completion(Request("prev", tuple(prompt[:-64]), sampling))
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected reindex failure")
+
+        monkeypatch.setattr(reuse, "reindex_slots", broken)
+        _, final = engine.run_to_completion(Request("moved", tuple(prompt), sampling))
+        assert final.finish_reason is FinishReason.ERROR
+        assert run(engine, [3, 4, 5] * 10)[1].finish_reason is FinishReason.LENGTH  # goes on
+        assert_no_leak(engine)
+    finally:
+        engine.shutdown()
