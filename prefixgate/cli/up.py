@@ -17,6 +17,7 @@ import sys
 import time
 
 from prefixgate.cli import gateway as gateway_cli
+from prefixgate.cli import worker as worker_cli
 from prefixgate.cli.common import cache_dir, log, log_flags, model_flags, stop_event
 from prefixgate.cli.flags import flag
 
@@ -46,6 +47,7 @@ def add_arguments(u: argparse.ArgumentParser) -> None:
     gateway_cli.processes_flag(u)
     flag(u, "--torch-threads", type=int, default=0,
          help="torch threads per worker (0: CPU count / workers)")
+    worker_cli.weights_flags(u)
     flag(u, "--demo", action="store_true",
          help="hold the scripted demo chat through the gateway, print it, then stop")
     flag(u, "--startup-timeout", type=float, default=900.0,
@@ -103,6 +105,7 @@ async def _up(args: argparse.Namespace) -> int:
                    "--port", str(port), "--worker-id", f"worker-{i}",
                    "--torch-threads", str(threads), "--block-size", str(args.block_size),
                    "--context-overflow", args.context_overflow,
+                   "--weights", args.weights, "--kv-dtype", args.kv_dtype,
                    "--log-level", args.log_level]
             if args.cache_dir:
                 cmd += ["--cache-dir", args.cache_dir]

@@ -45,8 +45,7 @@ def add_arguments(w: argparse.ArgumentParser) -> None:
          help="KV re-rotation: triton kernel (auto: on CUDA when installed) or torch")
     flag(w, "--device", default="auto",
          help="torch device for the model and KV pool: cpu, cuda, cuda:N (auto: cuda if available)")
-    flag(w, "--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-         help="model and KV dtype (auto: float32 on CPU, bfloat16 on GPU)")
+    weights_flags(w)
     flag(w, "--torch-threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     flag(w, "--drain-seconds", type=float, default=30.0,
          help="on SIGTERM, how long in-flight requests may finish")
@@ -55,6 +54,18 @@ def add_arguments(w: argparse.ArgumentParser) -> None:
     from prefixgate.emulate.worker import add_arguments as add_emulation_arguments
 
     add_emulation_arguments(w)  # --emulate: no model (prefixgate/emulate)
+
+
+def weights_flags(parser: argparse.ArgumentParser) -> None:
+    """--weights and --kv-dtype (worker and up): worker/model_loader.WeightsConfig. The
+    choices are spelled here too, so that building the parser imports no torch."""
+    flag(parser, "--weights", default="auto",
+         choices=("auto", "float32", "bfloat16", "float16", "int8"),
+         help="weight format: int8 (dynamic int8 linears, CPU only), bfloat16, float16 or "
+              "float32, the reference (auto: int8 on CPU, bfloat16 on GPU; quality and "
+              "speed of each in docs/benchmarks.md)")
+    flag(parser, "--kv-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+         help="KV cache element type (auto: the compute dtype, float32 under int8 weights)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,7 +90,7 @@ async def _serve(args: argparse.Namespace) -> None:
     from prefixgate.worker.events import EventLog, RedisPublisher
     from prefixgate.worker.kv_pool import num_blocks_for_memory
     from prefixgate.worker.metrics import WorkerMetrics
-    from prefixgate.worker.model_loader import load_model
+    from prefixgate.worker.model_loader import WeightsConfig, load_model
     from prefixgate.worker.model_runner import pool_config_for
     from prefixgate.worker.server import WorkerConfig, WorkerService, serve
 
@@ -91,9 +102,9 @@ async def _serve(args: argparse.Namespace) -> None:
     tokenizer = ChatTokenizer(spec)
     device = args.device if args.device != "auto" else (
         "cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (
-        torch.float32 if device == "cpu" else torch.bfloat16)
-    model = await asyncio.to_thread(load_model, spec, dtype, device)
+    weights = WeightsConfig(args.weights, args.kv_dtype).resolved(device)
+    log.info("weights %s, KV %s", weights.weights, weights.kv_torch_dtype)
+    model = await asyncio.to_thread(load_model, spec, device=device, weights=weights)
     bytes_per_token = pool_config_for(model, args.block_size, 1).bytes_per_token
     num_blocks = args.num_blocks or num_blocks_for_memory(
         args.kv_cache_memory, bytes_per_token, args.block_size)

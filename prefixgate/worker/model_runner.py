@@ -17,13 +17,15 @@ from prefixgate.worker.paged_attention import ATTN_IMPLEMENTATION, StepMetadata
 
 
 def pool_config_for(model: torch.nn.Module, block_size: int, num_blocks: int) -> KVPoolConfig:
-    """The KV pool geometry of `model` (kv_heads, not attention heads, under GQA)."""
+    """The KV pool geometry of `model` (kv_heads, not attention heads, under GQA), in
+    the KV dtype the loader chose (`model.kv_cache_dtype`; else the model's dtype)."""
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return KVPoolConfig(num_layers=c.num_hidden_layers,
                         num_kv_heads=getattr(c, "num_key_value_heads", c.num_attention_heads),
                         head_dim=head_dim, block_size=block_size, num_blocks=num_blocks,
-                        dtype=model.dtype, device=str(model.device))
+                        dtype=getattr(model, "kv_cache_dtype", model.dtype),
+                        device=str(model.device))
 
 
 class ModelRunner:
