@@ -10,8 +10,9 @@ through the `prefixgate` command, so what runs is exactly what users run)
   * `num_workers` emulated workers (`prefixgate worker --emulate`, emulate/engine.py);
   * `num_gateways` gateways (`prefixgate gateway`) with `gateway_flags` (policy, ...);
     or, with `peer_router` (the command of an HTTP router that takes `--host`, `--port`
-    and `--worker-urls URL...`, e.g. sglang-router's launch_router), that many copies of
-    it, in front of the workers' HTTP endpoints (emulate/http.py);
+    and `--worker-urls URL...`, e.g. sglang-router's launch_router; each `{free_port}` in
+    it becomes a free port, per copy), that many copies of it, in front of the workers'
+    HTTP endpoints (emulate/http.py);
 
 and returns once every gateway routes to every worker (a peer router: once it answers a
 completion). `fleet.gateways` lists the gateway addresses (a peer router's: http:// URLs). On exit every process gets SIGTERM (then SIGKILL after `stop_timeout_s`); the
@@ -161,8 +162,10 @@ class Fleet:
                 self.gateways.append(f"127.0.0.1:{port}")
             for i in range(cfg.num_gateways if cfg.peer_router else 0):
                 port = free_port()
+                command = [a.replace("{free_port}", str(free_port())) if "{free_port}" in a
+                           else a for a in cfg.peer_router]
                 self._spawn_command(f"router-{i}", [
-                    *cfg.peer_router, "--host", "127.0.0.1", "--port", str(port),
+                    *command, "--host", "127.0.0.1", "--port", str(port),
                     "--worker-urls", *self.http_workers])
                 self.gateways.append(f"http://127.0.0.1:{port}")
             await (self._wait_peer_routers() if cfg.peer_router else self._wait_routing())
@@ -204,7 +207,8 @@ class Fleet:
                     self._check_alive()
                     with contextlib.suppress(httpx.HTTPError):
                         r = await http.post(url + "/v1/completions",
-                                            json={"prompt": [300], "max_tokens": 1})
+                                            json={"model": "", "prompt": "300",
+                                                  "max_tokens": 1})
                         if r.status_code == 200:
                             break
                     if time.monotonic() > deadline:

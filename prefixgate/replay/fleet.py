@@ -75,8 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
               "--gateway-args='--prediction-ttl-s 0'")
     flag(p, "--peer-router", default="",
          help="--fleet: also run this HTTP router (its command; it gets --host, --port and "
-              "--worker-urls) in place of the gateways, e.g. '/path/python -m "
-              "sglang_router.launch_router --policy cache_aware'")
+              "--worker-urls; each {free_port} in it becomes a free port) in place of the "
+              "gateways, e.g. '/path/python -m sglang_router.launch_router --policy "
+              "cache_aware --prometheus-port {free_port}'")
     flag(p, "--peer-label", default="",
          help="--fleet: the peer router's name in reports")
     flag(p, "--fleet-logs", default="",
@@ -266,7 +267,12 @@ def run_fleet(trace: Trace, args: argparse.Namespace, arrival: ArrivalConfig,
         with contextlib.ExitStack() as stack:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(
                 prefix="prefixgate-fleet-"))) if not args.fleet_logs else Path(args.fleet_logs)
-            runs.append(asyncio.run(fleet_run(
-                trace, config, arrival, limits, timeout_s=args.timeout, workdir=workdir,
-                label=label, progress=not args.no_progress)))
+            try:
+                runs.append(asyncio.run(fleet_run(
+                    trace, config, arrival, limits, timeout_s=args.timeout, workdir=workdir,
+                    label=label, progress=not args.no_progress)))
+            except RuntimeError as exc:  # a fleet that did not come up: report, go on
+                print(f"prefixgate replay: {label}: {exc}", file=sys.stderr)
+    if not runs:
+        raise SystemExit("prefixgate replay: no fleet run completed (see above)")
     return runs
