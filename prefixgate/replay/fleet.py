@@ -202,7 +202,14 @@ async def fleet_run(trace: Trace, fleet_config, arrival: ArrivalConfig, limits: 
                        "wall_s": result.duration_s},
             "summary": summary,
             "ttft_samples_s": sorted(r.ttft_s for r in records if r.ok and r.completion_tokens),
-            "worker_ttft_samples_s": sorted(r["ttft_s"] for r in served)}
+            "worker_ttft_samples_s": sorted(r["ttft_s"] for r in served),
+            "turns": [{"conversation_id": r.conversation_id, "turn": r.turn_index,
+                       "start_s": round(r.start_s, 4), "status": r.status,
+                       "ttft_s": round(r.ttft_s, 4), "prompt_tokens": r.prompt_tokens,
+                       "cached_tokens": r.cached_tokens, "worker": r.worker,
+                       "predicted_cached_tokens": r.predicted_cached_tokens,
+                       "best_predicted_cached_tokens": r.best_predicted_cached_tokens}
+                      for r in sorted(records, key=lambda r: r.start_s)]}
 
 
 def fleet_context_tokens(trace: Trace, max_tokens: int) -> int:
