@@ -27,6 +27,8 @@ from tests.faults.fleet import Fleet, report, rss_mb
 CASES = int(os.environ.get("PREFIXGATE_FUZZ_CASES", "1500"))
 DEADLINE_S = 30.0
 FORBIDDEN = {"INTERNAL", "UNKNOWN", "HANG"}
+# The suite's per-test timeout scaled to the cases (0.2 s each: ten times the loaded rate).
+pytestmark = pytest.mark.timeout(max(600, int(CASES * 0.2)))
 SETTINGS = settings(max_examples=CASES, deadline=None, database=None, derandomize=False,
                     suppress_health_check=list(HealthCheck))
 
