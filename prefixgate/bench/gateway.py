@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="multi-turn shape: tokens each turn adds to a prompt seen before")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", default="",
+                        help="write a PNG: added latency idle and under the burst, by prompt, "
+                             "kind and number of gateway processes")
 
 
 def _quantiles(samples: list[float | None]) -> dict[str, float]:
@@ -282,7 +285,49 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     procs.remove(gw)
     finally:
         _stop(procs)
-    return _report(args, results, load_before)
+    report = _report(args, results, load_before)
+    if args.plot:
+        plot(report, args.plot)
+    return report
+
+
+def plot(result: dict, path: str) -> None:
+    """PNG of a `run` result: added latency p50 (bars) and p99 (ticks), idle and under the
+    burst, for each prompt size and kind, one bar per gateway process count; the target
+    line at 1 ms."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["results"]
+    procs = sorted({r["processes"] for r in rows})
+    groups = sorted({(r["prompt_tokens"], r["kind"]) for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    width = 0.8 / len(procs)
+    for ax, shape in zip(axes, ("idle", "burst"), strict=True):
+        for j, n in enumerate(procs):
+            by = {(r["prompt_tokens"], r["kind"]): r[shape]["added_ms"] for r in rows
+                  if r["processes"] == n}
+            xs = [i + (j - (len(procs) - 1) / 2) * width for i in range(len(groups))]
+            ax.bar(xs, [by[g]["p50"] for g in groups], width,
+                   label=f"{n} process{'es' if n > 1 else ''}")
+            ax.scatter(xs, [by[g]["p99"] for g in groups], marker="_", s=200, color="black",
+                       zorder=3, label="p99" if j == 0 else None)
+        ax.axhline(TARGETS["added_p50_ms_12k_burst"], color="red", ls="--", lw=1,
+                   label="target (p50, 12k, burst)")
+        ax.set_xticks(range(len(groups)), [f"{t // 1024}k {k}" for t, k in groups])
+        ax.set_yscale("log")
+        ax.set_title(f"added by the gateway, {shape}"
+                     + (f" (bursts of {result['config']['burst']})" if shape == "burst" else ""))
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("ms (p50 bars, p99 ticks)")
+    axes[1].legend(fontsize=8)
+    load = result["load_average"]["before"][0]
+    fig.suptitle(f"prefixgate bench gateway ({result['cpus']} CPUs, load average {load:.1f})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 async def _one_config(worker: str, gateway: str, args: argparse.Namespace, prompts: _Prompts,
