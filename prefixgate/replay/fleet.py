@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import logging
 import shlex
 import sys
 import tempfile
@@ -243,6 +244,7 @@ def run_fleet(trace: Trace, args: argparse.Namespace, arrival: ArrivalConfig,
     """The --fleet runs of `prefixgate replay` (module docstring)."""
     from prefixgate.emulate.fleet import FleetConfig
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     spec, block_size = fleet_model(trace, args)
     context = spec.max_context_tokens
     policies = list(args.sim_policies or []) or ["prefix"]

@@ -9,6 +9,12 @@ and three plots, returning their paths:
   <name>-hit-rate.png   prefix hit rate over time, one line per run
   <name>-load.png       prompt tokens per worker over the mean, workers sorted, one line
                         per run (1.0 everywhere = perfectly even)
+  <name>-fleet.png      replay --fleet runs side by side: hit and load at the workers,
+                        TTFT p50 and p99 at the client and at the workers
+
+Runs measured at emulated workers (summary "workers") or reporting routing decisions
+(summary "decisions") get a second Markdown table: hit, load and TTFT as the workers
+counted them, and regret.
 
 matplotlib is imported only here, with the non-interactive Agg backend.
 """
@@ -50,7 +56,34 @@ def markdown(runs: Sequence[dict], title: str = "replay") -> str:
     if with_bounds:
         lines += ["", "Bounds: the same turns with instant prefill through one unlimited "
                       "cache, and through one LRU cache of the workers' combined capacity."]
+    lines += _decisions_and_workers(runs)
     return "\n".join(lines) + "\n"
+
+
+def _decisions_and_workers(runs: Sequence[dict]) -> list[str]:
+    """Rows of the runs measured at emulated workers (replay --fleet) and of the runs that
+    report routing decisions (regret): hit, TTFT and load as the workers counted them."""
+    rows = []
+    for run in runs:
+        s = run["summary"]
+        w, d = s.get("workers"), s.get("decisions")
+        if not w and not d:
+            continue
+        wt = w["ttft_s"] if w else None
+        lb = (w or s)["load_balance"]
+        regret = (f"{d['turns_off_best']} / {d['cached_tokens_lost']} / "
+                  f"{d['predicted_exact_share']:.1%}" if d else "-")
+        rows.append(
+            f"| {run['label']} | {(w or s)['hit_rate']:.1%} | "
+            f"{lb['prompt_tokens_max_over_mean']:.2f} | "
+            f"{_ms(s['ttft_s'], 'p50')} / {_ms(s['ttft_s'], 'p99')} | "
+            f"{_ms(wt, 'p50')} / {_ms(wt, 'p99')} | {regret} |")
+    if not rows:
+        return []
+    return ["", "| run | hit (at the workers) | load max/mean (tokens) | TTFT p50 / p99 ms "
+                "(client) | TTFT p50 / p99 ms (worker: queue + prefill) | regret: turns off "
+                "the best-cached worker / cached tokens lost / predicted exactly |",
+            "|---|---|---|---|---|---|", *rows]
 
 
 def plot(runs: Sequence[dict], out_dir: Path, name: str) -> list[Path]:
@@ -102,7 +135,42 @@ def plot(runs: Sequence[dict], out_dir: Path, name: str) -> list[Path]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     paths.append(_save(fig, out_dir / f"{name}-load.png"))
+    if any(r["summary"].get("workers") for r in runs):
+        paths.append(_fleet_plot([r for r in runs if r["summary"].get("workers")], out_dir,
+                                 name))
     return paths
+
+
+def _fleet_plot(runs: Sequence[dict], out_dir: Path, name: str) -> Path:
+    """Side by side per run: hit and load max/mean at the workers, TTFT p50 and p99 at
+    the client and at the workers."""
+    import matplotlib.pyplot as plt
+
+    labels = [r["label"] for r in runs]
+    ws = [r["summary"]["workers"] for r in runs]
+    cs = [r["summary"]["ttft_s"] or {} for r in runs]
+    fig, axes = plt.subplots(1, 4, figsize=(15, 0.5 * len(runs) + 2.2), sharey=True)
+    ys = range(len(runs))
+    panels = [
+        ("hit rate (at the workers)", [w["hit_rate"] for w in ws], None),
+        ("load max/mean (prompt tokens)",
+         [w["load_balance"]["prompt_tokens_max_over_mean"] for w in ws], None),
+        ("TTFT p50 (s)", [c.get("p50", 0) for c in cs], [w["ttft_s"]["p50"] for w in ws]),
+        ("TTFT p99 (s)", [c.get("p99", 0) for c in cs], [w["ttft_s"]["p99"] for w in ws]),
+    ]
+    for ax, (title, values, worker_values) in zip(axes, panels, strict=True):
+        if worker_values is None:
+            ax.barh(ys, values, color="tab:blue")
+        else:
+            ax.barh([y + 0.2 for y in ys], values, height=0.4, label="client")
+            ax.barh([y - 0.2 for y in ys], worker_values, height=0.4, label="worker")
+            ax.legend(fontsize=7)
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3, axis="x")
+    axes[0].set_yticks(list(ys), labels, fontsize=8)
+    axes[0].invert_yaxis()
+    fig.suptitle(f"{name}: routers in front of the same emulated workers", fontsize=10)
+    return _save(fig, out_dir / f"{name}-fleet.png")
 
 
 def _save(fig, path: Path) -> Path:
