@@ -116,6 +116,35 @@ class _Tree(OwnerIndex):
             out += part
         return out
 
+    def add_owner_to(self, path: Sequence[int], blocks: Sequence[int], owner: object) -> None:
+        """Give `owner` the `blocks` (in path order) of the chain `path` from the root,
+        creating the missing ones (always its tail). Unlike `add`, the rest of the path is
+        left as it is: a prediction names only the blocks the worker does not hold yet.
+        Owner sets are interned, so each distinct set is merged once per call."""
+        single = self._intern(frozenset((owner,)))
+        res = self.insert(path, [single] * len(path))
+        existing = blocks[: len(blocks) - res.num_new_blocks]
+        if existing:
+            by_node: dict = {}
+            where = self._where
+            for h in existing:
+                by_node.setdefault(where[h], []).append(h)
+            merged: dict[frozenset, frozenset] = {}
+            for node, hs in by_node.items():
+                key, vals = node.key, node.values
+                if len(hs) == len(key):
+                    positions: Iterable[int] = range(len(key))
+                else:
+                    wanted = set(hs)
+                    positions = [i for i, h in enumerate(key) if h in wanted]
+                for i in positions:
+                    s = vals[i]
+                    u = merged.get(s)
+                    if u is None:
+                        u = merged[s] = self._intern(s | single)
+                    vals[i] = u
+        self._by_owner.setdefault(owner, set()).update(blocks)
+
     def held(self, owner: object) -> set[int]:
         """Hashes of the blocks listing `owner` (live view; do not modify)."""
         return self._by_owner.get(owner, _EMPTY)
@@ -249,11 +278,7 @@ class PrefixIndex:
         for h in todo:
             mine[h] = expiry
         self._expiries.append((expiry, worker_id, todo))
-        self._tree.add(block_hashes, self._key(worker_id))
-        # `add` lists the key on the whole path: keep it only where `worker_id` is not
-        # already certain, so that confirmation and expiry see exactly the predictions.
-        if len(todo) != len(block_hashes):
-            self._tree.discard([h for h in block_hashes if h in held], self._key(worker_id))
+        self._tree.add_owner_to(block_hashes, todo, self._key(worker_id))
         if self.max_blocks and self._tree.num_blocks > self.max_blocks:
             self._tree.evict(self._tree.num_blocks - self.max_blocks)
         self.num_predicted_blocks += new

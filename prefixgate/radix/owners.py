@@ -107,6 +107,7 @@ class OwnerIndex(RadixTree[frozenset]):
         # handle itself if nothing was new): merge the owner into them.
         node = res.node if res.num_new_blocks == 0 else res.node.parent
         root = self._root
+        merged: dict[frozenset, frozenset] = {}  # each distinct (interned) set merged once
         while node is not None and node is not root:
             vals = node.values
             if vals.count(single) == len(vals):  # C-speed check: nothing to merge
@@ -114,7 +115,10 @@ class OwnerIndex(RadixTree[frozenset]):
                 continue
             for i, s in enumerate(vals):
                 if owner not in s:
-                    vals[i] = self._intern(s | single)
+                    u = merged.get(s)
+                    if u is None:
+                        u = merged[s] = self._intern(s | single)
+                    vals[i] = u
             node = node.parent
         self._by_owner.setdefault(owner, set()).update(block_hashes)
         return res.num_new_blocks
@@ -132,15 +136,21 @@ class OwnerIndex(RadixTree[frozenset]):
         for h in block_hashes:
             if h in held:
                 by_node.setdefault(where[h], set()).add(h)
+        removed: dict[frozenset, frozenset] = {}  # each distinct (interned) set once
         for node, hs in by_node.items():
             vals = node.values
             positions = (
                 [node.key.index(next(iter(hs)))]
                 if len(hs) == 1
+                else range(len(vals)) if len(hs) == len(vals)
                 else [i for i, h in enumerate(node.key) if h in hs]
             )
             for i in positions:
-                vals[i] = self._intern(vals[i] - {owner})
+                s = vals[i]
+                u = removed.get(s)
+                if u is None:
+                    u = removed[s] = self._intern(s - {owner})
+                vals[i] = u
             held -= hs
         if not held:
             del self._by_owner[owner]
