@@ -7,8 +7,12 @@ prefixgate.protocol (INVALID_ARGUMENT, before any worker is called), ranks the h
 workers with the Router (prefix policy: the prompt's block hashes, hashed like the workers
 hash them, matched against the event-fed PrefixIndex: no Redis call per turn) and streams
 the first one's reply as ChatDelta events, then one ChatFinal with usage, finish reason,
-serving worker and gateway-side timings. The choice and the expected cached tokens are
-logged and counted (gateway/metrics.py).
+serving worker, gateway-side timings and the decision's quality (cached tokens predicted
+on the serving worker and the best predicted on any). Sending a turn to a worker records
+its blocks as expected there at once (Router.dispatch; with Redis, shared with every
+gateway through the feed), so the next turn is not routed blind to this decision. The
+choice, the predicted, best and reported cached tokens are logged and counted
+(gateway/metrics.py).
 
 Index feeds (gateway/feeds.py): with Redis, the gateway follows the shared event stream
 (gateway/redis_feed.py) and reaps expired workers on each refresh; without, it follows
