@@ -17,7 +17,7 @@ from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2, worker_pb2, worke
 from prefixgate.worker.events import EventLog, RedisPublisher
 from tests.helpers import start_worker, wait_for
 
-EVENT_DELAY_S = 2.5  # the workers publish their KV events this late
+EVENT_DELAY_S = 3.0  # the workers publish their KV events this late
 BLOCK = 16
 
 
