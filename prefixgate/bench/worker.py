@@ -1,10 +1,14 @@
-"""Worker engine on SmolLM2: prefix-hit TTFT, decode throughput, KV bytes per token.
+"""Worker engine on SmolLM2: prefix-hit TTFT, decode throughput, step costs, KV bytes per token.
 
 Every figure is compared with a baseline measured in the same run:
 - TTFT of a turn whose 1k / 4k-token history is cached, vs the same turn with the prefix
   cache disabled, vs transformers itself with a contiguous DynamicCache already holding
   the history (the unpaged ideal), and the prefill of the new tokens alone (the floor);
 - decode tokens/s at batch 1, 8 and 32 vs transformers' own `generate` at batch 1;
+- model steps (`steps`, the model runner alone, no scheduler): decode batch 1/8/32 at a
+  1k context (aggregate tok/s vs batch 1), and a mixed step (16 decodes + one 256-token
+  prefill chunk) vs the same work as two separate steps, per attention backend; wall
+  time and process CPU time (CPU time is steadier on a shared machine);
 - KV bytes per token, measured from the pool vs 2 x layers x kv_heads x head_dim x bytes;
 - multi-turn reuse on real ShareGPT conversations (when ../shared/traces is present):
   the share of turn N's prompt and reply tokens that turn N+1 finds cached.
@@ -39,6 +43,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ShareGPT conversations replayed for the reuse measurement")
     parser.add_argument("--reply-tokens", type=int, default=48,
                         help="most tokens per generated reply in the reuse measurement")
+    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS,
+                        help="which figures to measure")
+    parser.add_argument("--step-context", type=int, default=1024,
+                        help="context tokens of every sequence in the step figures")
+    parser.add_argument("--attention-backends", nargs="+", default=["torch", "auto"],
+                        help="attention backends compared in the step figures")
+    parser.add_argument("--step-threads", type=int, default=0,
+                        help="torch threads for the step figures (0: unchanged); 1 makes "
+                             "CPU time a clean measure of work on a shared machine")
+
+
+SECTIONS = ("ttft", "decode", "steps", "reuse")
 
 
 def _log(msg: str) -> None:
@@ -95,7 +111,7 @@ def run(args: argparse.Namespace) -> dict:
         return text_ids[start:start + n]
 
     result: dict = {"model": spec.name, "torch_threads": torch.get_num_threads(), "ttft": {}}
-    for hist_len in args.history_tokens:
+    for hist_len in args.history_tokens if "ttft" in args.sections else []:
         _log(f"TTFT with a {hist_len}-token history")
         history = fresh(hist_len)
         generate(cached, [history], 1)  # caches the history
@@ -131,37 +147,46 @@ def run(args: argparse.Namespace) -> dict:
         }
         cached.flush_cache()
 
-    _log("decode throughput")
-    prompt_len = 128
-    with torch.inference_mode():
-        ids = torch.tensor([fresh(prompt_len)])
-        kw = dict(do_sample=False, min_new_tokens=args.decode_tokens, max_new_tokens=args.decode_tokens)
-        hf_model.generate(ids, **{**kw, "min_new_tokens": 2, "max_new_tokens": 2})  # warm up
-        start = time.perf_counter()
-        hf_model.generate(ids, **{**kw, "min_new_tokens": 1, "max_new_tokens": 1})
-        t_prefill = time.perf_counter() - start
-        start = time.perf_counter()
-        hf_model.generate(ids, **kw)
-        t_all = time.perf_counter() - start
-    hf_rate = (args.decode_tokens - 1) / max(1e-9, t_all - t_prefill)
-    decode = {"transformers_generate_batch1_tok_s": round(hf_rate, 1)}
-    for batch in args.batches:
-        finals = generate(uncached, [fresh(prompt_len) for _ in range(batch)], args.decode_tokens)
-        # Aggregate decode rate: tokens after the first, over the time after the last first token.
-        span_ms = max(f.total_ms for f in finals) - max(f.ttft_ms for f in finals)
-        rate = batch * (args.decode_tokens - 1) / max(1e-9, span_ms / 1e3)
-        decode[f"batch{batch}_tok_s"] = round(rate, 1)
-    decode["batch1_vs_transformers"] = round(decode.get("batch1_tok_s", 0) / hf_rate, 3)
-    if 1 in args.batches and 32 in args.batches:
-        decode["batch32_vs_batch1"] = round(decode["batch32_tok_s"] / decode["batch1_tok_s"], 2)
-    result["decode"] = decode
+    if "decode" in args.sections:
+        _log("decode throughput")
+        prompt_len = 128
+        with torch.inference_mode():
+            ids = torch.tensor([fresh(prompt_len)])
+            kw = dict(do_sample=False, min_new_tokens=args.decode_tokens, max_new_tokens=args.decode_tokens)
+            hf_model.generate(ids, **{**kw, "min_new_tokens": 2, "max_new_tokens": 2})  # warm up
+            start = time.perf_counter()
+            hf_model.generate(ids, **{**kw, "min_new_tokens": 1, "max_new_tokens": 1})
+            t_prefill = time.perf_counter() - start
+            start = time.perf_counter()
+            hf_model.generate(ids, **kw)
+            t_all = time.perf_counter() - start
+        hf_rate = (args.decode_tokens - 1) / max(1e-9, t_all - t_prefill)
+        decode = {"transformers_generate_batch1_tok_s": round(hf_rate, 1)}
+        for batch in args.batches:
+            finals = generate(uncached, [fresh(prompt_len) for _ in range(batch)], args.decode_tokens)
+            # Aggregate decode rate: tokens after the first, over the time after the last first token.
+            span_ms = max(f.total_ms for f in finals) - max(f.ttft_ms for f in finals)
+            rate = batch * (args.decode_tokens - 1) / max(1e-9, span_ms / 1e3)
+            decode[f"batch{batch}_tok_s"] = round(rate, 1)
+        decode["batch1_vs_transformers"] = round(decode.get("batch1_tok_s", 0) / hf_rate, 3)
+        if 1 in args.batches and 32 in args.batches:
+            decode["batch32_vs_batch1"] = round(decode["batch32_tok_s"] / decode["batch1_tok_s"], 2)
+        result["decode"] = decode
+    if "steps" in args.sections:
+        threads = torch.get_num_threads()
+        if args.step_threads:
+            torch.set_num_threads(args.step_threads)
+        result["steps"] = {be: step_figures(paged_model, args.step_context, args.repeats, be)
+                           for be in args.attention_backends}
+        result["steps"]["torch_threads"] = torch.get_num_threads()
+        torch.set_num_threads(threads)
 
     pc = cached.pool.config
     measured = (cached.pool.k.nbytes + cached.pool.v.nbytes) // pc.num_tokens
     result["kv_bytes_per_token"] = {"measured": measured, "formula": pc.bytes_per_token,
                                     "layers": pc.num_layers, "kv_heads": pc.num_kv_heads,
                                     "head_dim": pc.head_dim}
-    if args.trace.is_file() and args.conversations > 0:
+    if "reuse" in args.sections and args.trace.is_file() and args.conversations > 0:
         chat_engine = PagedEngine(paged_model, tok, EngineConfig(
             num_blocks=num_blocks, eos_token_ids=tok.eos_token_ids,
             max_context_tokens=spec.max_context_tokens, model_fingerprint=spec.fingerprint))
@@ -179,14 +204,89 @@ def run(args: argparse.Namespace) -> dict:
     cached.shutdown()
     uncached.shutdown()
     sp4 = result["ttft"].get("4096", {})
+    decode = result.get("decode", {})
+    steps = result.get("steps", {}).get("auto", {})
     result["targets"] = {
         "ttft_speedup_4k_ge_30x": sp4.get("speedup_vs_uncached", 0) >= 30,
         "ttft_vs_transformers_le_1_25x": sp4.get("ratio_vs_transformers", 99) <= 1.25,
-        "decode_batch1_ge_0_8x_transformers": decode["batch1_vs_transformers"] >= 0.8,
+        "decode_batch1_ge_0_8x_transformers": decode.get("batch1_vs_transformers", 0) >= 0.8,
         "decode_batch32_ge_5x_batch1": decode.get("batch32_vs_batch1", 0) >= 5,
         "turn_reuse_ge_99pct": result.get("multi_turn_reuse", {}).get("reuse", 0) >= 0.99,
+        "mixed_step_le_1_1x_separate": steps.get("mixed", {}).get("ratio_wall", 99) <= 1.1,
+        "decode_1k_batch32_ge_8x_batch1": steps.get("decode", {}).get(
+            "batch32_vs_batch1_wall", 0) >= 8,
     }
     return result
+
+
+def step_figures(model, context_tokens: int, repeats: int, backend: str = "auto",
+                 batches: tuple[int, ...] = (1, 8, 32), num_mixed_decodes: int = 16,
+                 chunk_tokens: int = 256) -> dict:
+    """Cost of single model steps on `model` (the model runner alone, no scheduler), all
+    sequences at `context_tokens` of context, each in blocks of its own:
+
+    - decode: one step of B decodes for B in `batches`: ms per step, aggregate tok/s,
+      batch max(B) vs batch 1 (aggregate rate ratio);
+    - mixed: `num_mixed_decodes` decodes plus one `chunk_tokens` prefill chunk (after
+      `context_tokens` computed tokens) in one step, vs the same two parts as separate
+      steps: ratio = mixed / (decodes + chunk), <= 1 when batching pays.
+    Fastest of `repeats` (others' load only ever adds time), wall and process CPU time
+    (the latter steadier when others share the machine). K/V contents are random: cost
+    does not depend on them."""
+    import torch
+
+    from prefixgate.worker.kv_pool import KVPool
+    from prefixgate.worker.model_runner import ModelRunner, pool_config_for
+    from prefixgate.worker.paged_attention import StepMetadata, resolve_backend
+
+    bs = 16
+    per_seq = -(-(context_tokens + chunk_tokens) // bs)
+    num_seqs = max(max(batches), num_mixed_decodes + 1)
+    pool = KVPool(pool_config_for(model, bs, num_seqs * per_seq))
+    pool.k.normal_()
+    pool.v.normal_()
+    runner = ModelRunner(model, pool)
+    name = resolve_backend(backend, pool, model.config.num_attention_heads)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(num_seqs)]
+    g = torch.Generator().manual_seed(0)
+
+    def timed(seqs: list[tuple[int, int]]) -> tuple[float, float]:
+        """(wall ms, CPU ms) of one step over (sequence, new tokens) pairs."""
+        ids, pos, last = [], [], []
+        for _, n in seqs:
+            ids += torch.randint(0, 1000, (n,), generator=g).tolist()
+            pos += range(context_tokens, context_tokens + n)  # after the context
+            last.append(len(ids) - 1)
+        ctx = [context_tokens + n for _, n in seqs]
+        walls, cpus = [], []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            w, c = time.perf_counter(), time.process_time()
+            step = StepMetadata.build(pool, [tables[i] for i, _ in seqs], ctx,
+                                      [n for _, n in seqs], name)
+            runner.forward(ids, pos, step, last)
+            walls.append((time.perf_counter() - w) * 1e3)
+            cpus.append((time.process_time() - c) * 1e3)
+        return min(walls[1:]), min(cpus[1:])
+
+    _log(f"step figures ({name} attention, {context_tokens}-token contexts)")
+    decode: dict = {}
+    for b in batches:
+        wall, cpu = timed([(i, 1) for i in range(b)])
+        decode[f"batch{b}"] = {"step_ms": round(wall, 1), "cpu_ms": round(cpu, 1),
+                               "tok_s": round(b / wall * 1e3, 1)}
+    lo, hi = min(batches), max(batches)
+    for kind, key in (("wall", "step_ms"), ("cpu", "cpu_ms")):
+        decode[f"batch{hi}_vs_batch{lo}_{kind}"] = round(
+            (hi / decode[f"batch{hi}"][key]) / (lo / decode[f"batch{lo}"][key]), 2)
+    decodes = [(i, 1) for i in range(num_mixed_decodes)]
+    chunk = [(num_mixed_decodes, chunk_tokens)]
+    parts = {"decodes": timed(decodes), "chunk": timed(chunk), "mixed": timed(decodes + chunk)}
+    mixed: dict = {k: {"step_ms": round(w, 1), "cpu_ms": round(c, 1)} for k, (w, c) in parts.items()}
+    for i, kind in enumerate(("wall", "cpu")):
+        mixed[f"ratio_{kind}"] = round(
+            parts["mixed"][i] / (parts["decodes"][i] + parts["chunk"][i]), 3)
+    return {"backend": name, "context_tokens": context_tokens, "decode": decode,
+            "mixed": {"num_decodes": num_mixed_decodes, "chunk_tokens": chunk_tokens, **mixed}}
 
 
 def _multi_turn_reuse(args, tok, engine, generate_tokens, spec) -> dict:
