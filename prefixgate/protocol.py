@@ -40,12 +40,22 @@ class RequestLimits:
     # Prompt tokens after tokenizing (more than any context: keep-system-drop-oldest lets
     # a client send a history longer than the context and the worker drops its oldest turns).
     max_prompt_tokens: int = 1 << 17
+    # Calls a server has accepted but its event loop has not picked up yet. gRPC's own
+    # default (1,000, then random refusals up to 3,000) made a burst of 2,000 concurrent
+    # streams end 5-10 % CANCELLED with no message; past this bound calls are refused.
+    max_pending_calls: int = 1 << 14
     max_id_chars: int = 256  # conversation_id, namespace, request_id, model
     max_messages: int = 4096
     max_stop: int = 16  # stop strings
     max_stop_chars: int = 256  # per stop string
     max_stop_token_ids: int = 256
 
+
+    def server_options(self, max_receive_bytes: int) -> list[tuple[str, int]]:
+        """gRPC server options enforcing these limits (receive size, pending calls)."""
+        return [("grpc.max_receive_message_length", max_receive_bytes),
+                ("grpc.server.max_pending_requests", self.max_pending_calls),
+                ("grpc.server.max_pending_requests_hard_limit", self.max_pending_calls)]
 
     @property
     def worker_receive_bytes(self) -> int:

@@ -18,6 +18,8 @@ def limit_flags(p: argparse.ArgumentParser) -> None:
          help="largest serialized request accepted (gRPC max receive size)")
     flag(g, "--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
          help="most prompt tokens after tokenizing")
+    flag(g, "--max-pending-calls", type=int, default=d.max_pending_calls,
+         help="calls accepted but not yet served (a burst beyond is refused)")
     flag(g, "--max-id-chars", type=int, default=d.max_id_chars,
          help="longest conversation_id, namespace, request_id or model name")
     flag(g, "--max-messages", type=int, default=d.max_messages,

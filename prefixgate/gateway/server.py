@@ -343,7 +343,7 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
     feed = service.feed = make_feed(registry, service.index)
     status = StatusFollower(config.status_interval_ms)
     server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", config.limits.max_request_bytes),
+        *config.limits.server_options(config.limits.max_request_bytes),
         # Several gateway processes may share the port (gateway/processes.py).
         ("grpc.so_reuseport", 1)])
     service.tokens = auth.load_tokens(config.auth, "gateway")

@@ -253,8 +253,8 @@ def _chunks(chains: list[OwnershipEvent], max_hashes: int = 65536) -> list[list[
 async def serve(service: WorkerService, stop: asyncio.Event,
                 started: asyncio.Future[int] | None = None) -> None:
     """Serve until `stop` is set, then drain. `started` receives the bound port."""
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", service.config.limits.worker_receive_bytes)])
+    limits = service.config.limits
+    server = grpc.aio.server(options=limits.server_options(limits.worker_receive_bytes))
     internal = auth.load_internal(service.config.auth, f"worker {service.config.worker_id}")
     rpc.add_service(server, SERVICE, service,
                     None if internal is None else auth.internal_guard(internal))
