@@ -11,6 +11,7 @@ import time
 import grpc
 
 from prefixgate.gateway.index import PrefixIndex
+from prefixgate.gateway.routing import RoutingConfig
 from prefixgate.radix import BlockHasher
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2
 from tests.helpers import start_worker, wait_for
@@ -229,7 +230,10 @@ def test_shared_system_prompt_spreads_across_real_workers(loop_thread, tiny_spec
     conversation's next turn returns to its worker with its prefix cached."""
     a, a_stop = start_worker(loop_thread, tiny_spec, tiny_model, "sa")
     b, b_stop = start_worker(loop_thread, tiny_spec, tiny_model, "sb")
-    gw, g_stop, index = start_gateway_with_index(loop_thread, tiny_spec, [a, b])
+    # Identical workers: their live (pushed) measured rates are noise here, and would
+    # outweigh the one block of prefix that tells the conversations apart.
+    gw, g_stop, index = start_gateway_with_index(
+        loop_thread, tiny_spec, [a, b], routing=RoutingConfig(measured_rates=False))
     hasher = BlockHasher(BLOCK, model_fingerprint=tiny_spec.fingerprint)
     system = [3 + (5 * j) % 200 for j in range(96)]
     try:
