@@ -18,9 +18,12 @@ Model of one worker (EmulationConfig; times below are *emulated* seconds, which 
            schedule is computed from arrival times (a late timer on a busy host delays what
            the worker sends, never the emulated start of the next prefill or the reported
            timings).
-  publish  when the prefill completes, the prompt's full blocks enter the cache and the
-           event log (`stored`), as a real worker's do once computed; evictions publish
-           `removed`. When the reply ends, the full blocks of prompt + reply are stored.
+  publish  when the prefill completes (`publish_at` "prefill"), the prompt's full blocks
+           enter the cache and the event log (`stored`), as an engine's do once computed;
+           evictions publish `removed`. When the reply ends, the full blocks of prompt +
+           reply are stored (`publish_at` "finish": only then, prompt included, as
+           prefixgate's engine does: the window in which a gateway cannot know them from
+           events is the whole request).
   decode   batched, never slowing prefill: the first token at the end of the prefill
            (TTFT = queue + prefill), the rest `decode_s_per_token` apart; the reply is
            streamed as the first token, then the remaining tokens in one chunk at the end
@@ -63,6 +66,7 @@ from prefixgate.worker.api import (
 
 __all__ = ["EmulatedEngine", "EmulationConfig", "ServedRecord", "reply_token_ids"]
 
+PUBLISH_AT = ("prefill", "finish")
 # Reply token ids avoid the lowest ids, where tokenizers keep their special tokens.
 _FIRST_REPLY_TOKEN_ID = 256
 
@@ -79,8 +83,14 @@ class EmulationConfig:
     model_fingerprint: str = ""
     vocab_size: int = 32000
     max_context_tokens: int = 1 << 20
+    # When a prompt's blocks are cached and published: "prefill" (when its prefill
+    # completes, as engines that publish computed blocks do) or "finish" (with the reply,
+    # when the request ends, as prefixgate's own engine does today).
+    publish_at: str = "prefill"
 
     def __post_init__(self) -> None:
+        if self.publish_at not in PUBLISH_AT:
+            raise ValueError(f"publish_at must be one of {PUBLISH_AT}, not {self.publish_at!r}")
         if self.capacity_blocks < 1 or self.block_size < 1:
             raise ValueError("capacity_blocks and block_size must be >= 1")
         if self.prefill_tokens_per_s <= 0 or self.decode_s_per_token < 0:
@@ -231,7 +241,8 @@ class EmulatedEngine(Engine):
         assert self._loop is not None
         self._prefilling, req.stage = None, "decode"
         self._queued_tokens -= req.expected_uncached
-        req.handle = self.cache.store(req.handle, req.hashes)
+        if self.config.publish_at == "prefill":
+            req.handle = self.cache.store(req.handle, req.hashes)
         max_tokens = req.request.sampling.max_tokens
         req.reply = reply_token_ids(req.hashes, req.hasher.root_hash, max_tokens,
                                     self.config.vocab_size)
@@ -242,6 +253,7 @@ class EmulatedEngine(Engine):
             self._decoding[req.request.request_id] = req
             req.timer = self._loop.call_at(req.done_at, self._decode_done, req)
         else:
+            self._store_reply(req)
             self._end(req, FinishReason.LENGTH)
         self._start_prefill()
         self._status = self._snapshot()
@@ -249,16 +261,21 @@ class EmulatedEngine(Engine):
     def _decode_done(self, req: _Req) -> None:
         rest = tuple(req.reply[1:])
         req.emit(TokenEvent(rest, "x" * len(rest)))
-        # Prompt and reply are computed now (but the last reply token): cache their blocks.
+        self._store_reply(req)
+        self._end(req, FinishReason.LENGTH)
+        self._status = self._snapshot()
+
+    def _store_reply(self, req: _Req) -> None:
+        """Prompt and reply are computed (but the last reply token): cache their blocks."""
         tokens = (*req.request.prompt_token_ids, *req.reply[:-1])
         full = len(tokens) // self.config.block_size
+        more: list[int] = []
         if full > len(req.hashes):
             bs = self.config.block_size
             more = req.hasher.hash_blocks(tokens[len(req.hashes) * bs: full * bs],
                                           parent_hash=req.hashes[-1] if req.hashes else None)
+        if more or self.config.publish_at == "finish":
             req.handle = self.cache.store(req.handle, req.hashes + more)
-        self._end(req, FinishReason.LENGTH)
-        self._status = self._snapshot()
 
     def _cancel(self, request_id: str) -> None:
         req = self._by_id.get(request_id)

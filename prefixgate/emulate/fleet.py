@@ -53,6 +53,7 @@ class FleetConfig:
     max_context_tokens: int = 1 << 18
     gateway_flags: tuple[str, ...] = ()
     peer_router: tuple[str, ...] = ()  # an HTTP router's command instead of gateways
+    publish_at: str = "prefill"  # the workers' --publish-at
     cache_dir: str = ""
     startup_timeout_s: float = 60.0
     stop_timeout_s: float = 20.0
@@ -140,6 +141,7 @@ class Fleet:
                         "--prefill-tokens-per-s", str(cfg.prefill_tokens_per_s),
                         "--decode-s-per-token", str(cfg.decode_s_per_token),
                         "--time-scale", str(cfg.time_scale), "--emulate-records", str(records),
+                        "--publish-at", cfg.publish_at,
                         "--drain-seconds", "1"]
                 if cfg.peer_router:
                     http_port = free_port()

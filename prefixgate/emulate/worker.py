@@ -39,6 +39,9 @@ def add_arguments(w: argparse.ArgumentParser) -> None:
               "by it; reported timings are emulated)")
     flag(w, "--emulate-records", default="",
          help="emulated: on shutdown, write one JSON line per finished request here")
+    flag(w, "--publish-at", default="prefill", choices=("prefill", "finish"),
+         help="emulated: cache and publish a prompt's blocks when its prefill completes, or "
+              "only when the request finishes (as prefixgate's engine does)")
     flag(w, "--http-port", type=int, default=-1,
          help="emulated: also answer OpenAI /v1/completions over HTTP on this port, for HTTP "
               "routers (0: any free port; -1: off)")
@@ -60,7 +63,7 @@ async def serve_emulated(args: argparse.Namespace, stop: asyncio.Event) -> None:
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         decode_s_per_token=args.decode_s_per_token, time_scale=args.time_scale,
         model_fingerprint=spec.fingerprint, vocab_size=vocab_size,
-        max_context_tokens=spec.max_context_tokens), events)
+        max_context_tokens=spec.max_context_tokens, publish_at=args.publish_at), events)
     worker_id = args.worker_id or f"worker-{args.port}"
     config = WorkerConfig(worker_id=worker_id, host=args.host, port=args.port,
                           block_size=args.block_size, drain_seconds=args.drain_seconds)

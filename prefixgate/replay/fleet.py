@@ -71,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          help="--fleet: emulated seconds per wall second (the whole fleet and the arrivals "
               "run this much faster; reported times are emulated); --simulate: the same "
               "fleet's, for the gateways' wall-clock constants")
+    flag(p, "--publish-at", default="prefill", choices=("prefill", "finish"),
+         help="--fleet/--simulate: workers publish a prompt's blocks when its prefill "
+              "completes, or only when the request finishes (as prefixgate's engine does)")
     flag(p, "--gateway-args", default="",
          help="--fleet: more flags for every gateway, given with '=': "
               "--gateway-args='--prediction-ttl-s 0'")
@@ -260,7 +263,7 @@ def run_fleet(trace: Trace, args: argparse.Namespace, arrival: ArrivalConfig,
             prefill_tokens_per_s=args.prefill_tokens_per_s,
             decode_s_per_token=args.decode_s_per_token, time_scale=args.time_scale,
             redis=args.fleet_redis and not router, model=args.tokenizer_model,
-            max_context_tokens=context, peer_router=router,
+            max_context_tokens=context, peer_router=router, publish_at=args.publish_at,
             gateway_flags=() if router else (*policy_flags(policy),
                                              *shlex.split(args.gateway_args)),
             cache_dir=getattr(args, "cache_dir", None) or "")

@@ -20,8 +20,8 @@ Worker (SimConfig; the emulated worker's model, emulate/engine.py, with the same
            other output tokens `decode_s_per_token` apart (output = the recorded length,
            capped at `max_output_tokens`). E2E = TTFT + (output - 1) × decode_s_per_token.
   publish  a prompt's blocks enter the cache, and the gateways' indexes, when its prefill
-           completes (after `event_delay_s`); when the reply ends the blocks of prompt and
-           reply are stored. `reply_blocks`: "private" (default: the worker's own reply,
+           completes (after `event_delay_s`; `publish_at` "finish": only when the request
+           ends); when the reply ends the blocks of prompt and reply are stored. `reply_blocks`: "private" (default: the worker's own reply,
            which a replay's next prompt, carrying the recorded reply, does not share) or
            "recorded" (the reply is the trace's: the next turn's prompt reuses it).
   status   queued prefill tokens (expected uncached tokens of the turns waiting or in
@@ -90,12 +90,15 @@ class SimConfig:
     status_interval_s: float = 0.050  # wall seconds: the gateways' status push interval
     event_delay_s: float = 0.0  # wall seconds from a worker's event to the indexes
     time_scale: float = 1.0  # emulated seconds per wall second (the fleet's)
+    publish_at: str = "prefill"  # "prefill" | "finish" (emulate/engine.py)
 
     def __post_init__(self) -> None:
         if self.num_workers < 1 or self.capacity_tokens < self.block_size or self.block_size < 1:
             raise ValueError("need num_workers >= 1 and capacity_tokens >= block_size >= 1")
         if self.prefill_tokens_per_s <= 0 or self.decode_s_per_token < 0:
             raise ValueError("prefill_tokens_per_s must be > 0 and decode_s_per_token >= 0")
+        if self.publish_at not in ("prefill", "finish"):
+            raise ValueError(f"publish_at must be prefill or finish, not {self.publish_at!r}")
         if self.reply_blocks not in ("private", "recorded"):
             raise ValueError(f"reply_blocks must be private or recorded, not {self.reply_blocks!r}")
         if self.num_gateways < 1 or self.time_scale <= 0 or self.status_interval_s < 0 \
@@ -387,7 +390,8 @@ class _Sim:
         w, g = req.worker, req.gateway
         w.busy = False
         w.queued_tokens -= req.expected_uncached
-        req.handle = w.cache.store(req.handle, req.turn.block_hashes)
+        if self.cfg.publish_at == "prefill":
+            req.handle = w.cache.store(req.handle, req.turn.block_hashes)
         req.ttft = self.now - req.arrival
         g.in_flight_tokens[w.wid] -= req.pending
         if req.num_output_tokens > 1:
@@ -409,10 +413,10 @@ class _Sim:
         else:
             full = (t.num_prompt_tokens + req.num_output_tokens - 1) // cfg.block_size
             extra = full - len(t.block_hashes)
-            if extra > 0:
+            if extra > 0 or cfg.publish_at == "finish":
                 last = t.block_hashes[-1] if t.block_hashes else 0
-                req.handle = w.cache.store(req.handle,
-                                           (*t.block_hashes, *_reply_hashes(last, extra)))
+                req.handle = w.cache.store(req.handle, (*t.block_hashes,
+                                                        *_reply_hashes(last, max(0, extra))))
         w.cache.release(req.handle)
         g.in_flight[w.wid] -= 1
         # The worker measures its rates on finished requests (worker/rates.py thresholds).
@@ -551,7 +555,8 @@ def run_simulations(trace: Trace, args: argparse.Namespace, arrival: ArrivalConf
                          decode_s_per_token=args.decode_s_per_token, arrival=arrival,
                          max_output_tokens=args.max_tokens,
                          shared_predictions=getattr(args, "fleet_redis", False),
-                         time_scale=getattr(args, "time_scale", 1.0))
+                         time_scale=getattr(args, "time_scale", 1.0),
+                         publish_at=getattr(args, "publish_at", "prefill"))
         bnd = bounds(convs, base)
         bar.update(1)
         for policy, gateways in itertools.product(policies, gateway_counts):

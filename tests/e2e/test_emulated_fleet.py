@@ -106,3 +106,26 @@ def test_blocks_are_published_when_the_prefill_completes(loop_thread, tiny_spec)
         assert log.num_blocks == 20
     finally:
         loop_thread.loop.call_soon_threadsafe(stop.set)
+
+
+def test_publish_at_finish_holds_the_blocks_back_until_the_reply_ends(loop_thread,
+                                                                      tiny_spec) -> None:
+    from prefixgate.worker.events import EventLog
+
+    log = EventLog()
+    # A 10-token reply at 0.2 s per token: the request ends 1.8 s after its first token.
+    address, stop, _ = start_emulated_worker(
+        loop_thread, tiny_spec, "late", events=log, prefill_tokens_per_s=1e6,
+        decode_s_per_token=0.2, publish_at="finish")
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            req = worker_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(max_tokens=10))
+            req.prompt_token_ids.extend(3 + i % 250 for i in range(320))
+            call = stub.Generate(req, timeout=30)
+            first = next(call)
+            assert first.HasField("chunk") and log.num_blocks == 0  # decoding: not yet
+            list(call)
+        assert log.num_blocks == 20  # 320 prompt + 9 computed reply tokens: 20 full blocks
+    finally:
+        loop_thread.loop.call_soon_threadsafe(stop.set)

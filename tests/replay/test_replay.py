@@ -455,7 +455,8 @@ def test_cli_simulate_and_combine(tmp_path, capsys) -> None:
               "--out", str(tmp_path / "x"), "--no-progress"])
     assert main(["replay", "--combine", str(tmp_path / "sim" / "s.json"), "--out",
                  str(tmp_path / "c"), "--name", "c", "--no-plots"]) == 0
-    assert (tmp_path / "c" / "c.md").read_text().count("| round-robin x") == 2
+    # Two round-robin runs, each in the runs table and in the decisions (regret) table.
+    assert (tmp_path / "c" / "c.md").read_text().count("| round-robin x") == 4
 
 
 # --- properties --------------------------------------------------------------------------
