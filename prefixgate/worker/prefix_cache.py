@@ -51,7 +51,8 @@ class PrefixCache:
 
     @property
     def num_evictable_blocks(self) -> int:
-        return self.tree.num_evictable_blocks
+        """Blocks `evict` can drop now: unlocked tree blocks and every tail."""
+        return self.tree.num_evictable_blocks + len(self._tails)
 
     def match(self, block_hashes: Sequence[int]) -> tuple[Node[int], list[int]]:
         m = self.tree.match(block_hashes)
