@@ -33,6 +33,7 @@ register themselves in `BACKENDS`; `resolve_backend("auto", ...)` picks one.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,6 +42,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from prefixgate.worker.kv_pool import KVPool
+
+log = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "prefixgate_paged"
 
@@ -256,6 +259,10 @@ def resolve_backend(name: str, pool: KVPool, num_heads: int) -> str:
             raise ValueError(f"unknown attention backend {name!r} (have {sorted(BACKENDS)})")
         return name
     if pool.k.device.type == "cuda":
+        try:  # registers "triton" on import
+            import prefixgate.worker.kernels.paged_attention_triton  # noqa: F401
+        except ImportError as e:
+            log.warning("Triton paged attention unavailable (%s); using the torch path", e)
         return "triton" if "triton" in BACKENDS else "torch"
     from prefixgate.worker.kernels import cpu_decode
 
