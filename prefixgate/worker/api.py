@@ -21,7 +21,10 @@ class FinishReason(Enum):
     STOP = "stop"
     LENGTH = "length"
     CANCELLED = "cancelled"
-    ERROR = "error"  # the engine failed on this request; the service reports INTERNAL
+    ERROR = "error"  # the engine failed on this request alone; the service reports INTERNAL
+    # The engine failed as a whole, not because of this request (docs/reliability.md):
+    # another worker may serve it.
+    FAILED = "failed"
 
 
 @dataclass(frozen=True)

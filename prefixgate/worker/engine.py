@@ -28,7 +28,8 @@ caches intact. Admission fails the sequence being admitted; a failed model forwa
 retried on halves of the batch until the failing sequence is alone (the forward writes
 K/V only into each sequence's own slots and nothing advances until it succeeds, so a
 retry is safe); sampling and streaming fail the one sequence. Only an exception nothing
-can be attributed to (scheduling) fails every running request, as before.
+can be attributed to (scheduling) fails every running request, with FinishReason.FAILED:
+the service reports that without the request marker, so the gateway retries it once.
 
 A request with `sampling.n > 1` computes its prompt once: sample 0 forks the others when
 its prompt is done (they share its full blocks and copy its partial one).
@@ -209,7 +210,7 @@ class PagedEngine(Engine):
             except Exception:  # unattributed (see Containment): fail the step's requests
                 log.exception("engine step failed; failing every running request")
                 for seq in list(self.scheduler.running):
-                    self._finish(seq, FinishReason.ERROR)
+                    self._finish(seq, FinishReason.FAILED)
             self._publish_status()
 
     def _handle(self, msg: Message) -> None:
@@ -396,7 +397,7 @@ class PagedEngine(Engine):
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.scheduler.remove(seq)
-        if reason is FinishReason.ERROR:
+        if reason in (FinishReason.ERROR, FinishReason.FAILED):
             self.blocks.release(seq)  # its K/V may be wrong: cache none of it
         else:
             self.reuse.store(seq)

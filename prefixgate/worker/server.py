@@ -134,6 +134,12 @@ class WorkerService:
                         f"worker {self.config.worker_id} failed on this request alone (its log "
                         f"has request {clip(request_id)}); other requests went on. It is not "
                         "retried: the same request would fail again", REQUEST_SCOPED)
+                if ev.finish_reason is FinishReason.FAILED:  # not this request's: retry once
+                    finished = True
+                    await context.abort(
+                        grpc.StatusCode.INTERNAL,
+                        f"worker {self.config.worker_id} failed a step of every running request "
+                        "(see its log); retrying on another worker is safe")
                 finals[ev.index] = ev
             finished = True
             first = finals[0]

@@ -133,3 +133,25 @@ def test_shifted_reuse_error_leaks_nothing(tiny_spec, tiny_model, monkeypatch) -
         assert_no_leak(engine)
     finally:
         engine.shutdown()
+
+
+def test_unattributed_step_error_fails_running_requests_as_failed(tiny_spec, tiny_model) -> None:
+    """An exception nothing can be attributed to (scheduling) ends the running requests
+    FAILED (retryable elsewhere), not ERROR; the engine goes on serving."""
+    engine = make_engine(tiny_spec, tiny_model, num_blocks=256)
+    schedule = engine.scheduler.schedule
+    broken = [True]
+
+    def faulty():
+        if broken[0] and engine.scheduler.running:
+            broken[0] = False
+            raise RuntimeError("injected scheduling failure")
+        return schedule()
+
+    engine.scheduler.schedule = faulty
+    try:
+        assert run(engine, [3, 4, 5] * 10)[1].finish_reason is FinishReason.FAILED
+        assert run(engine, [3, 4, 5] * 10)[1].finish_reason is FinishReason.LENGTH
+        assert_no_leak(engine)
+    finally:
+        engine.shutdown()
