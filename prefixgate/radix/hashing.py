@@ -165,13 +165,18 @@ class HashMemo:
     (a conversation id; empty: the prompt's first block hash, so prompts that start alike
     share an entry) and with the same hasher, reuses the hashes of the full blocks both
     prompts share byte for byte (checked with memcmp, never assumed), hashes the rest,
-    and remembers this prompt in its place. At most `max_bytes` of prompt bytes are kept
-    (least recently used entries go first); prompts are kept by reference to their bytes.
+    and remembers this prompt in its place. Its memory stays under about `max_bytes`
+    (prompt bytes, kept by reference, plus an estimate of the hash list and entry; least
+    recently used entries go first).
     """
+
+    _ENTRY_BYTES = 256  # dict slot, tuple, key (estimate)
+    _HASH_BYTES = 40  # one int in a list (estimate)
 
     def __init__(self, max_bytes: int = 64 << 20) -> None:
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[object, tuple[BlockHasher, bytes, list[int]]] = OrderedDict()
+        self._entries: OrderedDict[object, tuple[BlockHasher, bytes, list[int], int]] = \
+            OrderedDict()
         self._bytes = 0
         self.hashed_blocks = 0  # blocks hashed (the rest came from the memo)
         self.reused_blocks = 0
@@ -188,7 +193,7 @@ class HashMemo:
         entry = self._entries.pop(key, None)
         same = 0
         if entry is not None:
-            self._bytes -= len(entry[1])
+            self._bytes -= entry[3]
             if entry[0] == hasher:
                 same = self._shared_blocks(data, entry[1], min(n, len(entry[2])), step)
         if same:
@@ -199,11 +204,12 @@ class HashMemo:
             out = hasher.hash_blocks(token_ids)
         self.hashed_blocks += n - same
         self.reused_blocks += same
-        if len(data) <= self.max_bytes:
-            self._entries[key] = (hasher, data, out)
-            self._bytes += len(data)
+        size = len(data) + self._HASH_BYTES * len(out) + self._ENTRY_BYTES
+        if size <= self.max_bytes:
+            self._entries[key] = (hasher, data, out, size)
+            self._bytes += size
             while self._bytes > self.max_bytes:
-                self._bytes -= len(self._entries.popitem(last=False)[1][1])
+                self._bytes -= self._entries.popitem(last=False)[1][3]
         return out
 
     @staticmethod
