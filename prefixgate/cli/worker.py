@@ -84,15 +84,14 @@ async def _serve(args: argparse.Namespace) -> None:
 
     from prefixgate.models import resolve_model
     from prefixgate.overflow import user_turn_prefix
-    from prefixgate.registry import RedisRegistry, WorkerRecord
     from prefixgate.tokenizer import ChatTokenizer
     from prefixgate.worker.engine import EngineConfig, PagedEngine
-    from prefixgate.worker.events import EventLog, RedisPublisher
+    from prefixgate.worker.events import EventLog
     from prefixgate.worker.kv_pool import num_blocks_for_memory
     from prefixgate.worker.metrics import WorkerMetrics
     from prefixgate.worker.model_loader import WeightsConfig, load_model
     from prefixgate.worker.model_runner import pool_config_for
-    from prefixgate.worker.server import WorkerConfig, WorkerService, serve
+    from prefixgate.worker.server import WorkerService
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
@@ -121,23 +120,41 @@ async def _serve(args: argparse.Namespace) -> None:
         turn_prefix=user_turn_prefix(tokenizer), shifted_reuse=args.shifted_reuse,
         blend_tokens=args.blend_tokens, reindex_backend=args.reindex_backend),
         metrics=WorkerMetrics(), event_sink=events)
-    worker_id = args.worker_id or f"worker-{args.port}"
-    config = WorkerConfig(worker_id=worker_id, host=args.host, port=args.port,
-                          block_size=args.block_size, drain_seconds=args.drain_seconds,
-                          limits=request_limits(args), **security.worker_security(args))
+    config = worker_config(args, args.worker_id or f"worker-{args.port}")
     service = WorkerService(engine, spec, config, vocab_size=tokenizer.vocab_size,
                             events=events)
+    await serve_worker(service, stop, args, num_blocks)
+
+
+def worker_config(args: argparse.Namespace, worker_id: str):
+    """The WorkerConfig the worker flags describe (real and emulated workers alike)."""
+    from prefixgate.worker.server import WorkerConfig
+
+    return WorkerConfig(worker_id=worker_id, host=args.host, port=args.port,
+                        block_size=args.block_size, drain_seconds=args.drain_seconds,
+                        limits=request_limits(args), **security.worker_security(args))
+
+
+async def serve_worker(service, stop: asyncio.Event, args: argparse.Namespace,
+                       capacity_blocks: int) -> None:
+    """Serve `service` until `stop`; with --redis-url, register under a lease, renew it and
+    publish the service's KV event log (worker/events.py). Real and emulated workers."""
+    from prefixgate.registry import RedisRegistry, WorkerRecord
+    from prefixgate.worker.events import RedisPublisher
+    from prefixgate.worker.server import serve
+
     started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     server = asyncio.create_task(serve(service, stop, started))
     port = await started
     if not args.redis_url:
         await server
         return
-    # Registration, lease renewal and KV event publishing (worker/events.py).
+    worker_id = service.config.worker_id
     registry = RedisRegistry(args.redis_url, keyring=security.worker_keyring(args, worker_id))
     address = args.advertise_address or f"{args.host}:{port}"
-    publisher = RedisPublisher(events, registry, WorkerRecord(
-        worker_id, address, spec.fingerprint, capacity_blocks=num_blocks), args.lease_ms)
+    publisher = RedisPublisher(service.events, registry, WorkerRecord(
+        worker_id, address, service.spec.fingerprint, capacity_blocks=capacity_blocks),
+        args.lease_ms)
     await publisher.run(stop)
     await server
     await registry.close()

@@ -3,8 +3,9 @@
 Contract: `add_arguments(parser)` adds the emulation flags (the worker command's own flags
 give the rest: --model, --block-size, --num-blocks as the cache capacity in blocks,
 --host/--port/--worker-id, --redis-url/--lease-ms). `serve_emulated(args, stop)` serves
-until `stop` is set, registering and publishing KV events to Redis with `--redis-url`
-exactly as a real worker does (worker/events.py); it never imports torch. With
+until `stop` is set through the worker command's own `serve_worker` (with `--redis-url`:
+registration under a lease and KV events published exactly as a real worker does, and
+the same request limits and security flags); it never imports torch. With
 `--emulate-records PATH` it writes one JSON line per finished request there on shutdown
 (`ServedRecord`: hit and worker-side TTFT as the worker saw them). With `--http-port` it also
 answers OpenAI completions over HTTP (emulate/http.py) from the same engine.
@@ -48,11 +49,12 @@ def add_arguments(w: argparse.ArgumentParser) -> None:
 
 
 async def serve_emulated(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    from prefixgate.cli.worker import serve_worker, worker_config
     from prefixgate.emulate.engine import EmulatedEngine, EmulationConfig
     from prefixgate.models import resolve_model
     from prefixgate.tokenizer import ChatTokenizer
     from prefixgate.worker.events import EventLog
-    from prefixgate.worker.server import WorkerConfig, WorkerService
+    from prefixgate.worker.server import WorkerService
 
     spec = resolve_model(args.model, Path(args.cache_dir) if args.cache_dir else None)
     vocab_size = ChatTokenizer(spec).vocab_size
@@ -65,8 +67,7 @@ async def serve_emulated(args: argparse.Namespace, stop: asyncio.Event) -> None:
         model_fingerprint=spec.fingerprint, vocab_size=vocab_size,
         max_context_tokens=spec.max_context_tokens, publish_at=args.publish_at), events)
     worker_id = args.worker_id or f"worker-{args.port}"
-    config = WorkerConfig(worker_id=worker_id, host=args.host, port=args.port,
-                          block_size=args.block_size, drain_seconds=args.drain_seconds)
+    config = worker_config(args, worker_id)
     service = WorkerService(engine, spec, config, vocab_size=vocab_size, events=events)
     log.info("emulated worker %s: %d blocks of %d tokens, %.0f prefill tok/s, %.3f s/token, "
              "time x%g", worker_id, capacity, args.block_size, args.prefill_tokens_per_s,
@@ -78,7 +79,7 @@ async def serve_emulated(args: argparse.Namespace, stop: asyncio.Event) -> None:
         http = asyncio.create_task(serve_http(engine, args.host, args.http_port, spec.name,
                                               stop))
     try:
-        await serve_with_registry(service, stop, args, capacity)
+        await serve_worker(service, stop, args, capacity)
         if http is not None:
             await http
     finally:
@@ -86,27 +87,3 @@ async def serve_emulated(args: argparse.Namespace, stop: asyncio.Event) -> None:
             with open(args.emulate_records, "w") as f:
                 for r in engine.records:
                     f.write(json.dumps({"worker": worker_id, **asdict(r)}) + "\n")
-
-
-async def serve_with_registry(service, stop: asyncio.Event, args: argparse.Namespace,
-                              capacity_blocks: int) -> None:
-    """Serve `service` until `stop`; with --redis-url, register under a lease and publish
-    its event log (the same code path as a real worker)."""
-    from prefixgate.registry import RedisRegistry, WorkerRecord
-    from prefixgate.worker.events import RedisPublisher
-    from prefixgate.worker.server import serve
-
-    started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    server = asyncio.create_task(serve(service, stop, started))
-    port = await started
-    if not args.redis_url:
-        await server
-        return
-    registry = RedisRegistry(args.redis_url)
-    address = args.advertise_address or f"{args.host}:{port}"
-    publisher = RedisPublisher(service.events, registry, WorkerRecord(
-        service.config.worker_id, address, service.spec.fingerprint,
-        capacity_blocks=capacity_blocks), args.lease_ms)
-    await publisher.run(stop)
-    await server
-    await registry.close()
