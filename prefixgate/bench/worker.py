@@ -250,41 +250,50 @@ def step_figures(model, context_tokens: int, repeats: int, backend: str = "auto"
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(num_seqs)]
     g = torch.Generator().manual_seed(0)
 
-    def timed(seqs: list[tuple[int, int]]) -> tuple[float, float]:
-        """(wall ms, CPU ms) of one step over (sequence, new tokens) pairs."""
+    def prepare(seqs: list[tuple[int, int]]):
+        """One step over (sequence, new tokens) pairs, each after `context_tokens`."""
         ids, pos, last = [], [], []
         for _, n in seqs:
             ids += torch.randint(0, 1000, (n,), generator=g).tolist()
-            pos += range(context_tokens, context_tokens + n)  # after the context
+            pos += range(context_tokens, context_tokens + n)
             last.append(len(ids) - 1)
         ctx = [context_tokens + n for _, n in seqs]
-        walls, cpus = [], []
-        for _ in range(repeats + 1):  # the first is a warm-up
-            w, c = time.perf_counter(), time.process_time()
+
+        def run() -> None:
             step = StepMetadata.build(pool, [tables[i] for i, _ in seqs], ctx,
                                       [n for _, n in seqs], name)
             runner.forward(ids, pos, step, last)
-            walls.append((time.perf_counter() - w) * 1e3)
-            cpus.append((time.process_time() - c) * 1e3)
-        return min(walls[1:]), min(cpus[1:])
+        return run
 
-    _log(f"step figures ({name} attention, {context_tokens}-token contexts)")
-    decode: dict = {}
-    for b in batches:
-        wall, cpu = timed([(i, 1) for i in range(b)])
-        decode[f"batch{b}"] = {"step_ms": round(wall, 1), "cpu_ms": round(cpu, 1),
-                               "tok_s": round(b / wall * 1e3, 1)}
-    lo, hi = min(batches), max(batches)
-    for kind, key in (("wall", "step_ms"), ("cpu", "cpu_ms")):
-        decode[f"batch{hi}_vs_batch{lo}_{kind}"] = round(
-            (hi / decode[f"batch{hi}"][key]) / (lo / decode[f"batch{lo}"][key]), 2)
     decodes = [(i, 1) for i in range(num_mixed_decodes)]
     chunk = [(num_mixed_decodes, chunk_tokens)]
-    parts = {"decodes": timed(decodes), "chunk": timed(chunk), "mixed": timed(decodes + chunk)}
-    mixed: dict = {k: {"step_ms": round(w, 1), "cpu_ms": round(c, 1)} for k, (w, c) in parts.items()}
-    for i, kind in enumerate(("wall", "cpu")):
-        mixed[f"ratio_{kind}"] = round(
-            parts["mixed"][i] / (parts["decodes"][i] + parts["chunk"][i]), 3)
+    steps = {f"batch{b}": prepare([(i, 1) for i in range(b)]) for b in batches}
+    steps.update(decodes=prepare(decodes), chunk=prepare(chunk),
+                 mixed=prepare(decodes + chunk))
+    _log(f"step figures ({name} attention, {context_tokens}-token contexts)")
+    # Rounds interleave the kinds, so that load from others hits them alike; the fastest
+    # of each kind is kept (load only ever adds time). The first round warms up.
+    wall: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    for r in range(repeats + 1):
+        for kind, run in steps.items():
+            w, c = time.perf_counter(), time.process_time()
+            run()
+            w, c = (time.perf_counter() - w) * 1e3, (time.process_time() - c) * 1e3
+            if r:
+                wall[kind], cpu[kind] = min(wall.get(kind, w), w), min(cpu.get(kind, c), c)
+    decode: dict = {f"batch{b}": {"step_ms": round(wall[f"batch{b}"], 1),
+                                  "cpu_ms": round(cpu[f"batch{b}"], 1),
+                                  "tok_s": round(b / wall[f"batch{b}"] * 1e3, 1)}
+                    for b in batches}
+    lo, hi = min(batches), max(batches)
+    for label, t in (("wall", wall), ("cpu", cpu)):
+        decode[f"batch{hi}_vs_batch{lo}_{label}"] = round(
+            (hi / t[f"batch{hi}"]) / (lo / t[f"batch{lo}"]), 2)
+    mixed: dict = {k: {"step_ms": round(wall[k], 1), "cpu_ms": round(cpu[k], 1)}
+                   for k in ("decodes", "chunk", "mixed")}
+    for label, t in (("wall", wall), ("cpu", cpu)):
+        mixed[f"ratio_{label}"] = round(t["mixed"] / (t["decodes"] + t["chunk"]), 3)
     return {"backend": name, "context_tokens": context_tokens, "decode": decode,
             "mixed": {"num_decodes": num_mixed_decodes, "chunk_tokens": chunk_tokens, **mixed}}
 
