@@ -47,7 +47,7 @@ __all__ = ["RedisStreamFeed"]
 
 class RedisStreamFeed(EventFeed):
     def __init__(self, index: PrefixIndex, registry: RedisRegistry, block_ms: int = 1000,
-                 retry_s: float = 0.5) -> None:
+                 retry_s: float = 0.5, max_pending_predictions: int = 10_000) -> None:
         self.index = index
         self.registry = registry
         self.block_ms = block_ms
@@ -62,9 +62,9 @@ class RedisStreamFeed(EventFeed):
         self._closed = False
         self.ready = asyncio.Event()  # set after the first rebuild
         self.gateway_id = uuid.uuid4().hex[:16]  # marks this gateway's own predictions
-        self.max_pending_predictions = 10_000
+        # Routing predictions not yet sent (the oldest dropped when full: hints only).
         self._pending: deque[tuple[WorkerRecord, Sequence[int]]] = deque(
-            maxlen=self.max_pending_predictions)
+            maxlen=max_pending_predictions)
         self._wake = asyncio.Event()
         self._publisher: asyncio.Task | None = None
         self.num_predictions_applied = 0

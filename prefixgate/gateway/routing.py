@@ -124,9 +124,13 @@ class RoutingConfig:
 
     policy: str = "prefix"
     seed: int | None = None
-    prefix_weight: float = 1.0  # score per cached prompt token
-    load_weight: float = 1.0  # score per queued prefill token (and per running-weight unit)
-    running_weight: float = 64.0  # token-equivalents of work per running sequence
+    # Multipliers of the two halves of the cost, both in seconds (1: a second of waiting
+    # counts as much as a second of prefill, now or later):
+    prefix_weight: float = 1.0  # x (prefill_s + miss_s): this turn's and later prefill
+    load_weight: float = 1.0  # x (queue_s + decode_s): the work ahead of it on the worker
+    # Prompt tokens of prefill one running sequence stands for, where a worker reports no
+    # measured decode step (decode_s = running_weight x running / rate).
+    running_weight: float = 64.0
     shared_prefix_weight: float = 0.0  # credit per cached token of a shared prefix ...
     # ... on a worker whose cache holds more than (1 + occupancy_slack) x the mean
     # indexed blocks; at or below that, a shared prefix is credited in full.
