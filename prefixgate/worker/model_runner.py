@@ -10,6 +10,8 @@ rotary embeddings are supported (the architecture of every built-in model).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from prefixgate.worker.kv_pool import KVPool, KVPoolConfig
@@ -35,6 +37,8 @@ class ModelRunner:
         # Every attention layer now calls paged_attention_forward (no mask is built:
         # transformers skips mask creation for attention functions it does not know).
         model.config._attn_implementation = ATTN_IMPLEMENTATION
+        if pool.k.device.type == "cuda":
+            _register_triton_backend()
 
     @torch.inference_mode()
     def forward(self, input_ids: list[int], positions: list[int], step: StepMetadata,
@@ -49,3 +53,13 @@ class ModelRunner:
         )
         # Sampling runs on the CPU with per-request generators: hand it fp32 CPU logits.
         return out.logits[0].float().cpu()
+
+
+def _register_triton_backend() -> None:
+    """GPU dispatch: importing the Triton kernels registers the "triton" attention
+    backend, which `paged_attention.resolve_backend("auto")` then picks on CUDA."""
+    try:
+        import prefixgate.worker.kernels.paged_attention_triton  # noqa: F401
+    except ImportError as exc:  # no triton: the torch backend serves, slower
+        logging.getLogger(__name__).warning("Triton attention unavailable (%s); "
+                                            "using the torch backend", exc)
