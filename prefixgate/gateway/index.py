@@ -116,35 +116,6 @@ class _Tree(OwnerIndex):
             out += part
         return out
 
-    def add_owner_to(self, path: Sequence[int], blocks: Sequence[int], owner: object) -> None:
-        """Give `owner` the `blocks` (in path order) of the chain `path` from the root,
-        creating the missing ones (always its tail). Unlike `add`, the rest of the path is
-        left as it is: a prediction names only the blocks the worker does not hold yet.
-        Owner sets are interned, so each distinct set is merged once per call."""
-        single = self._intern(frozenset((owner,)))
-        res = self.insert(path, [single] * len(path))
-        existing = blocks[: len(blocks) - res.num_new_blocks]
-        if existing:
-            by_node: dict = {}
-            where = self._where
-            for h in existing:
-                by_node.setdefault(where[h], []).append(h)
-            merged: dict[frozenset, frozenset] = {}
-            for node, hs in by_node.items():
-                key, vals = node.key, node.values
-                if len(hs) == len(key):
-                    positions: Iterable[int] = range(len(key))
-                else:
-                    wanted = set(hs)
-                    positions = [i for i, h in enumerate(key) if h in wanted]
-                for i in positions:
-                    s = vals[i]
-                    u = merged.get(s)
-                    if u is None:
-                        u = merged[s] = self._intern(s | single)
-                    vals[i] = u
-        self._by_owner.setdefault(owner, set()).update(blocks)
-
     def held(self, owner: object) -> set[int]:
         """Hashes of the blocks listing `owner` (live view; do not modify)."""
         return self._by_owner.get(owner, _EMPTY)
@@ -278,7 +249,7 @@ class PrefixIndex:
         for h in todo:
             mine[h] = expiry
         self._expiries.append((expiry, worker_id, todo))
-        self._tree.add_owner_to(block_hashes, todo, self._key(worker_id))
+        self._tree.add_to(block_hashes, todo, self._key(worker_id))
         if self.max_blocks and self._tree.num_blocks > self.max_blocks:
             self._tree.evict(self._tree.num_blocks - self.max_blocks)
         self.num_predicted_blocks += new

@@ -123,39 +123,34 @@ class OwnerIndex(RadixTree[frozenset]):
         self._by_owner.setdefault(owner, set()).update(block_hashes)
         return res.num_new_blocks
 
+    def add_to(self, path: Sequence[int], blocks: Sequence[int], owner: Hashable) -> int:
+        """Give `owner` only `blocks` (a subsequence of `path`, in path order) of the path
+        `path` from the root, creating the missing blocks (always its tail, so they must
+        be among `blocks`). Unlike `add`, the rest of the path keeps its owners (a
+        prediction names only the blocks a worker does not hold yet). Returns how many
+        blocks were created."""
+        single = self._intern(frozenset((owner,)))
+        res = self.insert(path, [single] * len(path))
+        existing = blocks[: len(blocks) - res.num_new_blocks]
+        if existing:
+            self._replace_sets(existing, lambda s: s | single)
+        self._by_owner.setdefault(owner, set()).update(blocks)
+        return res.num_new_blocks
+
     def discard(self, block_hashes: Iterable[int], owner: Hashable) -> int:
         """Remove `owner` from the given blocks (wherever they are); drop blocks left
         with no owner and no children. Returns how many blocks were dropped."""
         held = self._by_owner.get(owner)
         if not held:
             return 0
-        # Group by node so each node's keys are scanned once, however many of its
-        # blocks are listed (a dead worker may hold thousands of blocks of one node).
-        by_node: dict[Node[frozenset], set[int]] = {}
-        where = self._where
-        for h in block_hashes:
-            if h in held:
-                by_node.setdefault(where[h], set()).add(h)
-        removed: dict[frozenset, frozenset] = {}  # each distinct (interned) set once
-        for node, hs in by_node.items():
-            vals = node.values
-            positions = (
-                [node.key.index(next(iter(hs)))]
-                if len(hs) == 1
-                else range(len(vals)) if len(hs) == len(vals)
-                else [i for i, h in enumerate(node.key) if h in hs]
-            )
-            for i in positions:
-                s = vals[i]
-                u = removed.get(s)
-                if u is None:
-                    u = removed[s] = self._intern(s - {owner})
-                vals[i] = u
-            held -= hs
+        mine = [h for h in block_hashes if h in held]
+        gone = frozenset((owner,))
+        nodes = self._replace_sets(mine, lambda s: s - gone)
+        held.difference_update(mine)
         if not held:
             del self._by_owner[owner]
         before = self._num_blocks
-        for node in by_node:
+        for node in nodes:
             self._prune(node)
         self._prune_orphans()
         return before - self._num_blocks
@@ -182,6 +177,32 @@ class OwnerIndex(RadixTree[frozenset]):
 
     def _intern(self, s: frozenset) -> frozenset:
         return self._interned.setdefault(s, s)
+
+    def _replace_sets(self, block_hashes: Iterable[int],
+                      change: Callable[[frozenset], frozenset]) -> Iterable[Node[frozenset]]:
+        """Replace the owner set of each given block (all indexed) by `change(set)`,
+        interned. Grouped by node, so each node's key is scanned once however many of its
+        blocks are listed (a dead worker may hold thousands of blocks of one node), and
+        each distinct (interned) set is changed once. Returns the nodes touched."""
+        by_node: dict[Node[frozenset], set[int]] = {}
+        where = self._where
+        for h in block_hashes:
+            by_node.setdefault(where[h], set()).add(h)
+        changed: dict[frozenset, frozenset] = {}
+        for node, hs in by_node.items():
+            key, vals = node.key, node.values
+            positions = (
+                [key.index(next(iter(hs)))] if len(hs) == 1
+                else range(len(vals)) if len(hs) == len(vals)
+                else [i for i, h in enumerate(key) if h in hs]
+            )
+            for i in positions:
+                s = vals[i]
+                u = changed.get(s)
+                if u is None:
+                    u = changed[s] = self._intern(change(s))
+                vals[i] = u
+        return by_node.keys()
 
     def _prune(self, node: Node[frozenset]) -> None:
         """Drop ownerless blocks from the tail of leaf `node`, then up its ancestors."""
