@@ -3,9 +3,9 @@ emulated fleet (prefixgate/emulate), brought up and torn down by the command.
 
 Contract: `run_fleet(trace, args, arrival, limits)` returns one report run (the dict
 `prefixgate replay` writes) per gateway count in `--gateways` and per policy in
-`--sim-policies` (default: prefix), then, with `--peer-router CMD`, per gateway count with
-that many replicas of that HTTP router (e.g. sglang-router) in place of the gateways; each
-on a fresh fleet (empty caches):
+`--sim-policies` (default: prefix; "none": no prefixgate run), then, with `--peer-router
+CMD`, per gateway count with that many replicas of that HTTP router (e.g. sglang-router)
+in place of the gateways; each on a fresh fleet (empty caches):
 
   * `--fleet` emulated workers (`--capacity-tokens` / block size = cache capacity,
     `--prefill-tokens-per-s`, `--decode-s-per-token`: the simulator's flags, so
@@ -250,7 +250,8 @@ def run_fleet(trace: Trace, args: argparse.Namespace, arrival: ArrivalConfig,
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     spec, block_size = fleet_model(trace, args)
     context = spec.max_context_tokens
-    policies = list(args.sim_policies or []) or ["prefix"]
+    # "none": no prefixgate runs (only the --peer-router's).
+    policies = [p for p in (args.sim_policies or ["prefix"]) if p != "none"]
     fronts = [(g, policy, ()) for g in (args.gateways or [1]) for policy in policies]
     peer = tuple(shlex.split(args.peer_router))
     if peer:

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The emulated-fleet benchmark of docs/benchmarks.md ("Emulated fleet"): real gateways and
+# sglang-router in front of the same emulated workers, and the simulator on the same
+# settings. Writes JSON, Markdown and plots under $OUT (default bench-out/fleet).
+#
+#   bash scripts/bench_fleet.sh [mooncake|sharegpt|all]
+#
+# Environment: TRACES (default ../shared/traces), OUT, TIME_SCALE (default 10),
+# SGLANG_PYTHON (a python with sglang-router 0.3.2, default /work/peers/sglang-venv/bin/
+# python; the sglang runs are skipped without it), SHAREGPT_CONVERSATIONS (default 200).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHAT=${1:-all}
+TRACES=${TRACES:-../shared/traces}
+OUT=${OUT:-bench-out/fleet}
+S=${TIME_SCALE:-10}
+SGLANG_PYTHON=${SGLANG_PYTHON:-/work/peers/sglang-venv/bin/python}
+N_CHAT=${SHAREGPT_CONVERSATIONS:-200}
+PG=(nice -n 10 .venv/bin/python -m prefixgate replay --no-progress)
+mkdir -p "$OUT"
+uptime | tee "$OUT/uptime.txt"
+
+if [[ $WHAT == mooncake || $WHAT == all ]]; then
+  # 8 workers x 4,000 blocks of 512 tokens, 20k prefill tokens/s, 30 ms/token.
+  M=(--trace "$TRACES/mooncake_synthetic_trace.jsonl" --capacity-tokens 2048000
+     --prefill-tokens-per-s 20000 --decode-s-per-token 0.03 --max-tokens 1000
+     --time-scale "$S")
+  "${PG[@]}" "${M[@]}" --simulate --sim-workers 8 --sim-policies prefix --gateways 1,2,4 \
+    --out "$OUT" --name mooncake-sim > /dev/null
+  "${PG[@]}" "${M[@]}" --fleet 8 --gateways 1,2,4 --out "$OUT" --name mooncake-gateways \
+    > /dev/null
+  "${PG[@]}" "${M[@]}" --fleet 8 --gateways 2,4 --fleet-redis --out "$OUT" \
+    --name mooncake-redis > /dev/null
+  if [[ -x $SGLANG_PYTHON ]]; then
+    "${PG[@]}" "${M[@]}" --fleet 8 --gateways 1,2 --sim-policies none \
+      --peer-router "$SGLANG_PYTHON -m sglang_router.launch_router --policy cache_aware --prometheus-port {free_port}" \
+      --peer-label "sglang-router 0.3.2 cache_aware" --out "$OUT" --name mooncake-sglang \
+      > /dev/null
+  fi
+  runs=("$OUT/mooncake-gateways.json" "$OUT/mooncake-redis.json")
+  [[ -f $OUT/mooncake-sglang.json ]] && runs+=("$OUT/mooncake-sglang.json")
+  "${PG[@]}" --combine "$(IFS=,; echo "${runs[*]}")" --out "$OUT" --name mooncake
+fi
+
+if [[ $WHAT == sharegpt || $WHAT == all ]]; then
+  # The race case: closed loop, no think time; workers publish when a request finishes
+  # (as prefixgate's engine does), with and without routing predictions.
+  C=(--trace "$TRACES/sharegpt_multiturn_dev.jsonl.gz" --max-conversations "$N_CHAT"
+     --arrival closed --concurrency 8 --think-time 0 --publish-at finish --time-scale "$S")
+  "${PG[@]}" "${C[@]}" --simulate --sim-workers 8 \
+    --sim-policies prefix,prefix:prediction_ttl_s=0 --out "$OUT" --name sharegpt-sim > /dev/null
+  "${PG[@]}" "${C[@]}" --fleet 8 --out "$OUT" --name sharegpt-predict > /dev/null
+  "${PG[@]}" "${C[@]}" --fleet 8 --gateway-args='--prediction-ttl-s 0' \
+    --label "no prediction:" --out "$OUT" --name sharegpt-nopredict > /dev/null
+  "${PG[@]}" --combine "$OUT/sharegpt-predict.json,$OUT/sharegpt-nopredict.json" \
+    --out "$OUT" --name sharegpt
+fi
+uptime | tee -a "$OUT/uptime.txt"
