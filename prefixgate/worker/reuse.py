@@ -5,8 +5,8 @@ Contract
 --------
 - `hashes(seq)` keeps `seq.block_hashes` current: chained hashes of its full blocks,
   salted by model fingerprint and namespace (`prefixgate.radix.BlockHasher`, the keys the
-  gateway routes on). Hashers are cached per namespace, at most `MAX_HASHERS` of them
-  (namespaces are client-chosen).
+  gateway routes on), one per namespace (`prefixgate.radix.hashers.Hashers`, bounded:
+  namespaces are client-chosen).
 - `match(seq)` (admission) takes the exact hit: the longest cached run of seq's full
   prompt blocks, locked and referenced (`seq.cache_handle`); never the block holding the
   last prompt token, whose logits are needed. Returns the matched block ids; the caller
@@ -48,6 +48,7 @@ import xxhash
 
 from prefixgate.overflow import OverflowPlan
 from prefixgate.radix import BlockHasher
+from prefixgate.radix.hashers import Hashers
 from prefixgate.worker.api import EngineConfig
 from prefixgate.worker.blocks import BlockManager
 from prefixgate.worker.prefix_cache import PrefixCache
@@ -56,7 +57,6 @@ from prefixgate.worker.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
-MAX_HASHERS = 4096  # per-namespace hashers kept (as the gateway's)
 MAX_LAYOUTS = 64  # earlier layouts shifted reuse tries (see the module docstring)
 FIRST_RUN_BLOCKS = 4  # blocks hashed before a layout's first cache lookup, then doubling
 
@@ -69,18 +69,12 @@ class ReusePlanner:
         self.pool = cache.pool
         self.blocks = blocks
         self.rope = rope  # None: shifted reuse recomputes
-        self._hashers: dict[str, BlockHasher] = {}
+        self._hashers = Hashers(config.block_size, config.model_fingerprint)
 
     # --- hashing ---------------------------------------------------------------------------
 
     def hasher(self, namespace: str) -> BlockHasher:
-        h = self._hashers.get(namespace)
-        if h is None:
-            if len(self._hashers) >= MAX_HASHERS:
-                self._hashers.clear()  # rebuilt on demand: a hasher is two hashes of state
-            h = self._hashers[namespace] = BlockHasher(
-                self.config.block_size, self.config.model_fingerprint, namespace)
-        return h
+        return self._hashers.get(namespace)
 
     def hashes(self, seq: Sequence) -> list[int]:
         bs = self.config.block_size
