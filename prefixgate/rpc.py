@@ -203,6 +203,20 @@ def is_loopback(host: str) -> bool:
 def bind(server: grpc.aio.Server, host: str, port: int, tls: TLSConfig | None, what: str) -> int:
     """Add the listening port (TLS per `tls`); returns the bound port."""
     address = f"{host}:{port}"
+    try:
+        return _bind(server, address, tls, what)
+    except RuntimeError as exc:  # grpc's "Failed to bind to address ..."
+        raise BindError(f"{what}: cannot listen on {address}: the port is in use, or the "
+                        "address is not one of this machine's; choose another port or "
+                        "host") from exc
+
+
+class BindError(RuntimeError):
+    """A server could not listen where it was told to (the message says what to do)."""
+
+
+def _bind(server: grpc.aio.Server, address: str, tls: TLSConfig | None, what: str) -> int:
+    host = address.rsplit(":", 1)[0]
     if tls is not None and tls.enabled:
         bound = server.add_secure_port(address, server_credentials(tls))
         log.info("%s: TLS on %s%s", what, address,

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from prefixgate import __version__, logs
 from prefixgate.cli.flags import Parser
 from prefixgate.models import ModelError
+from prefixgate.rpc import BindError
 
 # command -> module in this package, in --help order.
 COMMANDS = ("worker", "gateway", "up", "chat", "bench", "replay", "token")
@@ -42,5 +43,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args._run(args) or 0
     except KeyboardInterrupt:
         return 130
-    except ModelError as exc:  # a user's mistake, not a bug: a message, not a traceback
+    except (ModelError, BindError) as exc:  # a user's mistake: a message, not a traceback
         raise SystemExit(f"prefixgate {args.command}: {exc}") from None

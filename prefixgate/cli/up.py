@@ -130,7 +130,10 @@ async def _up(args: argparse.Namespace) -> int:
             gateway_cli.gateway_config(args, static, args.port), gw_stop, started))
         extra: list = []  # the other --processes gateway processes, on the same port
         try:
-            port = await started
+            await asyncio.wait({started, gateway}, return_when=asyncio.FIRST_COMPLETED)
+            if not started.done():
+                gateway.result()  # it failed to start (e.g. its port is in use): say why
+            port = started.result()
             address = f"{args.host}:{port}"
             if args.processes > 1:
                 from prefixgate.gateway import processes

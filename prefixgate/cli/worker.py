@@ -80,7 +80,14 @@ async def _serve_emulated(args: argparse.Namespace) -> None:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    import torch
+    try:
+        import torch
+    except ModuleNotFoundError:
+        raise SystemExit(
+            "prefixgate worker: torch is not installed: a worker needs the worker extra "
+            "(pip install torch==2.13.0, then pip install 'prefixgate[worker]'; see README). "
+            "A gateway-only install runs `prefixgate gateway` and emulated workers "
+            "(prefixgate worker --emulate).") from None
 
     from prefixgate.models import resolve_model
     from prefixgate.overflow import user_turn_prefix
@@ -145,7 +152,12 @@ async def serve_worker(service, stop: asyncio.Event, args: argparse.Namespace,
 
     started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     server = asyncio.create_task(serve(service, stop, started))
-    port = await started
+    # A server that fails to start (e.g. its port is in use) must end the command, not
+    # leave it waiting for a port that will never come.
+    await asyncio.wait({started, server}, return_when=asyncio.FIRST_COMPLETED)
+    if not started.done():
+        server.result()
+    port = started.result()
     if not args.redis_url:
         await server
         return

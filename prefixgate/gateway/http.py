@@ -339,7 +339,13 @@ class HTTPFront:
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port, ssl_context=_ssl_context(tls),
                            reuse_port=True)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            await self.runner.cleanup()
+            raise rpc.BindError(f"gateway HTTP front: cannot listen on {host}:{port}: "
+                                f"{exc.strerror or exc}; choose another --http-port (-1: "
+                                "off)") from exc
         return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
     async def stop(self, drain_seconds: float) -> None:

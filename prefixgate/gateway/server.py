@@ -358,7 +358,11 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
         from prefixgate.gateway.http import HTTPFront
 
         http = HTTPFront(service)
-        http_port = await http.start(config.host, config.http_port, config.tls)
+        try:
+            http_port = await http.start(config.host, config.http_port, config.tls)
+        except rpc.BindError:
+            await server.stop(0)
+            raise
         log.info("gateway serving the OpenAI-compatible HTTP API on %s:%d", config.host,
                  http_port)
     log.info("gateway serving %s on %s:%d (policy %s)", spec.name, config.host, port,

