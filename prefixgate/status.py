@@ -10,7 +10,7 @@ older than the interval plus one hop (docs/routing.md has the table). The worker
 its own status in memory each interval (no I/O).
 
 Contract of `watch_status`: yields the current status at once, then each status that
-differs from the last one yielded, checking every `min_interval_s` (floored at
+differs from the last one yielded, checking every `min_interval_ms` (floored at
 `MIN_INTERVAL_S`), until `closing()` returns True (server shutdown; at most one interval
 later). Torch-free, so real and emulated workers share it.
 """
