@@ -140,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
     from prefixgate.rpc import free_port
 
     args.port = args.port or free_port(args.host)  # one port for all of them
+    if getattr(args, "http_port", -1) == 0:
+        args.http_port = free_port(args.host)
     children = processes.spawn(serve_process, args, args.processes - 1)
     try:
         processes.wait_ready(children, timeout_s=300)
