@@ -22,15 +22,22 @@ What is signed (HMAC-SHA256 with the worker's key, over length-prefixed fields):
   registration   worker id, address, model fingerprint, capacity -> `WorkerRecord.signature`
                  (the epoch is Redis' to assign; a copied signature only ever points at
                  the genuine worker's own address). `verify_registration` says why not.
-  each batch     worker id, epoch, and each event's kind, parent and hashes exactly as they
-                 travel (registry/wire.py) -> the stream entry's `s` field (`batch_mac`).
+  each batch     worker id, epoch, the batch's sequence number (1, 2, ... within the
+                 epoch: the entry's `q` field) and each event's kind, parent and hashes
+                 exactly as they travel (registry/wire.py) -> the stream entry's `s` field
+                 (`batch_mac`). A gateway applies a worker's batches only in increasing
+                 (epoch, sequence) order, so a genuine batch copied onto the stream again
+                 later (a replayed "store" would list blocks since evicted) is refused.
   held blocks    the set of (block, parent) the worker's pg:kv hash holds after each batch,
                  as an order-free digest (XOR of a keyed hash per block, with the count),
-                 MACed with worker id and epoch -> the record's `kvmac` field. A gateway
-                 rebuilding its index from pg:kv recomputes it (`kv_set_mac`) and drops a
-                 worker's blocks when it differs. `OwnershipSigner` keeps the worker's side
-                 of that set in step with the Lua that applies batches (store chains,
-                 remove, clear), so re-sending a batch yields the same MAC.
+                 MACed with worker id, epoch and the sequence number of the batch that
+                 left it -> the record's `kvmac` and `kvseq` fields. A gateway rebuilding
+                 its index from pg:kv recomputes it (`kv_set_mac`), drops a worker's blocks
+                 when it differs, and applies only that worker's batches after `kvseq`.
+                 `OwnershipSigner` keeps the worker's side of that set in step with the Lua
+                 that applies batches (store chains, remove, clear); re-sending a batch
+                 whose reply was lost signs it under the next sequence number (applying
+                 it twice leaves the same set).
 Not covered: a holder of Redis credentials can still delete or reset (denial of service);
 it can no longer be routed to, nor steer turns. Redis ACL users (deploy/) narrow who that is.
 """
@@ -118,10 +125,11 @@ def verify_registration(keyring: Keyring, worker_id: str, address: str,
     return ""
 
 
-def batch_message(worker_id: str, epoch: int,
+def batch_message(worker_id: str, epoch: int, seq: int,
                   events: Sequence[tuple[bytes, bytes, bytes]]) -> bytes:
-    """The signed bytes of one batch: (kind, parent bytes, packed hashes) per event."""
-    return _fields(b"batch", worker_id.encode(), str(epoch).encode(),
+    """The signed bytes of batch number `seq` of `epoch`: (kind, parent bytes, packed
+    hashes) per event."""
+    return _fields(b"batch", worker_id.encode(), str(epoch).encode(), str(seq).encode(),
                    *(f for ev in events for f in ev))
 
 
@@ -135,35 +143,39 @@ def _block_term(key: bytes, block: int, parent: int) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def _set_mac(key: bytes, worker_id: str, epoch: int, count: int, digest: int) -> bytes:
-    msg = _fields(b"kvset", worker_id.encode(), str(epoch).encode(), str(count).encode(),
-                  digest.to_bytes(16, "little"))
+def _set_mac(key: bytes, worker_id: str, epoch: int, seq: int, count: int,
+             digest: int) -> bytes:
+    msg = _fields(b"kvset", worker_id.encode(), str(epoch).encode(), str(seq).encode(),
+                  str(count).encode(), digest.to_bytes(16, "little"))
     return hmac.new(key, msg, hashlib.sha256).digest()[:16]
 
 
-def kv_set_mac(key: bytes, worker_id: str, epoch: int,
+def kv_set_mac(key: bytes, worker_id: str, epoch: int, seq: int,
                blocks: dict[int, int | None]) -> bytes:
-    """The MAC of a worker's held blocks (block -> parent, None: root), as a gateway
-    recomputes it from pg:kv."""
+    """The MAC of a worker's held blocks (block -> parent, None: root) after its batch
+    `seq` of `epoch`, as a gateway recomputes it from pg:kv."""
     digest = 0
     for block, parent in blocks.items():
         digest ^= _block_term(key, block, parent or 0)
-    return _set_mac(key, worker_id, epoch, len(blocks), digest)
+    return _set_mac(key, worker_id, epoch, seq, len(blocks), digest)
 
 
 class OwnershipSigner:
-    """A worker's signing state: its key and the blocks its pg:kv hash holds."""
+    """A worker's signing state: its key, the blocks its pg:kv hash holds, and the
+    sequence number of its last signed batch in the current epoch (`seq`)."""
 
     def __init__(self, key: bytes, worker_id: str) -> None:
         self.key = key
         self.worker_id = worker_id
         self._held: dict[int, int] = {}  # block -> parent (0: root), as in pg:kv
         self._digest = 0
+        self.seq = 0
 
     def registration(self, address: str, model_fingerprint: str, capacity_blocks: int) -> str:
         """Sign a registration; the registry empties pg:kv, so the held set starts empty."""
         self._held.clear()
         self._digest = 0
+        self.seq = 0
         return sign_registration(self.key, self.worker_id, address, model_fingerprint,
                                  capacity_blocks)
 
@@ -177,7 +189,9 @@ class OwnershipSigner:
     def sign(self, epoch: int, events: Sequence[OwnershipEvent],
              wire: Sequence[tuple[bytes, bytes, bytes]]) -> tuple[bytes, bytes]:
         """(batch MAC, held-set MAC after the batch) for `events`, whose wire form is
-        `wire`. Applying the same batch twice gives the same held set (idempotent)."""
+        `wire`, as batch number `self.seq` (the next one) of `epoch`. Applying the same
+        batch twice gives the same held set (idempotent)."""
+        self.seq += 1
         for ev in events:
             if ev.kind == "store":
                 parent = ev.parent_hash or 0
@@ -192,5 +206,6 @@ class OwnershipSigner:
             else:
                 self._held.clear()
                 self._digest = 0
-        return (batch_mac(self.key, batch_message(self.worker_id, epoch, wire)),
-                _set_mac(self.key, self.worker_id, epoch, len(self._held), self._digest))
+        return (batch_mac(self.key, batch_message(self.worker_id, epoch, self.seq, wire)),
+                _set_mac(self.key, self.worker_id, epoch, self.seq, len(self._held),
+                         self._digest))

@@ -74,13 +74,17 @@ def test_signer_tracks_the_set_the_registry_holds(batches, resend) -> None:
         wire = [(e.kind.encode(), parent_bytes(e.parent_hash), pack_hashes(e.block_hashes))
                 for e in batch]
         bmac, mac = signer.sign(7, batch, wire)
-        if resend:  # a batch whose reply was lost is sent again: same set, same MAC
-            assert signer.sign(7, batch, wire) == (bmac, mac)
+        if resend:  # a batch whose reply was lost is sent again, as the next batch
+            again = signer.sign(7, batch, wire)
+            assert again[0] != bmac  # another sequence number: not a replay of the first
+            mac = again[1]
         for ev in batch:
             _apply(held, ev)
-        assert mac == kv_set_mac(KEY, "w0", 7, held)
-    # One forged block, another epoch or another key: the MAC no longer matches.
-    assert kv_set_mac(KEY, "w0", 7, {**held, 999: None}) != mac if batches else True
+        assert mac == kv_set_mac(KEY, "w0", 7, signer.seq, held)  # applied twice: same set
+    # One forged block, another epoch, an older batch or another key: no longer matches.
+    seq = signer.seq
+    assert kv_set_mac(KEY, "w0", 7, seq, {**held, 999: None}) != mac if batches else True
     if batches:
-        assert kv_set_mac(KEY, "w0", 8, held) != mac
-        assert kv_set_mac(secrets.token_bytes(32), "w0", 7, held) != mac
+        assert kv_set_mac(KEY, "w0", 8, seq, held) != mac
+        assert kv_set_mac(KEY, "w0", 7, seq - 1, held) != mac
+        assert kv_set_mac(secrets.token_bytes(32), "w0", 7, seq, held) != mac

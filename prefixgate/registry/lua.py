@@ -8,7 +8,7 @@ local e = redis.call('INCR', KEYS[4])
 redis.call('SADD', KEYS[1], ARGV[1])
 redis.call('HSET', KEYS[2], 'address', ARGV[2], 'model_fingerprint', ARGV[3], 'epoch', e,
            'capacity_blocks', ARGV[6], 'sig', ARGV[7])
-redis.call('HDEL', KEYS[2], 'kvmac')
+redis.call('HDEL', KEYS[2], 'kvmac', 'kvseq')
 redis.call('SET', KEYS[3], e, 'PX', ARGV[4])
 redis.call('DEL', KEYS[5])
 redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[5], '*', 'w', ARGV[1], 'e', e, 'k', 'join')
@@ -40,18 +40,22 @@ redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[4], '*', 'w', ARGV[1], 'e', epoc
 return 1
 """
 # Apply one batch of ownership events, fenced by the lease's epoch, and append it to the
-# stream as one entry. ARGV: id, epoch, maxlen, batch MAC, held-set MAC (both "" when
-# unsigned; prefixgate.identity; the second in hex), then (kind, parent, hashes) per event. KEYS[4]: the
-# worker's record, which keeps the held-set MAC beside pg:kv.
+# stream as one entry. ARGV: id, epoch, maxlen, batch MAC, held-set MAC (in hex), the
+# batch's sequence number (the last three "" when unsigned; prefixgate.identity), then
+# (kind, parent, hashes) per event. KEYS[4]: the worker's record, which keeps the
+# held-set MAC and sequence number beside pg:kv.
 PUBLISH = """
 local ROOT = string.rep('\\0', 8)
 if redis.call('GET', KEYS[1]) ~= ARGV[2] then return 0 end
 local entry = {'XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'w', ARGV[1], 'e', ARGV[2],
-               'k', 'batch', 'n', tostring((#ARGV - 5) / 3)}
-if ARGV[4] ~= '' then entry[#entry + 1] = 's'; entry[#entry + 1] = ARGV[4] end
-if ARGV[5] ~= '' then redis.call('HSET', KEYS[4], 'kvmac', ARGV[5]) end
+               'k', 'batch', 'n', tostring((#ARGV - 6) / 3)}
+if ARGV[4] ~= '' then
+  entry[#entry + 1] = 's'; entry[#entry + 1] = ARGV[4]
+  entry[#entry + 1] = 'q'; entry[#entry + 1] = ARGV[6]
+  redis.call('HSET', KEYS[4], 'kvmac', ARGV[5], 'kvseq', ARGV[6])
+end
 local n = 0
-for i = 6, #ARGV, 3 do
+for i = 7, #ARGV, 3 do
   local kind, parent, hs = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   if parent == '' then parent = ROOT end
   if kind == 'store' then

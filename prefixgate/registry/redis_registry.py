@@ -5,7 +5,8 @@ Contract
 The `Registry` interface (registry/base.py), plus ownership. Keys (prefix `pg:`):
   pg:workers              set of worker ids
   pg:worker:{id}          hash: address, model_fingerprint, epoch, capacity_blocks,
-                          sig (signed registration), kvmac (MAC of the held blocks)
+                          sig (signed registration), kvmac and kvseq (MAC of the held
+                          blocks, sequence number of the batch that left them)
   pg:lease:{id}           epoch, expires after lease_ms (PX)
   pg:epoch:{id}           counter (INCR on each registration)
   pg:kv:{id}              hash: block hash -> parent hash (8 bytes each, little-endian;
@@ -31,8 +32,10 @@ The scripts are in registry/lua.py.
 
 With a `keyring` (prefixgate.identity) the registry signs what a worker writes with that
 worker's key (registration, each batch, the held-block set) and, for gateways, reads only
-ownership that verifies: a batch entry whose MAC fails is skipped, a worker whose pg:kv
-does not match its held-set MAC is left out of `ownership_snapshot` (both logged), and
+ownership that verifies: a batch entry whose MAC fails, or whose (epoch, sequence number)
+is not after the last one this registry accepted for the worker (a replayed copy; the
+snapshot sets where each worker's batches resume), is skipped, a worker whose pg:kv does
+not match its held-set MAC is left out of `ownership_snapshot` (both logged), and
 "join" entries are skipped: Redis writes them unsigned, and a forged one with a high epoch
 would fence off the worker's genuine batches. Nothing is lost, since a worker's first
 batch after registering is a signed "clear" under its new epoch, which resets it.
@@ -83,6 +86,8 @@ class RedisRegistry(Registry):
         self.timeout_s = timeout_s
         self.keyring = keyring
         self._signers: dict[str, identity.OwnershipSigner] = {}  # a worker's own signing state
+        # Gateways: worker id -> (epoch, sequence number) of its last batch accepted.
+        self._accepted: dict[str, tuple[int, int]] = {}
         self._register = self.redis.register_script(lua.REGISTER)
         self._renew = self.redis.register_script(lua.RENEW)
         self._remove = self.redis.register_script(lua.REMOVE)
@@ -179,8 +184,12 @@ class RedisRegistry(Registry):
         wire = [(ev.kind.encode(), parent_bytes(ev.parent_hash), pack_hashes(ev.block_hashes))
                 for ev in events]
         signer = self._signer(record.worker_id)
-        bmac, kvmac = (b"", b"") if signer is None else signer.sign(record.epoch, events, wire)
-        args: list = [record.worker_id, record.epoch, self.stream_maxlen, bmac, kvmac.hex()]
+        if signer is None:
+            bmac, kvmac, seq = b"", "", ""
+        else:
+            bmac, mac = signer.sign(record.epoch, events, wire)
+            kvmac, seq = mac.hex(), str(signer.seq)
+        args: list = [record.worker_id, record.epoch, self.stream_maxlen, bmac, kvmac, seq]
         for fields in wire:
             args += fields
         wid = record.worker_id
@@ -225,17 +234,21 @@ class RedisRegistry(Registry):
                 pipe.get(self._key("lease", wid))
                 await self._dump_kv(keys=[self._key("kv", wid)], client=pipe)
                 pipe.hget(self._key("worker", wid), "kvmac")
+                pipe.hget(self._key("worker", wid), "kvseq")
             replies = await pipe.execute()
         out: dict[str, tuple[int, dict[int, int | None]]] = {}
+        self._accepted.clear()  # the batches to accept resume after this snapshot's
         for i, wid in enumerate(ids):
-            epoch, lease, dump, kvmac = replies[4 * i: 4 * i + 4]
+            epoch, lease, dump, kvmac, kvseq = replies[5 * i: 5 * i + 5]
             if epoch is None or lease != epoch:
                 continue
             pairs = unpack_hashes(dump or b"")
             blocks = dict(zip(pairs[::2], [p or None for p in pairs[1::2]], strict=True))
-            if self.keyring is not None and not self._held_set_verifies(
-                    wid, int(epoch), blocks, kvmac):
-                continue
+            if self.keyring is not None:
+                seq = int(kvseq or 0)
+                if not self._held_set_verifies(wid, int(epoch), seq, blocks, kvmac):
+                    continue
+                self._accepted[wid] = (int(epoch), seq)
             out[wid] = (int(epoch), blocks)
         return last_id, added, out
 
@@ -250,11 +263,11 @@ class RedisRegistry(Registry):
         last_id, added = stream_position(info)
         return last_id, added, int(info.get("length", 0)) if isinstance(info, dict) else 0
 
-    def _held_set_verifies(self, wid: str, epoch: int, blocks: dict[int, int | None],
-                           kvmac: bytes | None) -> bool:
+    def _held_set_verifies(self, wid: str, epoch: int, seq: int,
+                           blocks: dict[int, int | None], kvmac: bytes | None) -> bool:
         key = self.keyring.key(wid) if self.keyring is not None else None
         if key is not None and kvmac is not None and identity.hmac.compare_digest(
-                identity.kv_set_mac(key, wid, epoch, blocks).hex().encode(), kvmac):
+                identity.kv_set_mac(key, wid, epoch, seq, blocks).hex().encode(), kvmac):
             return True
         if blocks:
             log.warning("ignoring the %d blocks Redis lists for worker %s: they are not "
@@ -265,11 +278,20 @@ class RedisRegistry(Registry):
     def _batch_verifies(self, f: dict[bytes, bytes]) -> bool:
         wid = f[b"w"].decode(errors="replace")
         key = self.keyring.key(wid) if self.keyring is not None else None
-        if key is not None and b"s" in f:
+        if key is not None and b"s" in f and b"q" in f:
+            position = (int(f[b"e"]), int(f[b"q"]))
             wire = [(f[b"k%d" % i], f[b"p%d" % i], f[b"h%d" % i]) for i in range(int(f[b"n"]))]
-            mac = identity.batch_mac(key, identity.batch_message(wid, int(f[b"e"]), wire))
+            mac = identity.batch_mac(key, identity.batch_message(wid, *position, wire))
             if identity.hmac.compare_digest(mac, f[b"s"]):
-                return True
+                last = self._accepted.get(wid)
+                if last is None or position > last:
+                    self._accepted[wid] = position
+                    return True
+                # Older than what was applied: a copy put back on the stream, or (after a
+                # snapshot) a batch the snapshot already holds.
+                log.debug("skipping batch %s of worker %s epoch %d: not after batch %d of "
+                          "epoch %d", f[b"q"].decode(), wid[:64], position[0], last[1], last[0])
+                return False
         log.warning("ignoring an ownership batch for worker %s: not signed with its key "
                     "(forged, or written without --worker-keyring)", wid[:64])
         return False

@@ -6,10 +6,11 @@ Block hashes travel as consecutive little-endian u64 (`pack_hashes` / `unpack_ha
 a parent hash as 8 such bytes, or "" for the root. One pg:events stream entry has fields
   w  worker id          e  epoch          k  join | leave | reap | batch | predict
 and for a batch  n (number of events), then per event i: k{i} (store, remove, clear),
-p{i} (parent, 8 bytes or ""), h{i} (block hashes, 8 bytes each); for a predict entry (a
-gateway routed a turn to w: its prompt's blocks are expected there, gateway/index.py)
-g (the publishing gateway's id) and h (the prompt's chained block hashes from the root),
-decoded as one "store" event. `StreamEntry` is one entry decoded. Stream ids are "ms-seq";
+p{i} (parent, 8 bytes or ""), h{i} (block hashes, 8 bytes each), and when the worker
+signs (prefixgate.identity) s (the batch MAC) and q (its sequence number in the epoch);
+for a predict entry (a gateway routed a turn to w: its prompt's blocks are expected
+there, gateway/index.py) g (the publishing gateway's id) and h (the prompt's chained
+block hashes from the root), decoded as one "store" event. `StreamEntry` is one entry decoded. Stream ids are "ms-seq";
 `stream_id_newer` orders them.
 """
 

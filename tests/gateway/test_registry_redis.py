@@ -259,3 +259,41 @@ def test_two_gateways_see_each_others_predictions_until_events_win(redis_flush) 
         await reg.close()
 
     asyncio.run(scenario())
+
+
+def test_a_replayed_signed_batch_is_refused(redis_flush) -> None:
+    """With a keyring, a genuine batch copied back onto the stream later (anyone who can
+    XADD can do it) is not applied again, by a gateway following the stream from its start
+    nor by one that rebuilt from pg:kv before the copy: a replayed "store" would list
+    blocks the worker has since evicted and steer turns there."""
+    from prefixgate.identity import Keyring
+
+    keyring = Keyring({"w": bytes(range(32))})
+
+    async def scenario() -> None:
+        worker = RedisRegistry(redis_flush, keyring=keyring)
+        rec = await worker.register(WorkerRecord("w", "h:1", "fp"), lease_ms=10_000)
+        hs = hashes(0, 16)
+        assert await worker.publish(rec, [OwnershipEvent("store", hs)])
+        assert await worker.publish(rec, [OwnershipEvent("remove", hs)])
+        following, rebuilt = (RedisRegistry(redis_flush, keyring=keyring) for _ in range(2))
+        entries = await following.read_events(b"0-0", block_ms=100)
+        assert [e.events[0].kind for e in entries if e.events] == ["store", "remove"]
+        position, _, owners = await rebuilt.ownership_snapshot()
+        assert owners == {"w": (rec.epoch, {})}
+        store_id = next(e.entry_id for e in entries if e.events and e.events[0].kind == "store")
+        ((_, fields),) = await worker.raw.xrange(worker.events_key, store_id, store_id)
+        await worker.raw.xadd(worker.events_key, fields)  # the replay
+        (replayed,) = await following.read_events(entries[-1].entry_id, block_ms=100)
+        assert replayed.events == []
+        (replayed,) = await rebuilt.read_events(position, block_ms=100)
+        assert replayed.events == []
+        # The worker's next genuine batch still applies at both.
+        assert await worker.publish(rec, [OwnershipEvent("store", hs[:1])])
+        for gw, after in ((following, replayed.entry_id), (rebuilt, replayed.entry_id)):
+            (genuine,) = await gw.read_events(after, block_ms=100)
+            assert [e.kind for e in genuine.events] == ["store"]
+        for r in (worker, following, rebuilt):
+            await r.close()
+
+    asyncio.run(scenario())
