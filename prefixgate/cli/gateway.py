@@ -33,7 +33,7 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
     flag(g, "--drain-seconds", type=float, default=30.0,
          help="on SIGTERM, how long in-flight streams may finish")
     overflow_flag(g)
-    http_flag(g)
+    http_flag(g, -1)
     flag(g, "--metrics-port", type=int, default=0,
          help="serve Prometheus metrics on this port at /metrics (0: off; with --processes "
               "N, process i serves on this port + i)")
@@ -48,8 +48,8 @@ def overflow_flag(p: argparse.ArgumentParser) -> None:
               "and drop the oldest turns (docs/reindex.md)")
 
 
-def http_flag(p: argparse.ArgumentParser) -> None:
-    flag(p, "--http-port", type=int, default=8000,
+def http_flag(p: argparse.ArgumentParser, default: int) -> None:
+    flag(p, "--http-port", type=int, default=default,
          help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
               "/v1/models, /health, /metrics) on this port, on --host (-1: off; 0: any free "
               "port)")

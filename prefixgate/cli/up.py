@@ -42,7 +42,7 @@ def add_arguments(u: argparse.ArgumentParser) -> None:
          help="use this Redis as the registry (default: embedded, no Redis)")
     gateway_cli.policy_flags(u)
     gateway_cli.overflow_flag(u)
-    gateway_cli.http_flag(u)
+    gateway_cli.http_flag(u, 8000)
     gateway_cli.record_trace_flag(u)
     gateway_cli.processes_flag(u)
     flag(u, "--torch-threads", type=int, default=0,

@@ -155,7 +155,7 @@ def test_chat_against_nothing_says_so() -> None:
 @pytest.mark.slow
 def test_demo_with_smollm2_answers_paris() -> None:
     """The README's run command: the scripted chat on the real model."""
-    r = subprocess.run([*PG, "up", "--workers", "2", "--port", "0", "--demo"],
+    r = subprocess.run([*PG, "up", "--workers", "2", "--port", "0", "--http-port", "0", "--demo"],
                        capture_output=True, text=True, timeout=600, env=cli_env())
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert "Paris" in r.stdout
