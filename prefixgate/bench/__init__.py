@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "overflow": "prefixgate.bench.overflow",
     "reindex": "prefixgate.bench.reindex",
     "worker": "prefixgate.bench.worker",
+    "http": "prefixgate.bench.http",
     "gateway": "prefixgate.bench.gateway",
 }
 
