@@ -38,6 +38,11 @@ What is signed (HMAC-SHA256 with the worker's key, over length-prefixed fields):
                  that applies batches (store chains, remove, clear); re-sending a batch
                  whose reply was lost signs it under the next sequence number (applying
                  it twice leaves the same set).
+  predictions    a gateway's routing prediction for a worker (registry/wire.py "predict"):
+                 worker id, epoch, the gateway's id, its sequence number (per gateway) and
+                 the packed hashes, with the key of the worker it names (gateways hold
+                 every worker's key) -> the entry's `s` field (`prediction_mac`); readers
+                 apply each gateway's predictions in increasing sequence order only.
 Not covered: a holder of Redis credentials can still delete or reset (denial of service);
 it can no longer be routed to, nor steer turns. Redis ACL users (deploy/) narrow who that is.
 """
@@ -135,6 +140,15 @@ def batch_message(worker_id: str, epoch: int, seq: int,
 
 def batch_mac(key: bytes, message: bytes) -> bytes:
     return hmac.new(key, message, hashlib.sha256).digest()[:16]
+
+
+def prediction_mac(key: bytes, worker_id: str, epoch: int, source: str, seq: int,
+                   packed_hashes: bytes) -> bytes:
+    """The MAC of prediction `seq` of gateway `source`: `packed_hashes` expected on
+    `worker_id` (under `epoch`), with that worker's key."""
+    msg = _fields(b"predict", worker_id.encode(), str(epoch).encode(), source.encode(),
+                  str(seq).encode(), packed_hashes)
+    return hmac.new(key, msg, hashlib.sha256).digest()[:16]
 
 
 def _block_term(key: bytes, block: int, parent: int) -> int:

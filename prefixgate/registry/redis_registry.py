@@ -39,6 +39,8 @@ not match its held-set MAC is left out of `ownership_snapshot` (both logged), an
 "join" entries are skipped: Redis writes them unsigned, and a forged one with a high epoch
 would fence off the worker's genuine batches. Nothing is lost, since a worker's first
 batch after registering is a signed "clear" under its new epoch, which resets it.
+Gateways sign their "predict" entries too (`publish_predictions`), and apply another
+gateway's only when it verifies and is newer than that gateway's last.
 Registrations are verified by the gateway's WorkerPool (it says why it refuses one).
 """
 
@@ -88,6 +90,8 @@ class RedisRegistry(Registry):
         self._signers: dict[str, identity.OwnershipSigner] = {}  # a worker's own signing state
         # Gateways: worker id -> (epoch, sequence number) of its last batch accepted.
         self._accepted: dict[str, tuple[int, int]] = {}
+        self._prediction_seq = 0  # gateways: the last prediction this process signed
+        self._predictions_seen: dict[str, int] = {}  # gateway id -> its last accepted
         self._register = self.redis.register_script(lua.REGISTER)
         self._renew = self.redis.register_script(lua.RENEW)
         self._remove = self.redis.register_script(lua.REMOVE)
@@ -201,15 +205,23 @@ class RedisRegistry(Registry):
                                   source: str) -> None:
         """Tell every gateway that `source` routed turns: for each (worker record, the
         prompt's block hashes) one "predict" entry on the event stream (nothing else
-        changes: predictions are not ownership). One round trip for the lot."""
+        changes: predictions are not ownership). One round trip for the lot. With a
+        keyring each is signed with the key of the worker it names."""
         if not items:
             return
         async with self.raw.pipeline(transaction=False) as pipe:
             for record, hashes in items:
-                pipe.xadd(self.events_key, {"w": record.worker_id, "e": record.epoch,
-                                            "k": "predict", "g": source,
-                                            "h": pack_hashes(hashes)},
-                          maxlen=self.stream_maxlen, approximate=True)
+                wid, packed = record.worker_id, pack_hashes(hashes)
+                fields = {"w": wid, "e": record.epoch, "k": "predict", "g": source,
+                          "h": packed}
+                key = self.keyring.key(wid) if self.keyring is not None else None
+                if key is not None:
+                    self._prediction_seq += 1
+                    fields["q"] = self._prediction_seq
+                    fields["s"] = identity.prediction_mac(key, wid, record.epoch, source,
+                                                          self._prediction_seq, packed)
+                pipe.xadd(self.events_key, fields, maxlen=self.stream_maxlen,
+                          approximate=True)
             await pipe.execute()
 
     async def server_id(self) -> str:
@@ -296,19 +308,51 @@ class RedisRegistry(Registry):
                     "(forged, or written without --worker-keyring)", wid[:64])
         return False
 
+    def _prediction_verifies(self, f: dict[bytes, bytes]) -> bool:
+        wid = f[b"w"].decode(errors="replace")
+        key = self.keyring.key(wid) if self.keyring is not None else None
+        if key is not None and b"s" in f and b"q" in f:
+            source, seq = f[b"g"].decode(errors="replace"), int(f[b"q"])
+            mac = identity.prediction_mac(key, wid, int(f[b"e"]), source, seq, f[b"h"])
+            if identity.hmac.compare_digest(mac, f[b"s"]):
+                if seq <= self._predictions_seen.get(source, 0):
+                    return False  # a copy put back on the stream
+                if len(self._predictions_seen) >= 4096:  # gateway ids seen (restarts)
+                    self._predictions_seen.clear()
+                self._predictions_seen[source] = seq
+                return True
+        log.warning("ignoring a routing prediction for worker %s: not signed by a gateway "
+                    "holding its key", wid[:64])
+        return False
+
+    def _trusted(self, f: dict[bytes, bytes]) -> bool:
+        """With a keyring, whether entry `f` may change the index (see the module
+        docstring): a verified batch or prediction, a leave or reap."""
+        kind = f.get(b"k")
+        if kind == b"batch":
+            return self._batch_verifies(f)
+        if kind == b"predict":
+            return self._prediction_verifies(f)
+        return kind != b"join"
+
     async def read_events(self, after_id: bytes, block_ms: int, count: int = 1000,
                           ) -> list[StreamEntry]:
-        """Stream entries after `after_id`, waiting up to `block_ms` for the first (with a
-        keyring, batches that do not verify come back as entries with no events)."""
+        """Stream entries after `after_id`, waiting up to `block_ms` for the first. An
+        entry that cannot change the index comes back as a batch with no events: with a
+        keyring, one that does not verify; always, one that does not decode (anyone who
+        can write the stream could otherwise stop every gateway's feed at it)."""
         reply = await self.raw.xread({self.events_key: after_id}, count=count, block=block_ms)
         out: list[StreamEntry] = []
         for _key, entries in reply or ():
             for entry_id, f in entries:
-                if self.keyring is not None and (
-                        f.get(b"k") == b"join"
-                        or (f.get(b"k") == b"batch" and not self._batch_verifies(f))):
-                    f = {b"w": f[b"w"], b"e": f[b"e"], b"k": b"batch", b"n": b"0"}
-                out.append(decode_entry(entry_id, f))
+                try:
+                    if self.keyring is not None and not self._trusted(f):
+                        f = {b"w": f[b"w"], b"e": f[b"e"], b"k": b"batch", b"n": b"0"}
+                    out.append(decode_entry(entry_id, f))
+                except (KeyError, ValueError, UnicodeDecodeError) as exc:
+                    log.warning("skipping malformed event stream entry %s: %s",
+                                entry_id.decode(errors="replace"), repr(exc)[:200])
+                    out.append(StreamEntry(entry_id, "", -1, "batch", []))
         return out
 
     async def close(self) -> None:

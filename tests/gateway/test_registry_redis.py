@@ -297,3 +297,69 @@ def test_a_replayed_signed_batch_is_refused(redis_flush) -> None:
             await r.close()
 
     asyncio.run(scenario())
+
+
+def test_a_malformed_stream_entry_does_not_stop_the_feed(redis_flush) -> None:
+    """An entry on pg:events that does not decode (written by anyone who can XADD) is
+    skipped: the gateway goes on following the workers' genuine batches after it."""
+    async def scenario() -> None:
+        reg = RedisRegistry(redis_flush)
+        w = await reg.register(WorkerRecord("w", "h:1", "fp"), lease_ms=10_000)
+        index = PrefixIndex()
+        feed = RedisStreamFeed(index, RedisRegistry(redis_flush), block_ms=100)
+        await follow(feed)
+        await reg.raw.xadd(reg.events_key, {"w": "w", "e": "not-a-number", "k": "leave"})
+        await reg.raw.xadd(reg.events_key, {"w": "w", "e": w.epoch, "k": "batch", "n": "x"})
+        hs = hashes(0, 16)
+        assert await reg.publish(w, [OwnershipEvent("store", hs)])
+        await until(lambda: index.match(hs).cached_blocks == {"w": 4},
+                    what="the genuine batch after the malformed entries")
+        assert not feed.degraded
+        await feed.close()
+        await reg.close()
+
+    asyncio.run(scenario())
+
+
+def test_with_a_keyring_only_signed_predictions_count(redis_flush) -> None:
+    """Routing predictions are signed by the gateway that made them (with the key of the
+    worker they are for): a forged "predict" entry, or a genuine one copied back onto the
+    stream, steers nothing; another gateway's genuine one is applied."""
+    from prefixgate.identity import Keyring
+
+    keyring = Keyring({"w": bytes(range(32))})
+
+    async def scenario() -> None:
+        reg = RedisRegistry(redis_flush, keyring=keyring)
+        w = await reg.register(WorkerRecord("w", "h:1", "fp"), lease_ms=10_000)
+        idx_a, idx_b = PrefixIndex(), PrefixIndex()
+        feed_a = RedisStreamFeed(idx_a, RedisRegistry(redis_flush, keyring=keyring),
+                                 block_ms=100)
+        feed_b = RedisStreamFeed(idx_b, RedisRegistry(redis_flush, keyring=keyring),
+                                 block_ms=100)
+        await follow(feed_a)
+        await follow(feed_b)
+        await until(lambda: idx_b.epoch_of("w") == w.epoch, what="B to follow the worker")
+        forged, genuine = hashes(0, 16), hashes(100, 16)
+        from prefixgate.registry import pack_hashes
+
+        await reg.raw.xadd(reg.events_key, {"w": "w", "e": w.epoch, "k": "predict",
+                                            "g": "rogue", "h": pack_hashes(forged)})
+        feed_a.predicted(w, genuine)
+        await until(lambda: idx_b.match(genuine).expected_blocks == {"w": 4},
+                    what="B to apply A's signed prediction")
+        assert idx_b.match(forged).expected_blocks == {}
+        # Copy A's genuine entry back onto the stream once its prediction has expired.
+        (entry,) = [e for e in await reg.raw.xrange(reg.events_key)
+                    if e[1][b"k"] == b"predict" and e[1][b"g"] != b"rogue"]
+        idx_b.drop_predictions("w")
+        await reg.raw.xadd(reg.events_key, entry[1])
+        assert await reg.publish(w, [OwnershipEvent("store", forged[:1])])  # a marker
+        await until(lambda: idx_b.match(forged).cached_blocks == {"w": 1}, what="the marker")
+        assert idx_b.match(genuine).expected_blocks == {}
+        assert feed_b.num_predictions_applied == 1
+        for f in (feed_a, feed_b):
+            await f.close()
+        await reg.close()
+
+    asyncio.run(scenario())
