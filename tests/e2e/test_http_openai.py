@@ -267,3 +267,15 @@ def test_one_structured_log_line_per_turn_with_its_request_id(front, caplog) -> 
     line = json.loads(JsonFormatter().format(done[0]))
     assert line["message"] == "turn done" and line["request_id"] == "req-42"
     assert line["prompt_tokens"] > 0 and "cached_tokens" in line and "ttft_ms" in line
+
+
+def test_bench_http_runs_and_reports_both_fronts(capsys) -> None:
+    """`prefixgate bench http` end to end on a small prompt (the figures are in
+    docs/benchmarks.md)."""
+    from prefixgate.cli import main
+
+    assert main(["bench", "http", "--prompt-tokens", "64", "--turns", "3", "--warmup", "1",
+                 "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["results"]
+    assert row["turns"] == 3 and row["prompt_tokens"] > 32
+    assert row["grpc_ttft_ms"]["p50"] > 0 and row["http_ttft_ms"]["p50"] > 0
