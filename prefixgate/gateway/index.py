@@ -49,7 +49,8 @@ that they do not pull every new conversation onto the first worker that cached t
 
 Memory: one radix block per distinct block hash any worker holds, so it is bounded by the
 workers' total KV capacity (workers report evictions). `max_blocks` > 0 adds a hard cap
-(least recently matched or stored blocks are dropped first).
+(least recently matched or stored blocks are dropped first; an expected block dropped so
+is no longer expected, and counts as neither confirmed nor expired).
 """
 
 from __future__ import annotations
@@ -96,7 +97,25 @@ class _Expected:
 
 
 class _Tree(OwnerIndex):
-    """OwnerIndex plus the lookups the event feed needs (path of a block, fan-out)."""
+    """OwnerIndex plus the lookups the event feed needs (path of a block, fan-out), and
+    the expected blocks an `evict` dropped (`evict_expected`)."""
+
+    _evicted: list[tuple[str, int]] | None = None  # (worker id, block) while evicting
+
+    def evict_expected(self, num_blocks: int) -> list[tuple[str, int]]:
+        """`evict`; returns (worker id, block) for each *expected* block it dropped."""
+        self._evicted = []
+        try:
+            self.evict(num_blocks)
+            return self._evicted
+        finally:
+            self._evicted = None
+
+    def _on_drop(self, node, start: int) -> None:
+        if self._evicted is not None:
+            for h, owners in zip(node.key[start:], node.values[start:], strict=True):
+                self._evicted.extend((o.worker_id, h) for o in owners if type(o) is _Expected)
+        super()._on_drop(node, start)
 
     def path_to(self, block_hash: int) -> array | None:
         """Hashes from the root to `block_hash` inclusive; None if it is not indexed."""
@@ -250,10 +269,18 @@ class PrefixIndex:
             mine[h] = expiry
         self._expiries.append((expiry, worker_id, todo))
         self._tree.add_to(block_hashes, todo, self._key(worker_id))
-        if self.max_blocks and self._tree.num_blocks > self.max_blocks:
-            self._tree.evict(self._tree.num_blocks - self.max_blocks)
+        self._cap()
         self.num_predicted_blocks += new
         return new
+
+    def _cap(self) -> None:
+        """Evict down to `max_blocks`; evicted expected blocks are no longer expected."""
+        if not self.max_blocks or self._tree.num_blocks <= self.max_blocks:
+            return
+        for wid, h in self._tree.evict_expected(self._tree.num_blocks - self.max_blocks):
+            mine = self._expected.get(wid)
+            if mine is not None and mine.pop(h, None) is not None and not mine:
+                del self._expected[wid]
 
     def expire_predictions(self) -> int:
         """Drop predictions older than the TTL; returns the blocks expired."""
@@ -337,8 +364,7 @@ class PrefixIndex:
             path = prefix
         added = self._tree.add(path, worker_id)
         self._confirm(worker_id, block_hashes, stored=True)
-        if self.max_blocks and self._tree.num_blocks > self.max_blocks:
-            self._tree.evict(self._tree.num_blocks - self.max_blocks)
+        self._cap()
         return added
 
     def removed(self, worker_id: str, epoch: int, block_hashes: Iterable[int]) -> None:

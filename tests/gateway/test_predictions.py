@@ -163,3 +163,19 @@ def test_a_worker_restart_drops_its_predictions() -> None:
     m = index.match(path(50))
     assert m.expected_blocks == {"a": 3, "b": 4} and m.cached_blocks == {"a": 3}
     assert index.num_expected_blocks("a") == 0
+
+
+def test_predictions_evicted_by_the_index_cap_are_forgotten() -> None:
+    """`max_blocks` may evict expected blocks: they stop counting as expected (and are
+    neither confirmed nor expired later), as they are no longer in the tree."""
+    now = [0.0]
+    index = PrefixIndex(max_blocks=3, prediction_ttl_s=5.0, clock=lambda: now[0])
+    index.reset_worker("a", 1)
+    assert index.predict("a", [1, 2, 3, 4, 5]) == 5
+    assert index.num_blocks == 3
+    assert index.num_expected_blocks("a") == index.num_expected_blocks() == 3
+    assert index.match([1, 2, 3, 4, 5]).expected_blocks == {"a": 3}
+    index.stored("a", 1, None, [1, 2, 3])
+    now[0] = 6.0
+    assert index.expire_predictions() == 0
+    assert (index.num_confirmed_blocks, index.num_expired_blocks) == (3, 0)
