@@ -267,7 +267,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 gw = subprocess.Popen([*cli, "gateway", "--model", str(model_dir),
                                        "--worker", f"127.0.0.1:{wport}", "--port", str(gport),
                                        "--block-size", str(args.block_size),
-                                       "--processes", str(n), *quiet],
+                                       "--processes", str(n), "--http-port", "-1", *quiet],
                                       preexec_fn=die_with_parent)
                 procs.append(gw)
                 try:

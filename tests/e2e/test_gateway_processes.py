@@ -9,6 +9,7 @@ import sys
 import urllib.request
 
 import grpc
+import pytest
 
 from prefixgate.rpc import free_port
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2
@@ -23,15 +24,23 @@ def turns_served(metrics_port: int) -> int:
                if line.startswith("prefixgate:router_turns_total"))
 
 
-def test_two_processes_share_a_port_and_route_alike(loop_thread, tiny_spec, tiny_model) -> None:
-    workers = [start_worker(loop_thread, tiny_spec, tiny_model, wid) for wid in ("p0", "p1")]
+@pytest.fixture(scope="module")
+def workers(loop_thread, tiny_spec, tiny_model):
+    """Two tiny-random workers, stopped after the test's engine checks have run."""
+    started = [start_worker(loop_thread, tiny_spec, tiny_model, wid) for wid in ("p0", "p1")]
+    yield [address for address, _ in started]
+    for _, stop in started:
+        loop_thread.loop.call_soon_threadsafe(stop.set)
+
+
+def test_two_processes_share_a_port_and_route_alike(workers, tiny_spec) -> None:
     port, metrics = free_port(), free_port()
     env = cli_env(PREFIXGATE_LOG_LEVEL="WARNING")
     gw = subprocess.Popen(
         [sys.executable, "-m", "prefixgate", "gateway", "--processes", "2", "--port", str(port),
          "--model", "tiny-random", "--cache-dir", str(tiny_spec.model_dir.parent.parent),
-         "--metrics-port", str(metrics), "--drain-seconds", "1",
-         *(a for address, _ in workers for a in ("--worker", address))], env=env, cwd=REPO)
+         "--metrics-port", str(metrics), "--drain-seconds", "1", "--http-port", "-1",
+         *(a for address in workers for a in ("--worker", address))], env=env, cwd=REPO)
     # One connection per channel (gRPC would share one between channels to one target).
     channels = [grpc.insecure_channel(f"127.0.0.1:{port}",
                                       options=[("grpc.use_local_subchannel_pool", 1)])
@@ -72,5 +81,3 @@ def test_two_processes_share_a_port_and_route_alike(loop_thread, tiny_spec, tiny
         finally:
             if gw.poll() is None:
                 gw.kill()
-            for _, stop in workers:
-                loop_thread.loop.call_soon_threadsafe(stop.set)
