@@ -67,3 +67,21 @@ def test_internal_credential() -> None:
         cred.check(f"Bearer {new_token()}")
     with pytest.raises(ValueError, match="16"):
         InternalCredential("short")
+
+
+@pytest.mark.parametrize("namespace", ["acme", "a#b", "a b", " acme"])
+def test_printed_token_lines_parse_back_to_their_namespace_or_are_refused(
+        namespace: str, capsys: pytest.CaptureFixture) -> None:
+    """`prefixgate token --namespace NS`: the line it prints gives NS back when the gateway
+    reads it, or the command refuses NS (the file splits on whitespace and '#')."""
+    from argparse import Namespace
+
+    from prefixgate.cli import token
+
+    try:
+        token.run(Namespace(namespace=namespace, label="", worker_key=""))
+    except SystemExit:
+        assert namespace != "acme"
+        return
+    printed, _comment, line = capsys.readouterr().out.splitlines()
+    assert TokenStore.parse(line).authenticate(f"Bearer {printed}").namespace == namespace

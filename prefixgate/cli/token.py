@@ -28,9 +28,11 @@ def run(args: argparse.Namespace) -> int:
 
     from prefixgate.auth import hash_token, new_token
 
-    if any(len(v.split()) > 1 for v in (args.namespace, args.label, args.worker_key)):
+    if any(c.isspace() or c == "#"
+           for v in (args.namespace, args.label, args.worker_key) for c in v):
         raise SystemExit("prefixgate token: --namespace, --label and --worker-key must not "
-                         "contain spaces (the files are split on whitespace)")
+                         "contain spaces or '#' (the files are split on whitespace, and "
+                         "'#' starts a comment)")
     if args.worker_key:
         print(f"{args.worker_key} {secrets.token_hex(32)}")
         return 0
