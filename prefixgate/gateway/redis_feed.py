@@ -22,7 +22,8 @@ so a burst costs one round trip. Every gateway applies the "predict" entries of 
 others (its own are already in its index) when the entry's epoch is the one it follows
 for the worker: the stream's order puts a prediction before the worker's stored event
 for the same blocks, so events still win. A full queue (`max_pending_predictions`, Redis
-slow or down) drops the oldest: predictions are hints, the events are the truth.
+slow or down) drops the oldest: predictions are hints, the events are the truth. With a
+keyring the registry signs them and applies only others' that verify (registry/).
 """
 
 from __future__ import annotations

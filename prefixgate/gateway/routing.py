@@ -4,8 +4,9 @@ Interface (shared by the gateway and the replay simulator)
 ----------------------------------------------------------
 * `WorkerLoad` (protocol): what the router needs of a worker: `worker_id`,
   `num_queued_prefill_tokens` (prompt tokens admitted but not yet prefilled) and
-  `num_running_requests`. `gateway.pool.WorkerHandle` provides it from the worker's polled
-  status plus this gateway's own in-flight turns; a simulator passes `LoadSnapshot`s.
+  `num_running_requests`. `gateway.pool.WorkerHandle` provides it from the worker's last
+  status (pushed over WatchStatus, gateway/status.py) less the turns that ended here since,
+  and at least this gateway's own in-flight turns; a simulator passes `LoadSnapshot`s.
 * `Turn`: one request: its prompt length in tokens, the chained block hashes of its full
   blocks (`make_turn` computes them with the same `BlockHasher` the workers use) and the
   conversation id.
