@@ -279,3 +279,26 @@ def test_bench_http_runs_and_reports_both_fronts(capsys) -> None:
     (row,) = json.loads(capsys.readouterr().out)["results"]
     assert row["turns"] == 3 and row["prompt_tokens"] > 32
     assert row["grpc_ttft_ms"]["p50"] > 0 and row["http_ttft_ms"]["p50"] > 0
+
+
+def test_client_that_disconnects_cancels_its_turn(front, caplog, tiny_spec) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO, logger="prefixgate.turns")
+    body = {"model": front["model"], "stream": True, "temperature": 0,
+            "max_tokens": tiny_spec.max_context_tokens - 64,
+            "messages": [{"role": "user", "content": "count"}]}
+    with httpx.stream("POST", front["base"] + "/v1/chat/completions", json=body,
+                      headers={"X-Request-Id": "gone-1"}, timeout=60) as r:
+        next(r.iter_lines())  # the stream has begun; now go away
+    wait_for(lambda: any(getattr(rec, "fields", {}).get("request_id") == "gone-1"
+                         for rec in caplog.records), what="the cancelled turn's log line")
+    (line,) = [rec for rec in caplog.records
+               if getattr(rec, "fields", {}).get("request_id") == "gone-1"]
+    assert line.event == "turn failed" and line.fields["status"] == "499", line.fields
+    assert line.fields["e2e_ms"] < 20_000, line.fields  # cancelled, not run to the end
+    assert "prefixgate:gateway_requests_in_flight" in httpx.get(front["base"] + "/metrics").text
+    in_flight = [ln for ln in httpx.get(front["base"] + "/metrics").text.splitlines()
+                 if ln.startswith("prefixgate:gateway_requests_in_flight{")
+                 and "/v1/chat/completions" in ln]
+    assert in_flight and float(in_flight[0].split()[-1]) == 0
