@@ -8,12 +8,13 @@ them over real gRPC with ordinary synchronous stubs, as a separate client would.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,29 @@ def start_gateway(loop_thread: LoopThread, spec: ModelSpec, workers: list[str],
 
     port, stop = loop_thread.run(start())
     return f"127.0.0.1:{port}", stop
+
+
+@contextlib.contextmanager
+def two_worker_cluster(loop_thread: LoopThread, spec: ModelSpec, model) -> Iterator[dict]:
+    """Workers w0 and w1 and a gateway in front of them, ready (the gateway sees both):
+    yields {"gateway", "workers", "stub" (a ChatService stub), "channel"}; stops them all."""
+    import grpc
+
+    from prefixgate.v1 import chat_pb2, chat_pb2_grpc
+
+    w0, stop0 = start_worker(loop_thread, spec, model, "w0")
+    w1, stop1 = start_worker(loop_thread, spec, model, "w1")
+    gw, gstop = start_gateway(loop_thread, spec, [w0, w1])
+    channel = grpc.insecure_channel(gw)
+    stub = chat_pb2_grpc.ChatServiceStub(channel)
+    try:
+        wait_for(lambda: stub.ListModels(chat_pb2.ListModelsRequest()).models[0].num_workers
+                 == 2, what="gateway to see both workers")
+        yield {"gateway": gw, "workers": [w0, w1], "stub": stub, "channel": channel}
+    finally:
+        channel.close()
+        for stop in (gstop, stop0, stop1):
+            loop_thread.loop.call_soon_threadsafe(stop.set)
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 20, what: str = "condition") -> None:

@@ -8,25 +8,16 @@ import grpc
 import numpy as np
 import pytest
 
-from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
-from tests.helpers import start_gateway, start_worker, wait_for
+from prefixgate.v1 import chat_pb2, common_pb2, worker_pb2, worker_pb2_grpc
+from tests.helpers import two_worker_cluster
 
 SAMPLING = common_pb2.SamplingParams(max_tokens=6)
 
 
 @pytest.fixture(scope="module")
 def cluster(loop_thread, tiny_spec, tiny_model):
-    w0, stop0 = start_worker(loop_thread, tiny_spec, tiny_model, "w0")
-    w1, stop1 = start_worker(loop_thread, tiny_spec, tiny_model, "w1")
-    gw, gstop = start_gateway(loop_thread, tiny_spec, [w0, w1])
-    channel = grpc.insecure_channel(gw)
-    stub = chat_pb2_grpc.ChatServiceStub(channel)
-    wait_for(lambda: stub.ListModels(chat_pb2.ListModelsRequest()).models[0].num_workers == 2,
-             what="gateway to see both workers")
-    yield {"stub": stub, "workers": [w0, w1]}
-    channel.close()
-    for stop in (gstop, stop0, stop1):
-        loop_thread.loop.call_soon_threadsafe(stop.set)
+    with two_worker_cluster(loop_thread, tiny_spec, tiny_model) as c:
+        yield c
 
 
 def packed(ids: list[int]) -> bytes:
