@@ -15,6 +15,7 @@ gateways list the workers whose lease is current. Backends:
 from __future__ import annotations
 
 from prefixgate.events import OwnershipEvent
+from prefixgate.identity import Keyring
 from prefixgate.registry.base import Registry, WorkerRecord
 from prefixgate.registry.embedded import EmbeddedRegistry
 from prefixgate.registry.redis_registry import RedisRegistry, redact_url
@@ -30,7 +31,7 @@ __all__ = ["EmbeddedRegistry", "OwnershipEvent", "RedisRegistry", "Registry", "S
            "unpack_hashes"]
 
 
-def make_registry(redis_url: str | None, keyring=None) -> Registry:
-    """RedisRegistry when a URL is given (signing and verifying with `keyring`, a
-    prefixgate.identity.Keyring, when given), else the embedded one."""
+def make_registry(redis_url: str | None, keyring: Keyring | None = None) -> Registry:
+    """RedisRegistry when a URL is given (signing and verifying with `keyring` when
+    given), else the embedded one."""
     return RedisRegistry(redis_url, keyring=keyring) if redis_url else EmbeddedRegistry()

@@ -602,6 +602,9 @@ def test_redis_acl_users_have_the_least_rights(rendered, tmp_path: Path) -> None
             assert [r.worker_id for r in await g.list_workers()] == ["w0"]
             assert (await g.ownership_snapshot())[2]["w0"][1] == {1: None, 2: 1, 3: 2}
             assert len(await g.read_events(b"0-0", 10)) == 2
+            await g.publish_predictions([(rec, [1, 2, 3, 4])], "gateway-a")  # signed
+            *_, predict = await g.read_events(b"0-0", 10)
+            assert predict.kind == "predict" and predict.events[0].block_hashes == [1, 2, 3, 4]
             await g.stream_state()
             await g.server_id()
             await w.deregister(rec)
