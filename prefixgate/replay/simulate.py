@@ -27,10 +27,10 @@ Worker (SimConfig; the emulated worker's model, emulate/engine.py, with the same
   status   queued prefill tokens (expected uncached tokens of the turns waiting or in
            prefill, as at their arrival), running (decoding) sequences, KV fill, and its
            rates once a finished request measured them (worker/rates.py), as the worker
-           reports them; a gateway sees them `status_interval_s` old
-           at most (pushed on change), and takes the larger of them and its own in-flight
-           counts (turns it routed and not finished; their uncached prompt tokens until the
-           first token), as gateway/pool.py does.
+           reports them; a gateway sees them `status_interval_s` old at most (pushed on
+           change), less what it saw end since, and takes the larger of that and its own
+           in-flight counts (turns it routed and not finished; their uncached prompt tokens
+           until the first token), as gateway/pool.py does.
 
 Gateways: turns go to the gateways in turn (round-robin, as a load balancer in front of
 replicas). Each routes by its own index, fed with every worker's events; its routing
@@ -231,7 +231,8 @@ class _Worker:
 
 
 class _Gateway:
-    __slots__ = ("index", "router", "in_flight", "in_flight_tokens")
+    __slots__ = ("index", "router", "in_flight", "in_flight_tokens", "finished_since",
+                 "prefilled_since")
 
     def __init__(self, cfg: SimConfig, clock) -> None:
         self.index = PrefixIndex(spread_fanout=cfg.routing.spread_fanout,
@@ -240,6 +241,10 @@ class _Gateway:
         self.router = Router(cfg.routing, self.index)
         self.in_flight: dict[str, int] = {}
         self.in_flight_tokens: dict[str, int] = {}
+        # Per worker, since its last status push: this gateway's turns that ended there and
+        # the prompt tokens whose prefill it saw end (gateway/pool.py WorkerHandle).
+        self.finished_since: dict[str, int] = {}
+        self.prefilled_since: dict[str, int] = {}
 
 
 class _IndexFeed(KVEventSink):
@@ -333,15 +338,23 @@ class _Sim:
 
     def _tick(self) -> None:
         for w in self.workers:
-            w.status = self._live_status(w)
+            live = self._live_status(w)
+            if live != w.status:  # pushed on change only
+                w.status = live
+                for g in self.gateways:
+                    g.finished_since[w.wid] = g.prefilled_since[w.wid] = 0
         if self.events:  # keep ticking while anything else is pending
             self.at(self.now + self.status_interval, self._tick)
 
     def _loads(self, g: _Gateway) -> list[LoadSnapshot]:
         out = []
         for w in self.workers:
-            queued, running, fill, rate, step_s = (w.status if self.status_interval
-                                                   else self._live_status(w))
+            if self.status_interval:
+                queued, running, fill, rate, step_s = w.status
+                queued -= g.prefilled_since.get(w.wid, 0)
+                running -= g.finished_since.get(w.wid, 0)
+            else:
+                queued, running, fill, rate, step_s = self._live_status(w)
             out.append(LoadSnapshot(
                 w.wid, max(queued, g.in_flight_tokens.get(w.wid, 0)),
                 max(running, g.in_flight.get(w.wid, 0)), prefill_tokens_per_s=rate,
@@ -394,6 +407,7 @@ class _Sim:
             req.handle = w.cache.store(req.handle, req.turn.block_hashes)
         req.ttft = self.now - req.arrival
         g.in_flight_tokens[w.wid] -= req.pending
+        g.prefilled_since[w.wid] = g.prefilled_since.get(w.wid, 0) + req.pending
         if req.num_output_tokens > 1:
             w.running += 1
             dur = (req.num_output_tokens - 1) * self.cfg.decode_s_per_token
@@ -419,6 +433,7 @@ class _Sim:
                                                         *_reply_hashes(last, max(0, extra))))
         w.cache.release(req.handle)
         g.in_flight[w.wid] -= 1
+        g.finished_since[w.wid] = g.finished_since.get(w.wid, 0) + 1
         # The worker measures its rates on finished requests (worker/rates.py thresholds).
         if t.num_prompt_tokens - req.cached >= 32:
             w.prefill_rate = cfg.prefill_tokens_per_s
