@@ -36,7 +36,7 @@ from prefixgate.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EventFeed", "WorkerStreamFeed", "apply_batch"]
+__all__ = ["EventFeed", "WorkerStreamFeed", "apply_batch", "apply_event"]
 
 
 class EventFeed:
@@ -55,7 +55,21 @@ class EventFeed:
         """Stop following."""
 
 
-_KINDS = {"stored": "store", "removed": "remove", "cleared": "clear"}  # metric labels
+def apply_event(index: PrefixIndex, worker_id: str, epoch: int, kind: str,
+                parent_hash: int | None, block_hashes: Sequence[int], source: str) -> int:
+    """Apply one KV event (prefixgate.events.OwnershipEvent's kinds: "store", "remove",
+    "clear"; any other changes nothing) of `worker_id` under `epoch`, counted under
+    `source`; returns the blocks it names."""
+    if kind == "store":
+        index.stored(worker_id, epoch, parent_hash, block_hashes)
+    elif kind == "remove":
+        index.removed(worker_id, epoch, block_hashes)
+    elif kind == "clear":
+        index.cleared(worker_id, epoch)
+    else:
+        kind = "unknown"
+    metrics.EVENTS.labels(source, kind).inc()
+    return len(block_hashes)
 
 
 def apply_batch(index: PrefixIndex, worker_id: str, epoch: int, batch: worker_pb2.KVEventBatch,
@@ -68,15 +82,15 @@ def apply_batch(index: PrefixIndex, worker_id: str, epoch: int, batch: worker_pb
         kind = ev.WhichOneof("event")
         if kind == "stored":
             s = ev.stored
-            index.stored(worker_id, epoch, s.parent_hash if s.has_parent else None,
-                         s.block_hashes)
-            blocks += len(s.block_hashes)
+            blocks += apply_event(index, worker_id, epoch, "store",
+                                  s.parent_hash if s.has_parent else None, s.block_hashes,
+                                  source)
         elif kind == "removed":
-            index.removed(worker_id, epoch, ev.removed.block_hashes)
-            blocks += len(ev.removed.block_hashes)
-        elif kind == "cleared":
-            index.cleared(worker_id, epoch)
-        metrics.EVENTS.labels(source, _KINDS.get(kind, "unknown")).inc()
+            blocks += apply_event(index, worker_id, epoch, "remove", None,
+                                  ev.removed.block_hashes, source)
+        else:
+            apply_event(index, worker_id, epoch, "clear" if kind == "cleared" else str(kind),
+                        None, (), source)
     metrics.EVENT_BLOCKS.labels(source).inc(blocks)
     metrics.INDEX_BLOCKS.set(index.num_blocks)
 

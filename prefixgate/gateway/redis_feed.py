@@ -36,7 +36,7 @@ from collections.abc import Iterable, Sequence
 
 from prefixgate.events import chains
 from prefixgate.gateway import metrics
-from prefixgate.gateway.feeds import EventFeed
+from prefixgate.gateway.feeds import EventFeed, apply_event
 from prefixgate.gateway.index import PrefixIndex
 from prefixgate.gateway.pool import WorkerHandle
 from prefixgate.registry import RedisRegistry, StreamEntry, WorkerRecord, stream_id_newer
@@ -179,16 +179,8 @@ class RedisStreamFeed(EventFeed):
             if index.epoch_of(wid) <= epoch:
                 index.remove_worker(wid)
         else:
-            blocks = 0
-            for ev in entry.events:
-                if ev.kind == "store":
-                    index.stored(wid, epoch, ev.parent_hash, ev.block_hashes)
-                elif ev.kind == "remove":
-                    index.removed(wid, epoch, ev.block_hashes)
-                else:
-                    index.cleared(wid, epoch)
-                blocks += len(ev.block_hashes)
-                metrics.EVENTS.labels("redis", ev.kind).inc()
+            blocks = sum(apply_event(index, wid, epoch, ev.kind, ev.parent_hash,
+                                     ev.block_hashes, "redis") for ev in entry.events)
             metrics.EVENT_BLOCKS.labels("redis").inc(blocks)
             return
         metrics.EVENTS.labels("redis", entry.kind).inc()
