@@ -160,7 +160,10 @@ class _TorchPlan:
 
     decode_slots: torch.Tensor | None  # [num_decodes, max decode context] (padding: 0)
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max] True: a real key; None: all
-    prefill: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # rows, slots, mask
+    # Per prefill chunk: its rows, its context's slots, and an additive float mask
+    # (0 / -inf) when it follows earlier tokens (None: plain causal). Float and 4-D: the
+    # shapes torch's fused CPU attention takes (a bool mask falls back to the math path).
+    prefill: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
 
 
 def _context_slots(step: StepMetadata, b: int, num_tokens: int) -> torch.Tensor:
@@ -169,7 +172,7 @@ def _context_slots(step: StepMetadata, b: int, num_tokens: int) -> torch.Tensor:
     return (blocks[:, None] * bs + torch.arange(bs, device=blocks.device)).reshape(-1)[:num_tokens]
 
 
-def _torch_plan(step: StepMetadata) -> _TorchPlan:
+def _torch_plan(step: StepMetadata, dtype: torch.dtype) -> _TorchPlan:
     nd, bs = step.num_decodes, step.block_size
     dev = step.block_tables.device
     decode_slots = decode_mask = None
@@ -189,15 +192,17 @@ def _torch_plan(step: StepMetadata) -> _TorchPlan:
         mask = None
         if q_len != c:  # a chunk after cached or earlier-computed tokens: offset causal
             i = torch.arange(q_len, device=dev)[:, None]
-            mask = torch.arange(c, device=dev)[None, :] <= i + (c - q_len)
+            visible = torch.arange(c, device=dev)[None, :] <= i + (c - q_len)
+            mask = torch.zeros((1, 1, q_len, c), dtype=dtype, device=dev)
+            mask.masked_fill_(~visible, float("-inf"))
         prefill.append((start, start + q_len, _context_slots(step, b, c), mask))
         start += q_len
     return _TorchPlan(decode_slots, decode_mask, prefill)
 
 
-def _prepared(step: StepMetadata) -> _TorchPlan:
+def _prepared(step: StepMetadata, dtype: torch.dtype) -> _TorchPlan:
     if step._torch_plan is None:
-        step._torch_plan = _torch_plan(step)
+        step._torch_plan = _torch_plan(step, dtype)
     return step._torch_plan
 
 
@@ -205,20 +210,20 @@ def _prefill_torch(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                    step: StepMetadata, scale: float, out: torch.Tensor) -> None:
     """One attention per prefill chunk (sequences num_decodes.., rows out of `query`)."""
     gqa = query.shape[1] != k_cache.shape[1]
-    for lo, hi, slots, mask in _prepared(step).prefill:
-        k = k_cache[slots].to(query.dtype).transpose(0, 1)  # [KVH, ctx, D]
-        v = v_cache[slots].to(query.dtype).transpose(0, 1)
-        q = query[lo:hi].transpose(0, 1)  # [H, q_len, D]
+    for lo, hi, slots, mask in _prepared(step, query.dtype).prefill:
+        k = k_cache[slots].to(query.dtype).transpose(0, 1)[None]  # [1, KVH, ctx, D]
+        v = v_cache[slots].to(query.dtype).transpose(0, 1)[None]
+        q = query[lo:hi].transpose(0, 1)[None]  # [1, H, q_len, D]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            scale=scale, enable_gqa=gqa)
-        out[lo:hi] = o.transpose(0, 1)
+        out[lo:hi] = o[0].transpose(0, 1)
 
 
 def torch_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     step: StepMetadata, scale: float) -> torch.Tensor:
     """The reference backend (any device): query [T, H, D] -> [T, H, D]. Decodes: one
     batched attention, padded to the longest decode context only."""
-    plan = _prepared(step)
+    plan = _prepared(step, query.dtype)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if plan.decode_slots is not None:
         nd = step.num_decodes
