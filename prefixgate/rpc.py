@@ -101,6 +101,9 @@ def add_service(server: grpc.aio.Server, service: _descriptor.ServiceDescriptor,
     server-streaming methods are supported."""
     handlers = {}
     for method in service.methods:
+        if method.client_streaming:  # would be registered as unary and fail at each call
+            raise ValueError(f"{service.full_name}.{method.name}: client-streaming methods "
+                             "are not supported by rpc.add_service")
         request_cls = message_factory.GetMessageClass(method.input_type)
         response_cls = message_factory.GetMessageClass(method.output_type)
         impl = getattr(servicer, method.name)
