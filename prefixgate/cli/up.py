@@ -106,7 +106,7 @@ async def _up(args: argparse.Namespace) -> int:
                    "--torch-threads", str(threads), "--block-size", str(args.block_size),
                    "--context-overflow", args.context_overflow,
                    "--weights", args.weights, "--kv-dtype", args.kv_dtype,
-                   "--log-level", args.log_level]
+                   "--log-level", args.log_level, "--log-format", args.log_format]
             if args.cache_dir:
                 cmd += ["--cache-dir", args.cache_dir]
             if args.redis_url:
