@@ -143,7 +143,7 @@ class OwnerIndex(RadixTree[frozenset]):
         held = self._by_owner.get(owner)
         if not held:
             return 0
-        mine = [h for h in block_hashes if h in held]
+        mine = {h for h in block_hashes if h in held}  # distinct, as _replace_sets wants
         gone = frozenset((owner,))
         nodes = self._replace_sets(mine, lambda s: s - gone)
         held.difference_update(mine)
@@ -180,22 +180,24 @@ class OwnerIndex(RadixTree[frozenset]):
 
     def _replace_sets(self, block_hashes: Iterable[int],
                       change: Callable[[frozenset], frozenset]) -> Iterable[Node[frozenset]]:
-        """Replace the owner set of each given block (all indexed) by `change(set)`,
-        interned. Grouped by node, so each node's key is scanned once however many of its
-        blocks are listed (a dead worker may hold thousands of blocks of one node), and
-        each distinct (interned) set is changed once. Returns the nodes touched."""
-        by_node: dict[Node[frozenset], set[int]] = {}
+        """Replace the owner set of each given block (distinct, all indexed) by
+        `change(set)`, interned. Grouped by node, so each node's key is scanned once however
+        many of its blocks are listed (a dead worker may hold thousands of blocks of one
+        node), and each distinct (interned) set is changed once. Returns the nodes touched."""
+        by_node: dict[Node[frozenset], list[int]] = {}
         where = self._where
         for h in block_hashes:
-            by_node.setdefault(where[h], set()).add(h)
+            by_node.setdefault(where[h], []).append(h)
         changed: dict[frozenset, frozenset] = {}
         for node, hs in by_node.items():
             key, vals = node.key, node.values
-            positions = (
-                [key.index(next(iter(hs)))] if len(hs) == 1
-                else range(len(vals)) if len(hs) == len(vals)
-                else [i for i, h in enumerate(key) if h in hs]
-            )
+            if len(hs) == len(vals):
+                positions: Iterable[int] = range(len(vals))
+            elif len(hs) == 1:
+                positions = (key.index(hs[0]),)
+            else:
+                wanted = set(hs)
+                positions = [i for i, h in enumerate(key) if h in wanted]
             for i in positions:
                 s = vals[i]
                 u = changed.get(s)
