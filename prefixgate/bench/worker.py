@@ -9,6 +9,9 @@ Every figure is compared with a baseline measured in the same run:
   1k context (aggregate tok/s vs batch 1), and a mixed step (16 decodes + one 256-token
   prefill chunk) vs the same work as two separate steps, per attention backend; wall
   time and process CPU time (CPU time is steadier on a shared machine);
+- per weight format (`weights`, bench/weights.py): decode batch 1/8/32 and fidelity
+  against float32 on the ShareGPT dev chats; with --llama-cpp-url, llama.cpp's batch-1
+  decode on the same GGUF in the same run;
 - KV bytes per token, measured from the pool vs 2 x layers x kv_heads x head_dim x bytes;
 - multi-turn reuse on real ShareGPT conversations (when ../shared/traces is present):
   the share of turn N's prompt and reply tokens that turn N+1 finds cached.
@@ -23,6 +26,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+from prefixgate.bench import weights
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / \
     "sharegpt_multiturn_dev.jsonl.gz"
@@ -52,9 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-threads", type=int, default=0,
                         help="torch threads for the step figures (0: unchanged); 1 makes "
                              "CPU time a clean measure of work on a shared machine")
+    weights.add_arguments(parser)  # the "weights" section: per weight format (bench/weights.py)
 
 
-SECTIONS = ("ttft", "decode", "steps", "reuse")
+SECTIONS = ("ttft", "decode", "steps", "reuse", "weights")
 
 
 def _log(msg: str) -> None:
@@ -181,6 +187,8 @@ def run(args: argparse.Namespace) -> dict:
         result["steps"]["torch_threads"] = torch.get_num_threads()
         torch.set_num_threads(threads)
 
+    if "weights" in args.sections:
+        result["weights"] = weights.weight_figures(args, spec, tok, fresh)
     pc = cached.pool.config
     measured = (cached.pool.k.nbytes + cached.pool.v.nbytes) // pc.num_tokens
     result["kv_bytes_per_token"] = {"measured": measured, "formula": pc.bytes_per_token,
@@ -215,6 +223,7 @@ def run(args: argparse.Namespace) -> dict:
         "mixed_step_le_1_1x_separate": steps.get("mixed", {}).get("ratio_wall", 99) <= 1.1,
         "decode_1k_batch32_ge_8x_batch1": steps.get("decode", {}).get(
             "batch32_vs_batch1_wall", 0) >= 8,
+        "decode_batch1_ge_0_5x_llama_cpp": weights.default_over_llama_cpp(result) >= 0.5,
     }
     return result
 

@@ -13,16 +13,19 @@ Weight formats (`WeightsConfig`, the worker's `--weights` / `--kv-dtype`):
             (`prefixgate bench worker`, fidelity).
   bfloat16 / float16
             weights, activations and (by default) KV in that dtype.
-  int8      every nn.Linear (projections, MLP, LM head) becomes torch.ao's dynamic int8
-            linear: weights int8 with one scale per output channel, activations quantized
-            per call (per tensor) and multiplied by fbgemm's int8 kernels; everything else
-            (embeddings, norms, RoPE, attention, KV) stays float32. CPU only. Why: decode
-            at batch 1 streams every weight once per token, and int8 moves a quarter of
-            float32's bytes; torchao's int8 configs run 50-100x slower than this in eager
-            mode on this CPU (they are written for torch.compile), so torch's own kernels
-            are used. Because activations are quantized per call, an int8 step is not
-            batch-invariant: a token's logits may differ in the last bits with the rest of
-            the step's batch (float formats are unaffected).
+  int8      weight-only int8: every nn.Linear (projections, MLP, LM head) keeps its
+            weight as int8 with one bfloat16 scale per output channel (symmetric, round to
+            nearest); activations, norms, RoPE, attention and (by default) KV are bfloat16.
+            CPU only. Why: decode at batch 1 streams every weight once per token, and int8
+            moves half of bfloat16's bytes. Up to INT8_KERNEL_MAX_ROWS rows (decode
+            batches) multiply through torch's own int8 weight-only kernel
+            (aten._weight_int8pack_mm, the one torchao and gpt-fast use on CPUs); longer
+            inputs (prefill chunks) through a bfloat16 matmul on the dequantized weight,
+            which is faster there and costs one dequantization per chunk. Rejected, as
+            measured on SmolLM2: torch.ao's dynamic int8 linears (activations quantized
+            per tensor: mean KL 1.5 nats against float32, outlier activations swamp the
+            scale) and torchao's int8 configs (50-100x slower in eager mode here: they are
+            written for torch.compile).
 A model loaded with `weights` carries `kv_cache_dtype` (a torch.dtype): the KV pool's
 element type (`model_runner.pool_config_for` reads it; without it, the model's dtype).
 """
@@ -31,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -77,10 +79,10 @@ KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
 class WeightsConfig:
     """How a worker holds its model. `weights`: one of WEIGHT_FORMATS (or "auto": the
     default for the device, `default_weights`); `kv_dtype`: the KV pool's element type,
-    "auto" for the compute dtype (float32 under int8)."""
+    "auto" for the compute dtype (bfloat16 under int8)."""
 
     weights: str = "float32"
-    kv_dtype: str = "auto"
+    kv_dtype: str = "auto"  # "auto": the compute dtype
 
     def __post_init__(self) -> None:
         if self.weights not in (*WEIGHT_FORMATS, "auto"):
@@ -99,7 +101,9 @@ class WeightsConfig:
     @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype of activations and of the weights left unquantized."""
-        return torch.float32 if self.weights in ("int8", "auto") else getattr(torch, self.weights)
+        if self.weights == "auto":
+            raise ValueError("resolve 'auto' weights for a device first (resolved())")
+        return torch.bfloat16 if self.weights == "int8" else getattr(torch, self.weights)
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:
@@ -120,26 +124,59 @@ def load_model(spec: ModelSpec, dtype: torch.dtype = torch.float32, device: str 
     if weights is not None:
         weights = weights.resolved(device)
         dtype = weights.compute_dtype
-    model = AutoModelForCausalLM.from_pretrained(str(spec.model_dir), dtype=dtype)
+    int8 = weights is not None and weights.weights == "int8"
+    # int8 scales come from the float32 weights, not from rounded bfloat16 ones.
+    model = AutoModelForCausalLM.from_pretrained(str(spec.model_dir),
+                                                 dtype=torch.float32 if int8 else dtype)
     model = model.to(device).eval()
+    if int8:
+        model = quantize_int8(model).to(dtype)  # .to leaves the int8 buffers as they are
     if weights is not None:
-        if weights.weights == "int8":
-            model = quantize_int8(model)
         model.kv_cache_dtype = weights.kv_torch_dtype
     return model
 
 
-def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
-    """Every nn.Linear of a CPU float32 `model` -> torch.ao's dynamic int8 linear (weights
-    per output channel, symmetric), in place; returns the model."""
-    if next(model.parameters()).device.type != "cpu":
-        raise ValueError("int8 weights run on the CPU only (torch.ao's fbgemm kernels); "
-                         "use --weights bfloat16 on a GPU")
-    with warnings.catch_warnings():
-        # torch.ao's eager quantization warns that it moves to torchao; see the module
-        # docstring for why it is still the one used here.
-        warnings.simplefilter("ignore")
-        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+INT8_KERNEL_MAX_ROWS = 16  # rows up to which the int8 kernel beats dequantize + matmul
 
-        return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig},
-                                dtype=torch.qint8, inplace=True)
+
+class Int8Linear(torch.nn.Module):
+    """A linear layer with an int8 weight [out, in] and a per-output-channel scale [out]
+    (bfloat16), computing x @ (weight * scale).T in x's dtype (bfloat16)."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
+        self.register_buffer("weight_int8", torch.round(w / scale[:, None]).clamp(-127, 127)
+                             .to(torch.int8))
+        self.register_buffer("scale", scale.to(torch.bfloat16))
+        self.bias = None if linear.bias is None else torch.nn.Parameter(
+            linear.bias.detach().to(torch.bfloat16), requires_grad=False)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] <= INT8_KERNEL_MAX_ROWS:
+            if rows.dtype != torch.bfloat16:
+                rows = rows.to(torch.bfloat16)
+            y = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scale)
+        else:
+            y = torch.nn.functional.linear(rows, self.weight_int8.to(rows.dtype)
+                                           * self.scale.to(rows.dtype)[:, None])
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """Every nn.Linear of a CPU `model` -> Int8Linear, in place (tied weights stay tied
+    where they are not linear: the input embedding keeps its bfloat16 table); returns
+    the model."""
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError("int8 weights run on the CPU only (aten._weight_int8pack_mm); "
+                         "use --weights bfloat16 on a GPU")
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(module, name, Int8Linear(child))
+    return model
