@@ -7,7 +7,7 @@
 #
 # Environment: TRACES (default ../shared/traces), OUT, TIME_SCALE (default 10),
 # SGLANG_PYTHON (a python with sglang-router 0.3.2, default /work/peers/sglang-venv/bin/
-# python; the sglang runs are skipped without it), SHAREGPT_CONVERSATIONS (default 200).
+# python; the sglang runs are skipped without it), SHAREGPT_CONVERSATIONS (default 100).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHAT=${1:-all}
@@ -15,7 +15,7 @@ TRACES=${TRACES:-../shared/traces}
 OUT=${OUT:-bench-out/fleet}
 S=${TIME_SCALE:-10}
 SGLANG_PYTHON=${SGLANG_PYTHON:-/work/peers/sglang-venv/bin/python}
-N_CHAT=${SHAREGPT_CONVERSATIONS:-200}
+N_CHAT=${SHAREGPT_CONVERSATIONS:-100}
 PG=(nice -n 10 .venv/bin/python -m prefixgate replay --no-progress)
 mkdir -p "$OUT"
 uptime | tee "$OUT/uptime.txt"
@@ -29,7 +29,7 @@ if [[ $WHAT == mooncake || $WHAT == all ]]; then
     --out "$OUT" --name mooncake-sim > /dev/null
   "${PG[@]}" "${M[@]}" --fleet 8 --gateways 1,2,4 --out "$OUT" --name mooncake-gateways \
     > /dev/null
-  "${PG[@]}" "${M[@]}" --fleet 8 --gateways 2,4 --fleet-redis --out "$OUT" \
+  "${PG[@]}" "${M[@]}" --fleet 8 --gateways 2 --fleet-redis --out "$OUT" \
     --name mooncake-redis > /dev/null
   if [[ -x $SGLANG_PYTHON ]]; then
     "${PG[@]}" "${M[@]}" --fleet 8 --gateways 1,2 --sim-policies none \

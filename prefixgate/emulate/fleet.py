@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from prefixgate.gateway.processes import die_with_parent
 from prefixgate.rpc import free_port
 
 
@@ -95,8 +96,10 @@ class Fleet:
         for key in [k for k in env if k.startswith("PREFIXGATE_")]:
             del env[key]  # the fleet's flags are explicit; a user's variables must not leak in
         log = open(self.workdir / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
-        proc = subprocess.Popen(command, stdout=log,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # Its own session (a Ctrl-C reaches the fleet through stop(), in order), and
+        # SIGTERM when this process dies however it dies (no orphaned fleet).
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True, preexec_fn=die_with_parent)
         log.close()
         self._procs.append((name, proc))
         return proc

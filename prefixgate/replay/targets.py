@@ -17,6 +17,7 @@ Targets:
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Sequence
@@ -144,9 +145,15 @@ class OpenAITarget(Target):
         self.model = model
         self.temperature = temperature
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0),
-                                      headers=headers,
-                                      limits=httpx.Limits(max_connections=1024))
+        # Several small connection pools, used in turn: httpcore assigns queued requests to
+        # connections in time quadratic in the requests of one pool, so one pool carrying
+        # hundreds of concurrent streams (an open-loop replay) spends the client's CPU
+        # there instead of sending.
+        self._pools = [httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0),
+                                         headers=headers,
+                                         limits=httpx.Limits(max_connections=64))
+                       for _ in range(16)]
+        self._next_pool = itertools.cycle(self._pools)
 
     async def send(self, request: TurnRequest) -> TurnRecord:
         rec = TurnRecord(request.conversation_id, request.turn_index)
@@ -164,7 +171,8 @@ class OpenAITarget(Target):
         usage: dict = {}
         chunks = 0
         try:
-            async with self.http.stream("POST", self.base_url + path, json=body) as resp:
+            async with next(self._next_pool).stream("POST", self.base_url + path,
+                                                    json=body) as resp:
                 if resp.status_code != 200:
                     text = (await resp.aread()).decode(errors="replace")[:300]
                     clock.fill(rec)
@@ -198,4 +206,5 @@ class OpenAITarget(Target):
         return rec
 
     async def close(self) -> None:
-        await self.http.aclose()
+        for pool in self._pools:
+            await pool.aclose()
