@@ -5,6 +5,7 @@ only when its prefill completes."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import grpc
@@ -129,3 +130,43 @@ def test_publish_at_finish_holds_the_blocks_back_until_the_reply_ends(loop_threa
         assert log.num_blocks == 20  # 320 prompt + 9 computed reply tokens: 20 full blocks
     finally:
         loop_thread.loop.call_soon_threadsafe(stop.set)
+
+
+def test_http_face_serves_completions_from_the_same_cache(loop_thread, tiny_spec) -> None:
+    import httpx
+
+    _, stop, engine = start_emulated_worker(loop_thread, tiny_spec, "http",
+                                                  prefill_tokens_per_s=1e6,
+                                                  decode_s_per_token=0.0)
+    started = loop_thread.run(_start_http(engine, stop))
+    try:
+        url = f"http://127.0.0.1:{started}"
+        prompt = " ".join(str(3 + i % 250) for i in range(100))  # ids as text (routers)
+        with httpx.Client(timeout=10) as http:
+            assert http.get(url + "/health").status_code == 200
+            first = http.post(url + "/v1/completions",
+                              json={"prompt": prompt, "max_tokens": 3}).json()
+            chunks = [line for line in http.post(
+                url + "/v1/completions",
+                json={"prompt": prompt, "max_tokens": 3, "stream": True}).text.splitlines()
+                if line.startswith("data: {")]
+            bad = http.post(url + "/v1/completions", json={"prompt": "1 x 2"})
+        assert first["usage"]["prompt_tokens"] == 100 and first["usage"]["completion_tokens"] == 3
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        last = json.loads(chunks[-1][6:])
+        assert last["usage"]["prompt_tokens_details"]["cached_tokens"] == 96  # 6 full blocks
+        assert bad.status_code == 400 and "token ids" in bad.json()["error"]
+        # gRPC and HTTP requests share the worker's cache and records.
+        assert [r.cached_tokens for r in engine.records] == [0, 96]
+    finally:
+        loop_thread.loop.call_soon_threadsafe(stop.set)
+
+
+async def _start_http(engine, stop) -> int:
+    import asyncio
+
+    from prefixgate.emulate.http import serve_http
+
+    started = asyncio.get_running_loop().create_future()
+    asyncio.create_task(serve_http(engine, "127.0.0.1", 0, "tiny", stop, started))
+    return await started
