@@ -16,9 +16,17 @@ everyone's). With `--metrics-port P` process i serves its metrics on P + i.
 Contract: `spawn(target, args, n)` starts n processes (spawn start method: no state
 inherited but the pickled args), each running `target(args_i, on_listening)` where
 `args_i` is a copy of `args` with `metrics_port` offset by i + 1 (when set); the children
-get SIGTERM when the parent dies (Linux). `wait_ready` returns once each has called
-`on_listening`; the caller (process 0) then binds last, so a health check that passes on
-the port means all N listen. `stop` drains them (SIGTERM) and kills stragglers.
+get SIGTERM when the parent dies (Linux), and the parent logs an error when a child exits
+before `stop` is called (the port then has one listener fewer). `wait_ready` returns once
+each has called `on_listening`; the caller (process 0) then binds last, so a health check
+that passes on the port means all N listen. `stop` drains them (SIGTERM) and kills
+stragglers.
+
+SO_REUSEPORT also means that a gateway started on a port another gateway (or any server
+that set it: gRPC does by default) already listens on would silently join it and take a
+share of its connections. `refuse_busy_port(host, port)` probes the port with a plain
+bind first and raises `rpc.BindError` when anything listens there; `spawn` calls it before
+starting any process, and a single-process gateway should call it before binding.
 """
 
 from __future__ import annotations
@@ -26,28 +34,66 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import logging
 import multiprocessing
+import os
 import signal
+import socket
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_any
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event
 
-__all__ = ["Child", "die_with_parent", "spawn", "stop", "wait_ready"]
+from prefixgate.rpc import BindError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Child", "die_with_parent", "refuse_busy_port", "spawn", "stop", "wait_ready"]
 
 
-def die_with_parent() -> None:
-    """Get SIGTERM when the parent process dies, even by SIGKILL (Linux; a no-op elsewhere)."""
+def refuse_busy_port(host: str, port: int) -> None:
+    """Raise `BindError` when something listens on `host:port` (port 0: nothing to check).
+
+    The probe binds without SO_REUSEPORT (and with SO_REUSEADDR, as gRPC does, so that
+    connections of a previous run in TIME_WAIT do not count), which the kernel refuses
+    while any socket listens there, SO_REUSEPORT or not."""
+    if not port:
+        return
+    try:
+        addresses = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise BindError(f"gateway: cannot listen on {host}:{port}: {exc}") from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                raise BindError(
+                    f"gateway: cannot listen on {host}:{port}: {exc.strerror}; another server "
+                    "(perhaps another gateway) listens there and this one would share its "
+                    "connections: choose another port, or stop that server") from None
+
+
+def die_with_parent(parent_pid: int | None = None) -> None:
+    """Get SIGTERM when the parent process dies, even by SIGKILL (Linux; a no-op elsewhere).
+    With `parent_pid`, exit at once if that parent is already gone (it died before this
+    call, when the signal could not be asked for yet)."""
     with contextlib.suppress(Exception):
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if parent_pid is not None and os.getppid() != parent_pid:
+        raise SystemExit(0)
 
 
 def _child(target: Callable[[argparse.Namespace, Callable[[], None]], object],
-           args: argparse.Namespace, ready: Event) -> None:
-    die_with_parent()
+           args: argparse.Namespace, ready: Event, parent_pid: int) -> None:
+    die_with_parent(parent_pid)
     target(args, ready.set)
 
 
@@ -55,12 +101,29 @@ def _child(target: Callable[[argparse.Namespace, Callable[[], None]], object],
 class Child:
     process: BaseProcess
     ready: Event  # set by the child once it listens
+    stopping: threading.Event = field(default_factory=threading.Event)  # set by `stop`
+
+
+def _watch(children: list[Child]) -> None:
+    """Log an error for each child that exits after listening and before `stop` asked it
+    to (one that exits before listening is `wait_ready`'s to report)."""
+    running = {c.process.sentinel: c for c in children}
+    while running:
+        for sentinel in wait_any(list(running)):
+            c = running.pop(sentinel)
+            if c.ready.is_set() and not c.stopping.is_set():
+                c.process.join()  # reap it (it has exited: its sentinel is ready)
+                log.error("gateway process %s exited with code %s; %d of %d processes still "
+                          "listen on the port (its log is above)", c.process.name,
+                          c.process.exitcode, len(running) + 1, len(children) + 1)
 
 
 def spawn(target: Callable[[argparse.Namespace, Callable[[], None]], object],
           args: argparse.Namespace, n: int) -> list[Child]:
     """Start `n` processes running `target(args_i, on_listening)` (a module-level function
-    that calls `on_listening()` once its server is bound)."""
+    that calls `on_listening()` once its server is bound). Raises `BindError` first when
+    `args.port` is busy (`refuse_busy_port`)."""
+    refuse_busy_port(args.host, args.port)
     ctx = multiprocessing.get_context("spawn")
     children = []
     for i in range(n):
@@ -68,10 +131,12 @@ def spawn(target: Callable[[argparse.Namespace, Callable[[], None]], object],
         if getattr(child, "metrics_port", 0):
             child.metrics_port = args.metrics_port + i + 1
         ready = ctx.Event()
-        p = ctx.Process(target=_child, args=(target, child, ready),
+        p = ctx.Process(target=_child, args=(target, child, ready, os.getpid()),
                         name=f"prefixgate-gateway-{i + 1}")
         p.start()
         children.append(Child(p, ready))
+    threading.Thread(target=_watch, args=(children,), name="prefixgate-gateway-watch",
+                     daemon=True).start()
     return children
 
 
@@ -90,6 +155,8 @@ def wait_ready(children: list[Child], timeout_s: float) -> None:
 
 def stop(children: list[Child], timeout_s: float) -> None:
     """SIGTERM (a graceful drain), wait up to `timeout_s`, then kill what is left."""
+    for c in children:
+        c.stopping.set()
     procs = [c.process for c in children]
     for p in procs:
         if p.is_alive():

@@ -1,0 +1,78 @@
+"""gateway/processes.py: a busy port is refused before anything binds (SO_REUSEPORT would
+otherwise let a second gateway join the first one's port), and a child that exits after
+listening is reported by the parent."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from prefixgate.gateway import processes
+from prefixgate.rpc import BindError
+
+
+def listen_reuseport() -> socket.socket:
+    """A listener as every gateway process opens it (SO_REUSEPORT)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+def test_a_port_another_gateway_listens_on_is_refused() -> None:
+    with listen_reuseport() as other:
+        port = other.getsockname()[1]
+        # What the gateway would do without the probe: join silently.
+        with socket.socket() as joiner:
+            joiner.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            joiner.bind(("127.0.0.1", port))
+        with pytest.raises(BindError, match=f"cannot listen on 127.0.0.1:{port}.*another server"):
+            processes.refuse_busy_port("127.0.0.1", port)
+        with pytest.raises(BindError):
+            processes.refuse_busy_port("0.0.0.0", port)
+    processes.refuse_busy_port("127.0.0.1", port)  # free again
+    processes.refuse_busy_port("127.0.0.1", 0)  # the caller picks a free one
+
+
+def test_a_grpc_server_port_is_refused() -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with pytest.raises(BindError):
+            processes.refuse_busy_port("127.0.0.1", port)
+    finally:
+        server.stop(0)
+
+
+def test_spawn_refuses_a_busy_port_before_starting_any_process() -> None:
+    with listen_reuseport() as other:
+        args = argparse.Namespace(host="127.0.0.1", port=other.getsockname()[1], metrics_port=0)
+        with pytest.raises(BindError):
+            processes.spawn(_listen_then_exit, args, 2)
+
+
+def _listen_then_exit(args: argparse.Namespace, on_listening) -> None:
+    on_listening()
+    raise SystemExit(3)
+
+
+def test_a_child_that_exits_after_listening_is_logged(caplog) -> None:
+    caplog.set_level(logging.ERROR, logger=processes.__name__)
+    args = argparse.Namespace(host="127.0.0.1", port=0, metrics_port=0)
+    children = processes.spawn(_listen_then_exit, args, 1)
+    try:
+        processes.wait_ready(children, timeout_s=60)
+        deadline = time.monotonic() + 30
+        while "exited with code 3" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "prefixgate-gateway-1 exited with code 3; 1 of 2 processes" in caplog.text
+    finally:
+        processes.stop(children, 5)
