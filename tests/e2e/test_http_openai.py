@@ -302,3 +302,33 @@ def test_client_that_disconnects_cancels_its_turn(front, caplog, tiny_spec) -> N
                  if ln.startswith("prefixgate:gateway_requests_in_flight{")
                  and "/v1/chat/completions" in ln]
     assert in_flight and float(in_flight[0].split()[-1]) == 0
+
+
+def test_https_with_the_gateways_certificate_and_mutual_tls(loop_thread, tiny_spec, tiny_model,
+                                                             tmp_path) -> None:
+    """--tls-cert/--tls-key (and --tls-client-ca) serve HTTPS on the HTTP front too."""
+    import ssl
+
+    from prefixgate.rpc import TLSConfig
+    from tests.e2e.test_security import make_pki
+
+    pki = make_pki(tmp_path, "http")
+    w, wstop = start_worker(loop_thread, tiny_spec, tiny_model, "tls0")
+    http_port = free_port()
+    _, gstop = start_gateway(loop_thread, tiny_spec, [w], http_port=http_port,
+                             tls=TLSConfig(pki["server_cert"], pki["server_key"], pki["ca"]))
+    base = f"https://127.0.0.1:{http_port}"
+    context = ssl.create_default_context(cafile=pki["ca"])
+    context.load_cert_chain(pki["client_cert"], pki["client_key"])
+    try:
+        with httpx.Client(verify=context) as c:
+            wait_for(lambda: c.get(base + "/health").status_code == 200, what="a worker")
+            r = c.post(base + "/v1/chat/completions", json={
+                "model": tiny_spec.name, "max_tokens": 2,
+                "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200, r.text
+        with pytest.raises(httpx.HTTPError):  # no client certificate: refused
+            httpx.get(base + "/health", verify=ssl.create_default_context(cafile=pki["ca"]))
+    finally:
+        for stop in (gstop, wstop):
+            loop_thread.loop.call_soon_threadsafe(stop.set)
