@@ -178,13 +178,15 @@ class HashMemo:
         self._entries: OrderedDict[object, tuple[BlockHasher, bytes, list[int], int]] = \
             OrderedDict()
         self._bytes = 0
-        self.hashed_blocks = 0  # blocks hashed (the rest came from the memo)
+        # Full blocks of the prompts given: hashed, or their hashes reused from the memo.
+        self.hashed_blocks = 0
         self.reused_blocks = 0
 
     def hash_blocks(self, hasher: BlockHasher, token_ids: memoryview, key: str = "") -> list[int]:
         step = 4 * hasher.block_size
         n = len(token_ids) // hasher.block_size
         if n == 0 or self.max_bytes <= 0:
+            self.hashed_blocks += n
             return hasher.hash_blocks(token_ids)
         data = token_ids.obj if isinstance(token_ids.obj, bytes) and \
             len(token_ids.obj) == 4 * len(token_ids) else token_ids.cast("B").tobytes()
