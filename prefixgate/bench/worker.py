@@ -70,6 +70,9 @@ def _log(msg: str) -> None:
 def run(args: argparse.Namespace) -> dict:
     import queue
 
+    from prefixgate.cli.worker import passive_omp_wait
+
+    passive_omp_wait()  # measure the threads as the worker runs them
     import torch
 
     from prefixgate.models import resolve_model
