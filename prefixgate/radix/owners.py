@@ -143,7 +143,7 @@ class OwnerIndex(RadixTree[frozenset]):
         held = self._by_owner.get(owner)
         if not held:
             return 0
-        mine = {h for h in block_hashes if h in held}  # distinct, as _replace_sets wants
+        mine = held.intersection(block_hashes)  # distinct, as _replace_sets wants
         gone = frozenset((owner,))
         nodes = self._replace_sets(mine, lambda s: s - gone)
         held.difference_update(mine)
