@@ -26,7 +26,8 @@ SO_REUSEPORT also means that a gateway started on a port another gateway (or any
 that set it: gRPC does by default) already listens on would silently join it and take a
 share of its connections. `refuse_busy_port(host, port)` probes the port with a plain
 bind first and raises `rpc.BindError` when anything listens there; `spawn` calls it before
-starting any process, and a single-process gateway should call it before binding.
+starting any process (for each of `SHARED_PORTS`), and a single-process gateway should
+call it before binding.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ from multiprocessing.synchronize import Event
 from prefixgate.rpc import BindError
 
 log = logging.getLogger(__name__)
+
+SHARED_PORTS = ("port", "http_port", "health_port")  # args listened on by every process
 
 __all__ = ["Child", "die_with_parent", "refuse_busy_port", "spawn", "stop", "wait_ready"]
 
@@ -122,8 +125,9 @@ def spawn(target: Callable[[argparse.Namespace, Callable[[], None]], object],
           args: argparse.Namespace, n: int) -> list[Child]:
     """Start `n` processes running `target(args_i, on_listening)` (a module-level function
     that calls `on_listening()` once its server is bound). Raises `BindError` first when
-    `args.port` is busy (`refuse_busy_port`)."""
-    refuse_busy_port(args.host, args.port)
+    one of the ports all processes share (gRPC, HTTP, health; all SO_REUSEPORT) is busy."""
+    for name in SHARED_PORTS:
+        refuse_busy_port(args.host, max(0, getattr(args, name, 0) or 0))
     ctx = multiprocessing.get_context("spawn")
     children = []
     for i in range(n):

@@ -52,10 +52,13 @@ def test_a_grpc_server_port_is_refused() -> None:
         server.stop(0)
 
 
-def test_spawn_refuses_a_busy_port_before_starting_any_process() -> None:
+@pytest.mark.parametrize("which", ["port", "http_port", "health_port"])
+def test_spawn_refuses_a_busy_port_before_starting_any_process(which) -> None:
     with listen_reuseport() as other:
-        args = argparse.Namespace(host="127.0.0.1", port=other.getsockname()[1], metrics_port=0)
-        with pytest.raises(BindError):
+        args = argparse.Namespace(host="127.0.0.1", port=0, http_port=-1, health_port=0,
+                                  metrics_port=0)
+        setattr(args, which, other.getsockname()[1])
+        with pytest.raises(BindError, match=str(other.getsockname()[1])):
             processes.spawn(_listen_then_exit, args, 2)
 
 
