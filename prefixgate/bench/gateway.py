@@ -139,12 +139,10 @@ class _Client:
 
 
 def _prompt(rng: random.Random, num_tokens: int, vocab_size: int) -> bytes:
-    from array import array
+    """`num_tokens` random ids, packed (the wire form)."""
+    from prefixgate.radix import tokens_to_bytes
 
-    ids = array("I", (rng.randrange(vocab_size) for _ in range(num_tokens)))
-    if sys.byteorder == "big":
-        ids.byteswap()
-    return ids.tobytes()
+    return tokens_to_bytes([rng.randrange(vocab_size) for _ in range(num_tokens)])
 
 
 class _Prompts:

@@ -3,6 +3,7 @@ route a shared prefix to the worker holding it (tiny-random workers over real gR
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -81,3 +82,18 @@ def test_two_processes_share_a_port_and_route_alike(workers, tiny_spec) -> None:
         finally:
             if gw.poll() is None:
                 gw.kill()
+
+
+def test_bench_gateway_runs_and_reports_both_kinds(capsys) -> None:
+    """`prefixgate bench gateway` end to end, tiny (the figures are in docs/benchmarks.md):
+    an emulated worker, `gateway --processes 2`, every request answered."""
+    from prefixgate.cli import main
+
+    assert main(["bench", "gateway", "--processes", "2", "--prompt-tokens", "64", "--idle", "2",
+                 "--bursts", "1", "--burst", "2", "--new-tokens", "16", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {(r["processes"], r["kind"]) for r in report["results"]} == {(2, "turn"), (2, "fresh")}
+    for r in report["results"]:
+        for shape in ("idle", "burst"):
+            for path in ("direct_ms", "gateway_ms"):
+                assert r[shape][path]["errors"] == 0 and r[shape][path]["p50"] > 0
