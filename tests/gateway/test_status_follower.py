@@ -88,3 +88,41 @@ def test_status_is_pushed_on_change() -> None:
 
 def test_a_worker_without_watch_status_is_polled() -> None:
     asyncio.run(follow(push=False))
+
+
+async def stream_breaks_and_resumes() -> None:
+    load = Load()
+    handlers = {"WatchStatus": grpc.unary_stream_rpc_method_handler(
+        load.WatchStatus, worker_pb2.WatchStatusRequest.FromString,
+        worker_pb2.WorkerStatus.SerializeToString)}
+
+    async def start(port: int = 0) -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            SERVICE.full_name, handlers)])
+        port = server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        return server, port
+
+    server, port = await start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    handle = WorkerHandle(WorkerRecord("w", f"127.0.0.1:{port}"), channel,
+                          worker_pb2_grpc.WorkerServiceStub(channel))
+    follower = StatusFollower(interval_ms=20)
+    try:
+        load.status = worker_pb2.WorkerStatus(num_running_requests=4)
+        follower.sync([handle])
+        await wait_until(lambda: handle.status is not None)
+        await server.stop(0)  # the stream breaks: no stale figures are kept
+        await wait_until(lambda: handle.status is None)
+        server, _ = await start(port)  # the worker is back: the follower reconnects
+        await wait_until(lambda: handle.status is not None, timeout_s=15)
+        assert handle.num_running_requests == 4 and load.watchers == 2
+    finally:
+        await follower.close()
+        await channel.close()
+        await server.stop(0)
+
+
+def test_a_broken_stream_clears_the_status_and_reconnects() -> None:
+    asyncio.run(stream_breaks_and_resumes())
