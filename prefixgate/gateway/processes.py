@@ -25,9 +25,9 @@ stragglers.
 SO_REUSEPORT also means that a gateway started on a port another gateway (or any server
 that set it: gRPC does by default) already listens on would silently join it and take a
 share of its connections. `refuse_busy_port(host, port)` probes the port with a plain
-bind first and raises `rpc.BindError` when anything listens there; `spawn` calls it before
-starting any process (for each of `SHARED_PORTS`), and a single-process gateway should
-call it before binding.
+bind first and raises `rpc.BindError` when anything listens there; a launcher calls
+`refuse_busy_ports(args)` (each of `SHARED_PORTS`) before the first process binds, with
+one process or N.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ log = logging.getLogger(__name__)
 
 SHARED_PORTS = ("port", "http_port", "health_port")  # args listened on by every process
 
-__all__ = ["Child", "die_with_parent", "refuse_busy_port", "spawn", "stop", "wait_ready"]
+__all__ = ["Child", "SHARED_PORTS", "die_with_parent", "refuse_busy_port", "refuse_busy_ports",
+           "spawn", "stop", "wait_ready"]
 
 
 def refuse_busy_port(host: str, port: int) -> None:
@@ -80,6 +81,12 @@ def refuse_busy_port(host: str, port: int) -> None:
                     f"gateway: cannot listen on {host}:{port}: {exc.strerror}; another server "
                     "(perhaps another gateway) listens there and this one would share its "
                     "connections: choose another port, or stop that server") from None
+
+
+def refuse_busy_ports(args: argparse.Namespace) -> None:
+    """`refuse_busy_port` for each of `SHARED_PORTS` that `args` sets (> 0)."""
+    for name in SHARED_PORTS:
+        refuse_busy_port(args.host, max(0, getattr(args, name, 0) or 0))
 
 
 def die_with_parent(parent_pid: int | None = None) -> None:
@@ -124,10 +131,9 @@ def _watch(children: list[Child]) -> None:
 def spawn(target: Callable[[argparse.Namespace, Callable[[], None]], object],
           args: argparse.Namespace, n: int) -> list[Child]:
     """Start `n` processes running `target(args_i, on_listening)` (a module-level function
-    that calls `on_listening()` once its server is bound). Raises `BindError` first when
-    one of the ports all processes share (gRPC, HTTP, health; all SO_REUSEPORT) is busy."""
-    for name in SHARED_PORTS:
-        refuse_busy_port(args.host, max(0, getattr(args, name, 0) or 0))
+    that calls `on_listening()` once its server is bound). It checks no port: the caller
+    may already listen there (`prefixgate up` binds process 0 first); a launcher calls
+    `refuse_busy_ports(args)` before anything binds."""
     ctx = multiprocessing.get_context("spawn")
     children = []
     for i in range(n):

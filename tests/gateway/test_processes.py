@@ -1,6 +1,6 @@
 """gateway/processes.py: a busy port is refused before anything binds (SO_REUSEPORT would
-otherwise let a second gateway join the first one's port), and a child that exits after
-listening is reported by the parent."""
+otherwise let a second gateway join the first one's port), processes spawned onto the
+caller's port join it, and a child that exits after listening is reported by the parent."""
 
 from __future__ import annotations
 
@@ -53,13 +53,34 @@ def test_a_grpc_server_port_is_refused() -> None:
 
 
 @pytest.mark.parametrize("which", ["port", "http_port", "health_port"])
-def test_spawn_refuses_a_busy_port_before_starting_any_process(which) -> None:
+def test_every_shared_port_is_checked(which) -> None:
     with listen_reuseport() as other:
-        args = argparse.Namespace(host="127.0.0.1", port=0, http_port=-1, health_port=0,
-                                  metrics_port=0)
+        args = argparse.Namespace(host="127.0.0.1", port=0, http_port=-1, health_port=0)
         setattr(args, which, other.getsockname()[1])
         with pytest.raises(BindError, match=str(other.getsockname()[1])):
-            processes.spawn(_listen_then_exit, args, 2)
+            processes.refuse_busy_ports(args)
+    processes.refuse_busy_ports(args)
+
+
+def test_spawn_joins_a_port_the_caller_already_listens_on() -> None:
+    # `prefixgate up` binds process 0 first, then spawns the others onto its port.
+    with listen_reuseport() as parent:
+        args = argparse.Namespace(host="127.0.0.1", port=parent.getsockname()[1],
+                                  metrics_port=0)
+        children = processes.spawn(_listen, args, 1)
+        try:
+            processes.wait_ready(children, timeout_s=60)
+        finally:
+            processes.stop(children, 5)
+
+
+def _listen(args: argparse.Namespace, on_listening) -> None:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind((args.host, args.port))
+        s.listen()
+        on_listening()
+        time.sleep(60)
 
 
 def _listen_then_exit(args: argparse.Namespace, on_listening) -> None:
