@@ -18,8 +18,9 @@ inherited but the pickled args), each running `target(args_i, on_listening)` whe
 `args_i` is a copy of `args` with `metrics_port` offset by i + 1 (when set); the children
 get SIGTERM when the parent dies (Linux), and the parent logs an error when a child exits
 before `stop` is called (the port then has one listener fewer). `wait_ready` returns once
-each has called `on_listening`; the caller (process 0) then binds last, so a health check
-that passes on the port means all N listen. `stop` drains them (SIGTERM) and kills
+each has called `on_listening`; `prefixgate gateway` then binds process 0 last, so a
+health check that passes on the port means all N listen (`prefixgate up` binds it first
+and spawns the others onto its port). `stop` drains them (SIGTERM) and kills
 stragglers.
 
 SO_REUSEPORT also means that a gateway started on a port another gateway (or any server
