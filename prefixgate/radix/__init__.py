@@ -4,7 +4,9 @@ Shared by the gateway and the worker; pure Python (stdlib + xxhash), no torch, n
 
 * `BlockHasher` (hashing.py): chained, salted u64 hashes of full token blocks, with a
   byte-level spec so other languages can reproduce them; `packed(data)` views token ids
-  sent as little-endian u32 bytes as a sequence that hashes without per-id objects.
+  sent as little-endian u32 bytes as a sequence that hashes without per-id objects;
+  `HashMemo` hashes only the blocks a prompt adds to one seen before (the next turn).
+* `Hashers` (hashers.py): the bounded per-namespace map of `BlockHasher`s.
 * `RadixTree[V]` (tree.py): longest-prefix match over whole blocks, insert, ref-counted
   locks, LRU leaf eviction in O(log n) per block, subtree removal, snapshots. Each block
   carries one V (the worker: a KV block id).
