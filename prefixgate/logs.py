@@ -1,6 +1,10 @@
 """Log output of prefixgate processes: text for people, JSON lines for log pipelines.
 
-`configure(level, fmt)` sets the root logger once per process. Structured records carry
+`configure(level, fmt)` sets the root logger's one prefixgate handler (idempotent: a second
+call replaces it; handlers others installed, such as pytest's, stay). The handler looks
+sys.stderr up at each record, never binding the stream of the moment: a command run
+in-process (tests call `prefixgate.cli.main`) must not leave a handler writing to a
+stream its caller has since closed. Structured records carry
 their fields in `extra={"fields": {...}, "event": "..."}` (e.g. the gateway's one line per
 turn, gateway/metrics.py) and say them as key=value in their text; the JSON format
 (`--log-format json`) writes one object per line with ts, level, logger, message (the
@@ -29,11 +33,28 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(doc, default=str)
 
 
+class StderrHandler(logging.StreamHandler):
+    """A StreamHandler whose stream is whatever sys.stderr is when a record is written."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:  # StreamHandler.setStream; stderr is not ours to pin
+        pass
+
+
 def configure(level: str = "INFO", fmt: str = "text") -> None:
-    """Log to stderr at `level` in `fmt` ("text" or "json")."""
-    handler = logging.StreamHandler(sys.stderr)
+    """Log to stderr at `level` in `fmt` ("text" or "json"); calling again replaces the
+    previous configuration."""
+    handler = StderrHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(
         "%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = [h for h in root.handlers if not isinstance(h, StderrHandler)]
+    root.addHandler(handler)
     root.setLevel(level)

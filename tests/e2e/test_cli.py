@@ -91,6 +91,24 @@ def test_version() -> None:
     assert r.stdout.strip() == f"prefixgate {__version__}"
 
 
+def test_log_setup_outlives_the_stderr_it_was_called_under(monkeypatch, capsys) -> None:
+    """A command run in-process must not bind a stream its caller closes later."""
+    import io
+    import logging
+
+    from prefixgate import logs
+
+    gone = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", gone)
+    logs.configure("INFO", "text")
+    logs.configure("INFO", "json")  # idempotent: one prefixgate handler, not two
+    monkeypatch.undo()
+    gone.close()
+    logging.getLogger("prefixgate.test").info("after close")
+    assert capsys.readouterr().err.count("after close") == 1
+    assert sum(isinstance(h, logs.StderrHandler) for h in logging.getLogger().handlers) == 1
+
+
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
                          text=True).stdout
