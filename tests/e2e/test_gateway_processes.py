@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -34,8 +35,21 @@ def workers(loop_thread, tiny_spec, tiny_model):
         loop_thread.loop.call_soon_threadsafe(stop.set)
 
 
+def free_port_pair() -> int:
+    """A port P with P and P + 1 free a moment ago (process i serves metrics on P + i)."""
+    for _ in range(100):
+        p = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+        return p
+    raise AssertionError("no two adjacent free ports")
+
+
 def test_two_processes_share_a_port_and_route_alike(workers, tiny_spec) -> None:
-    port, metrics = free_port(), free_port()
+    port, metrics = free_port(), free_port_pair()
     env = cli_env(PREFIXGATE_LOG_LEVEL="WARNING")
     gw = subprocess.Popen(
         [sys.executable, "-m", "prefixgate", "gateway", "--processes", "2", "--port", str(port),
@@ -55,6 +69,7 @@ def test_two_processes_share_a_port_and_route_alike(workers, tiny_spec) -> None:
         return events[-1].final
 
     def all_see_both_workers() -> bool:
+        assert gw.poll() is None, f"the gateway exited with code {gw.returncode} (log above)"
         try:
             return all(s.ListModels(chat_pb2.ListModelsRequest(), timeout=5).models[0]
                        .num_workers == 2 for s in stubs)
