@@ -63,6 +63,7 @@ from prefixgate.protocol import (
     InvalidRequest,
     check_id,
 )
+from prefixgate.token_ids import pack, repeated_token_ids
 from prefixgate.v1 import chat_pb2, common_pb2
 
 if TYPE_CHECKING:
@@ -86,6 +87,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                429: "rate_limit_error"}
 FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
           common_pb2.FINISH_REASON_CANCELLED: "stop"}
+INTERNAL_MESSAGE = "internal error (the gateway's log has the details)"
 # OpenAI fields prefixgate cannot honour, with the value that asks for nothing.
 UNSUPPORTED = {"tools": None, "functions": None, "logprobs": False, "top_logprobs": None,
                "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0,
@@ -254,13 +256,10 @@ def completion_request(body: dict, encode: Callable[[str], list[int]],
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequest("prompt is empty: send some text or token ids")
-        request.prompt_token_ids.token_ids.extend(encode(prompt))
+        request.packed_prompt_token_ids = pack(encode(prompt)).obj
     elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
-        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"prompt: token id {bad} is out of range: the model's "
-                                 f"vocabulary has {vocab_size} tokens (ids 0..{vocab_size - 1})")
-        request.prompt_token_ids.token_ids.extend(prompt)
+        # The gRPC path's own check (token_ids.py), packed once here as on gRPC.
+        request.packed_prompt_token_ids = repeated_token_ids(prompt, vocab_size, "prompt").obj
     else:
         raise InvalidRequest("prompt must be a string or a list of token ids (one prompt per "
                              "request)")
@@ -376,13 +375,13 @@ class HTTPFront:
                                            "shorter prompt", "request_too_large")
         except web.HTTPException as exc:
             response = error_response(exc.status, exc.reason, None)
-        except asyncio.CancelledError:
-            metrics.REQUESTS.labels(route, "499").inc()
+        except asyncio.CancelledError:  # the client went away
+            if not request.get("counted"):
+                metrics.REQUESTS.labels(route, "499").inc()
             raise
         except Exception:
             log.exception("HTTP %s %s failed", request.method, request.path)
-            response = error_response(500, "internal error (the gateway's log has the details)",
-                                      "internal")
+            response = error_response(500, INTERNAL_MESSAGE, "internal")
         if not request.get("counted"):
             metrics.REQUESTS.labels(route, str(response.status)).inc()
         return response
@@ -390,15 +389,14 @@ class HTTPFront:
     # --- routes ---------------------------------------------------------------------------
 
     async def _authenticate(self, request: web.Request) -> None:
+        """The turn path's check (a token from --tokens-file), for the routes off it."""
         if self.service.tokens is not None:
             from prefixgate import auth
 
             try:
                 self.service.tokens.authenticate(request.headers.get("Authorization"))
-            except auth.AuthError as exc:
-                code = grpc.StatusCode.PERMISSION_DENIED if isinstance(
-                    exc, auth.PermissionDenied) else grpc.StatusCode.UNAUTHENTICATED
-                raise TurnFailed(code, str(exc)) from None
+            except auth.AuthError as exc:  # the status the gRPC calls give (rpc.py)
+                await rpc.abort_refused(_TurnContext(None), exc)
 
     async def models(self, request: web.Request) -> web.Response:
         await self._authenticate(request)
@@ -539,8 +537,15 @@ class HTTPFront:
                         await response.write(turn.chunk([], usage=usage_json(final.usage)))
                     await response.write(b"data: [DONE]\n\n")
                 ev = await anext(events, None)
-        except TurnFailed as exc:  # after the headers: the error is the stream's last event
-            body = error_body(exc.http_status, exc.details, exc.code.name.lower(), exc.param)
+        except ConnectionResetError:  # the client went away mid-stream: nothing to say
+            return response
+        except Exception as exc:  # after the headers: the error is the stream's last event
+            if isinstance(exc, TurnFailed):
+                body = error_body(exc.http_status, exc.details, exc.code.name.lower(),
+                                  exc.param)
+            else:  # a bug; the middleware cannot answer a stream already begun
+                log.exception("HTTP %s stream %s failed", turn.route, turn.request_id)
+                body = error_body(500, INTERNAL_MESSAGE, "internal")
             await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
         await response.write_eof()
         return response

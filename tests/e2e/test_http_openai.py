@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -284,7 +285,14 @@ def test_bench_http_runs_and_reports_both_fronts(capsys) -> None:
 def test_client_that_disconnects_cancels_its_turn(front, caplog, tiny_spec) -> None:
     import logging
 
+    def gone_count() -> float:  # finished chat requests with status 499, this process
+        lines = [ln for ln in httpx.get(front["base"] + "/metrics").text.splitlines()
+                 if ln.startswith("prefixgate:gateway_requests_total{")
+                 and 'route="/v1/chat/completions"' in ln and 'status="499"' in ln]
+        return float(lines[0].split()[-1]) if lines else 0.0
+
     caplog.set_level(logging.INFO, logger="prefixgate.turns")
+    gone_before = gone_count()
     body = {"model": front["model"], "stream": True, "temperature": 0,
             "max_tokens": tiny_spec.max_context_tokens - 64,
             "messages": [{"role": "user", "content": "count"}]}
@@ -297,6 +305,8 @@ def test_client_that_disconnects_cancels_its_turn(front, caplog, tiny_spec) -> N
                if getattr(rec, "fields", {}).get("request_id") == "gone-1"]
     assert line.event == "turn failed" and line.fields["status"] == "499", line.fields
     assert line.fields["e2e_ms"] < 20_000, line.fields  # cancelled, not run to the end
+    time.sleep(0.2)  # the handler's cancellation has left the middleware too
+    assert gone_count() == gone_before + 1  # counted once (the turn), not again (the route)
     assert "prefixgate:gateway_requests_in_flight" in httpx.get(front["base"] + "/metrics").text
     in_flight = [ln for ln in httpx.get(front["base"] + "/metrics").text.splitlines()
                  if ln.startswith("prefixgate:gateway_requests_in_flight{")
