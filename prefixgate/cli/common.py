@@ -1,4 +1,5 @@
-"""What several commands share: the logging and model flags, the stop signal, metrics.
+"""What several commands share: the logging, model, listening, drain and context-overflow
+flags, the stop signal, metrics.
 
 Imports nothing heavy at top level (the gateway-side commands never import torch).
 """
@@ -30,6 +31,27 @@ def model_flags(p: argparse.ArgumentParser) -> None:
     flag(p, "--cache-dir", default=None,
          help="where materialised models are kept (default: ~/.cache/prefixgate)")
     flag(p, "--block-size", type=int, default=16, help="prefix-cache block size in tokens")
+
+
+def listen_flags(p: argparse.ArgumentParser, port: int, whose: str = "") -> None:
+    """--host and --port of a server (`whose`: "gateway " where the command runs several)."""
+    flag(p, "--host", default="127.0.0.1", help=f"{whose}address to listen on")
+    flag(p, "--port", type=int, default=port, help=f"{whose}port to listen on (0: any free port)")
+
+
+def drain_flag(p: argparse.ArgumentParser) -> None:
+    flag(p, "--drain-seconds", type=float, default=30.0,
+         help="on SIGTERM, how long requests in flight may finish")
+
+
+def overflow_flag(p: argparse.ArgumentParser) -> None:
+    """--context-overflow, whose choices are the protocol's (prefixgate/protocol.py)."""
+    from prefixgate.protocol import OVERFLOW_FROM_PROTO
+
+    flag(p, "--context-overflow", default="fail", choices=[n for n in
+                                                           OVERFLOW_FROM_PROTO.values() if n],
+         help="requests that do not choose: prompt + max_tokens over the context fails, or "
+              "keeps the system prompt and drops the oldest turns (docs/reindex.md)")
 
 
 def cache_dir(args: argparse.Namespace) -> Path | None:

@@ -12,7 +12,16 @@ import contextlib
 from collections.abc import Callable, Sequence
 
 from prefixgate.cli import security
-from prefixgate.cli.common import cache_dir, log_flags, model_flags, start_metrics, stop_event
+from prefixgate.cli.common import (
+    cache_dir,
+    drain_flag,
+    listen_flags,
+    log_flags,
+    model_flags,
+    overflow_flag,
+    start_metrics,
+    stop_event,
+)
 from prefixgate.cli.flags import flag
 from prefixgate.cli.limits import limit_flags, request_limits
 
@@ -23,15 +32,13 @@ DESCRIPTION = "Run the gateway serving prefixgate.v1.ChatService."
 def add_arguments(g: argparse.ArgumentParser) -> None:
     log_flags(g)
     model_flags(g)
-    flag(g, "--host", default="127.0.0.1", help="address to listen on")
-    flag(g, "--port", type=int, default=50051, help="port to listen on (0: any free port)")
+    listen_flags(g, 50051)
     flag(g, "--worker", action="append",
          help="worker address host:port (embedded registry); not needed with --redis-url")
     flag(g, "--redis-url", default="", help="discover workers through this Redis")
     policy_flags(g)
     record_trace_flag(g)
-    flag(g, "--drain-seconds", type=float, default=30.0,
-         help="on SIGTERM, how long in-flight streams may finish")
+    drain_flag(g)
     overflow_flag(g)
     http_flag(g, -1)
     flag(g, "--metrics-port", type=int, default=0,
@@ -40,12 +47,6 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
     processes_flag(g)
     security.gateway_flags(g)
     limit_flags(g)
-
-
-def overflow_flag(p: argparse.ArgumentParser) -> None:
-    flag(p, "--context-overflow", default="fail", choices=("fail", "keep-system-drop-oldest"),
-         help="requests that do not choose: over the context, fail or keep the system prompt "
-              "and drop the oldest turns (docs/reindex.md)")
 
 
 def http_flag(p: argparse.ArgumentParser, default: int) -> None:

@@ -18,7 +18,15 @@ import time
 
 from prefixgate.cli import gateway as gateway_cli
 from prefixgate.cli import worker as worker_cli
-from prefixgate.cli.common import cache_dir, log, log_flags, model_flags, stop_event
+from prefixgate.cli.common import (
+    cache_dir,
+    listen_flags,
+    log,
+    log_flags,
+    model_flags,
+    overflow_flag,
+    stop_event,
+)
 from prefixgate.cli.flags import flag
 
 HELP = "run N workers and a gateway on this machine"
@@ -36,12 +44,11 @@ def add_arguments(u: argparse.ArgumentParser) -> None:
     log_flags(u)
     model_flags(u)
     flag(u, "--workers", type=int, default=2, help="number of workers")
-    flag(u, "--host", default="127.0.0.1", help="gateway address to listen on")
-    flag(u, "--port", type=int, default=50051, help="gateway port (0: any free port)")
+    listen_flags(u, 50051, "gateway ")
     flag(u, "--redis-url", default="",
          help="use this Redis as the registry (default: embedded, no Redis)")
     gateway_cli.policy_flags(u)
-    gateway_cli.overflow_flag(u)
+    overflow_flag(u)
     gateway_cli.http_flag(u, 8000)
     gateway_cli.record_trace_flag(u)
     gateway_cli.processes_flag(u)

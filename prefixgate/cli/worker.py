@@ -6,7 +6,17 @@ import argparse
 import asyncio
 
 from prefixgate.cli import security
-from prefixgate.cli.common import cache_dir, log, log_flags, model_flags, start_metrics, stop_event
+from prefixgate.cli.common import (
+    cache_dir,
+    drain_flag,
+    listen_flags,
+    log,
+    log_flags,
+    model_flags,
+    overflow_flag,
+    start_metrics,
+    stop_event,
+)
 from prefixgate.cli.flags import flag
 from prefixgate.cli.limits import limit_flags, request_limits
 
@@ -17,8 +27,7 @@ DESCRIPTION = "Run one model worker serving prefixgate.v1.WorkerService."
 def add_arguments(w: argparse.ArgumentParser) -> None:
     log_flags(w)
     model_flags(w)
-    flag(w, "--host", default="127.0.0.1", help="address to listen on")
-    flag(w, "--port", type=int, default=50061, help="port to listen on (0: any free port)")
+    listen_flags(w, 50061)
     flag(w, "--worker-id", default="", help="stable worker id (default: worker-<port>)")
     flag(w, "--advertise-address", default="",
          help="host:port gateways use to reach this worker (default: host:port)")
@@ -34,9 +43,7 @@ def add_arguments(w: argparse.ArgumentParser) -> None:
          help="tokens per step (decodes plus prefill chunks)")
     flag(w, "--disable-prefix-cache", action="store_true",
          help="compute every prompt in full (for comparisons)")
-    flag(w, "--context-overflow", default="fail", choices=("fail", "keep-system-drop-oldest"),
-         help="prompt + max_tokens over the context: fail, or keep the system prompt and drop "
-              "the oldest turns (requests may choose per request)")
+    overflow_flag(w)
     flag(w, "--shifted-reuse", default="blend", choices=("recompute", "shift", "blend"),
          help="how an overflowing turn reuses its kept turns' cached KV (docs/reindex.md)")
     flag(w, "--blend-tokens", type=int, default=64,
@@ -47,8 +54,7 @@ def add_arguments(w: argparse.ArgumentParser) -> None:
          help="torch device for the model and KV pool: cpu, cuda, cuda:N (auto: cuda if available)")
     weights_flags(w)
     flag(w, "--torch-threads", type=int, default=0, help="torch CPU threads (0: torch default)")
-    flag(w, "--drain-seconds", type=float, default=30.0,
-         help="on SIGTERM, how long in-flight requests may finish")
+    drain_flag(w)
     flag(w, "--metrics-port", type=int, default=0,
          help="serve Prometheus metrics on this port at /metrics (0: off)")
     from prefixgate.emulate.worker import add_arguments as add_emulation_arguments
