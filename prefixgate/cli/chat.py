@@ -33,10 +33,12 @@ def add_arguments(c: argparse.ArgumentParser) -> None:
     flag(c, "--top-p", type=float, default=0.0, help="nucleus sampling mass (0: off)")
     flag(c, "--top-k", type=int, default=0, help="top-k sampling (0: off)")
     flag(c, "--seed", type=int, default=None, help="sampling seed")
-    flag(c, "--context-overflow", default="", choices=("", "fail", "keep-system-drop-oldest"),
+    from prefixgate.protocol import OVERFLOW_FROM_PROTO, SHIFTED_REUSE_FROM_PROTO
+
+    flag(c, "--context-overflow", default="", choices=list(OVERFLOW_FROM_PROTO.values()),
          help="when the conversation outgrows the context: fail, or drop its oldest turns "
               "(empty: the worker's default)")
-    flag(c, "--shifted-reuse", default="", choices=("", "recompute", "shift", "blend"),
+    flag(c, "--shifted-reuse", default="", choices=list(SHIFTED_REUSE_FROM_PROTO.values()),
          help="how a turn that dropped turns reuses the cache (empty: the worker's default)")
     flag(c, "--timeout", type=float, default=300.0, help="deadline per turn in seconds")
 

@@ -25,6 +25,8 @@ DESCRIPTION = "Run one model worker serving prefixgate.v1.WorkerService."
 
 
 def add_arguments(w: argparse.ArgumentParser) -> None:
+    from prefixgate.protocol import SHIFTED_REUSE_FROM_PROTO
+
     log_flags(w)
     model_flags(w)
     listen_flags(w, 50061)
@@ -44,7 +46,8 @@ def add_arguments(w: argparse.ArgumentParser) -> None:
     flag(w, "--disable-prefix-cache", action="store_true",
          help="compute every prompt in full (for comparisons)")
     overflow_flag(w)
-    flag(w, "--shifted-reuse", default="blend", choices=("recompute", "shift", "blend"),
+    flag(w, "--shifted-reuse", default="blend",
+         choices=[n for n in SHIFTED_REUSE_FROM_PROTO.values() if n],
          help="how an overflowing turn reuses its kept turns' cached KV (docs/reindex.md)")
     flag(w, "--blend-tokens", type=int, default=64,
          help="tokens after the dropped gap recomputed under --shifted-reuse blend")
