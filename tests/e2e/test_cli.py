@@ -26,6 +26,32 @@ def test_help_is_complete(command: str) -> None:
         assert "[env PREFIXGATE_" in out
 
 
+def test_every_flag_names_its_variable_in_help() -> None:
+    """Each option of each command (bench's excepted) says its PREFIXGATE_ variable."""
+    import argparse
+
+    from prefixgate.cli import build_parser
+    from prefixgate.cli.flags import env_name
+
+    def parsers(p: argparse.ArgumentParser, path: str):
+        yield path, p
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sp in a.choices.items():
+                    if name != "bench":
+                        yield from parsers(sp, f"{path} {name}")
+
+    missing, seen = [], 0
+    for path, p in parsers(build_parser(), "prefixgate"):
+        for a in p._actions:
+            for o in a.option_strings:
+                if o.startswith("--") and o not in ("--help", "--version") and path != "prefixgate":
+                    seen += 1
+                    if f"[env {env_name(o)}" not in (a.help or ""):
+                        missing.append(f"{path} {o}")
+    assert seen > 100 and not missing, missing
+
+
 def test_flags_have_environment_equivalents() -> None:
     from prefixgate.cli import build_parser
 
