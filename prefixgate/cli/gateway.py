@@ -122,7 +122,8 @@ def gateway_config(args: argparse.Namespace, workers: Sequence[str], port: int):
                              prediction_ttl_s=args.prediction_ttl_s),
                          index_max_blocks=args.index_max_blocks,
                          static_workers=tuple(workers),
-                         drain_seconds=getattr(args, "drain_seconds", 30.0),
+                         # `up` has no --drain-seconds: the config's default there.
+                         drain_seconds=getattr(args, "drain_seconds", GatewayConfig.drain_seconds),
                          record_trace=args.record_trace,
                          status_interval_ms=args.status_interval_ms,
                          context_overflow=args.context_overflow,
@@ -141,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     from prefixgate.rpc import free_port
 
     args.port = args.port or free_port(args.host)  # one port for all of them
-    if getattr(args, "http_port", -1) == 0:
+    if args.http_port == 0:
         args.http_port = free_port(args.host)
     children = processes.spawn(serve_process, args, args.processes - 1)
     try:
