@@ -17,7 +17,7 @@ Weight formats (`WeightsConfig`, the worker's `--weights` / `--kv-dtype`):
             weight as int8 with one bfloat16 scale per output channel (symmetric, round to
             nearest); activations, norms, RoPE, attention and (by default) KV are bfloat16.
             CPU only. Why: decode at batch 1 streams every weight once per token, and int8
-            moves half of bfloat16's bytes. Up to INT8_KERNEL_MAX_ROWS rows (decode
+            moves half of bfloat16's bytes. Up to 16 rows (64 for the LM head: decode
             batches) multiply through torch's own int8 weight-only kernel
             (aten._weight_int8pack_mm, the one torchao and gpt-fast use on CPUs); longer
             inputs (prefill chunks) through a bfloat16 matmul on the dequantized weight,
@@ -136,7 +136,14 @@ def load_model(spec: ModelSpec, dtype: torch.dtype = torch.float32, device: str 
     return model
 
 
-INT8_KERNEL_MAX_ROWS = 16  # rows up to which the int8 kernel beats dequantize + matmul
+# Rows up to which the int8 kernel beats dequantize + bfloat16 matmul. Measured here (one
+# thread): the kernel's cost grows with rows (a pass over the weight per row), the other
+# path's is one dequantization plus a matmul. A 1536x576 layer: 16 rows 399 vs 489 us,
+# 32 rows 786 vs 635 us. The LM head (49152x576), whose dequantized copy does not stay in
+# cache: 32 rows 50 vs 85 ms, 64 rows even, 128 rows 200 vs 108 ms.
+INT8_KERNEL_MAX_ROWS = 16
+INT8_KERNEL_MAX_ROWS_LARGE = 64  # for weights of more than LARGE_WEIGHT_ELEMENTS
+LARGE_WEIGHT_ELEMENTS = 8 << 20
 
 
 class Int8Linear(torch.nn.Module):
@@ -153,10 +160,12 @@ class Int8Linear(torch.nn.Module):
         self.bias = None if linear.bias is None else torch.nn.Parameter(
             linear.bias.detach().to(torch.bfloat16), requires_grad=False)
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.max_kernel_rows = INT8_KERNEL_MAX_ROWS_LARGE if w.numel() > LARGE_WEIGHT_ELEMENTS \
+            else INT8_KERNEL_MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= INT8_KERNEL_MAX_ROWS:
+        if rows.shape[0] <= self.max_kernel_rows:
             if rows.dtype != torch.bfloat16:
                 rows = rows.to(torch.bfloat16)
             y = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scale)
