@@ -1,5 +1,5 @@
 """What several commands share: the logging, model, listening, drain and context-overflow
-flags, the stop signal, metrics.
+flags, the stop signal, starting a server, metrics.
 
 Imports nothing heavy at top level (the gateway-side commands never import torch).
 """
@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import signal
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from prefixgate.cli.flags import flag
@@ -65,6 +66,24 @@ def stop_event() -> asyncio.Event:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     return stop
+
+
+async def start_server(serve: Callable[[asyncio.Future[int]], Awaitable[None]]
+                       ) -> tuple[asyncio.Task, int]:
+    """Run `serve(started)` (a gateway's or worker's serve(), which sets `started` to its
+    bound port) as a task; return the task and the port once it listens. A server that
+    fails to start raises its error here: the command ends instead of waiting for a port
+    that will never come."""
+    started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve(started))
+    try:
+        await asyncio.wait({started, task}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not started.done():
+        task.result()
+    return task, started.result()
 
 
 def start_metrics(port: int, model_name: str) -> None:

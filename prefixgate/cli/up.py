@@ -25,6 +25,7 @@ from prefixgate.cli.common import (
     log_flags,
     model_flags,
     overflow_flag,
+    start_server,
     stop_event,
 )
 from prefixgate.cli.flags import flag
@@ -129,18 +130,13 @@ async def _up(args: argparse.Namespace) -> int:
         from prefixgate.registry import make_registry
 
         spec = resolve_model(args.model, cache_dir(args))
-        started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         static = [] if args.redis_url else addresses
         gw_stop = asyncio.Event()
-        gateway = asyncio.create_task(serve(
+        gateway, port = await start_server(lambda started: serve(
             spec, make_registry(args.redis_url or None),
             gateway_cli.gateway_config(args, static, args.port), gw_stop, started))
         extra: list = []  # the other --processes gateway processes, on the same port
         try:
-            await asyncio.wait({started, gateway}, return_when=asyncio.FIRST_COMPLETED)
-            if not started.done():
-                gateway.result()  # it failed to start (e.g. its port is in use): say why
-            port = started.result()
             address = f"{args.host}:{port}"
             if args.processes > 1:
                 from prefixgate.gateway import processes

@@ -15,6 +15,7 @@ from prefixgate.cli.common import (
     model_flags,
     overflow_flag,
     start_metrics,
+    start_server,
     stop_event,
 )
 from prefixgate.cli.flags import flag
@@ -171,14 +172,7 @@ async def serve_worker(service, stop: asyncio.Event, args: argparse.Namespace,
     from prefixgate.worker.events import RedisPublisher
     from prefixgate.worker.server import serve
 
-    started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    server = asyncio.create_task(serve(service, stop, started))
-    # A server that fails to start (e.g. its port is in use) must end the command, not
-    # leave it waiting for a port that will never come.
-    await asyncio.wait({started, server}, return_when=asyncio.FIRST_COMPLETED)
-    if not started.done():
-        server.result()
-    port = started.result()
+    server, port = await start_server(lambda started: serve(service, stop, started))
     if not args.redis_url:
         await server
         return
