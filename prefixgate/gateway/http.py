@@ -7,7 +7,8 @@ path (`ChatService.chat_events`: the same validation, limits and messages, token
 routing, namespaces, retries and worker calls; only the wire format differs):
 
   POST /v1/chat/completions  messages -> a chat completion; `stream` (SSE, `data: [DONE]`
-                             last), `stream_options.include_usage`, `n`, `stop`, `seed`,
+                             last), `stream_options.include_usage` (with `stream` only),
+                             `n`, `stop`, `seed`,
                              `max_tokens` / `max_completion_tokens` (the latter wins),
                              `temperature` (default 1), `top_p`
   POST /v1/completions       `prompt` as text (tokenized with the model's tokenizer, no
@@ -223,6 +224,8 @@ def _text_content(i: int, content: Any) -> str:
 
 
 def _common_fields(body: dict, request: chat_pb2.ChatRequest) -> None:
+    if body.get("stream_options") is not None and body.get("stream") is not True:
+        raise InvalidRequest("stream_options is only allowed with stream: true")
     request.model = _field(body, "model", (str,), "")
     request.conversation_id = _field(body, "prompt_cache_key", (str,), "")
     request.namespace = _field(body, "namespace", (str,), "")

@@ -152,6 +152,9 @@ def test_errors_are_openai_error_objects_with_the_right_status(client, front) ->
     r = httpx.post(front["base"] + "/v1/chat/completions",
                    json={"model": front["model"], "stream": True, "messages": []})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError, match="stream_options is only allowed"):
+        client.chat.completions.create(model=front["model"], stream_options={
+            "include_usage": True}, messages=[{"role": "user", "content": "hi"}])
     r = httpx.post(front["base"] + "/v1/chat/completions", content=b"{not json")
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = httpx.post(front["base"] + "/v1/chat/completions", content=b"x" * (1 << 20))
