@@ -59,6 +59,24 @@ def engine_integrity() -> Iterator[None]:
         engine.check_integrity()
 
 
+@pytest.fixture(autouse=True)
+def command_logging_undone() -> Iterator[None]:
+    """A command run in-process (prefixgate.cli.main) installs prefixgate's stderr log
+    handler (prefixgate/logs.py); remove it after the test, so that background threads of
+    session fixtures do not log to the terminal between tests."""
+    import logging
+
+    from prefixgate.logs import StderrHandler
+
+    root = logging.getLogger()
+    before, level = list(root.handlers), root.level
+    yield
+    for h in list(root.handlers):
+        if isinstance(h, StderrHandler) and h not in before:
+            root.removeHandler(h)
+    root.setLevel(level)
+
+
 @pytest.fixture(scope="session")
 def loop_thread() -> Iterator[LoopThread]:
     lt = LoopThread()
