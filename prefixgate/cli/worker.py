@@ -71,11 +71,11 @@ def weights_flags(parser: argparse.ArgumentParser) -> None:
     choices are spelled here too, so that building the parser imports no torch."""
     flag(parser, "--weights", default="auto",
          choices=("auto", "float32", "bfloat16", "float16", "int8"),
-         help="weight format: int8 (dynamic int8 linears, CPU only), bfloat16, float16 or "
-              "float32, the reference (auto: int8 on CPU, bfloat16 on GPU; quality and "
-              "speed of each in docs/benchmarks.md)")
+         help="weight format: float32 (the reference), bfloat16, float16, or int8 "
+              "(weight-only int8, bfloat16 compute, CPU only) (auto: float32 on CPU, "
+              "bfloat16 on GPU; quality and speed of each in docs/benchmarks.md)")
     flag(parser, "--kv-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-         help="KV cache element type (auto: the compute dtype, float32 under int8 weights)")
+         help="KV cache element type (auto: the compute dtype, bfloat16 under int8 weights)")
 
 
 def passive_omp_wait() -> None:

@@ -15,16 +15,17 @@ from prefixgate.worker.paged_attention import StepMetadata
 
 # The tolerance of a lower-precision format against float32, on the next-token
 # distributions of a real chat: mean KL(float32 || format) per position, and the share of
-# positions where both pick the same token. The same bar `prefixgate bench worker` holds a
-# default format to (bench/weights.py: TOP1_MIN, KL_MAX), with room for a short text's
-# near-ties.
+# positions where both pick the same token. The KL bound is the one `prefixgate bench
+# worker` holds a default format to (bench/weights.py: KL_MAX); the top-1 bound is looser
+# than its TOP1_MIN (0.97 over 384 reply positions) because one short chat's ~100
+# positions hold a few near-ties that either side may take.
 KL_MAX = 0.05
 TOP1_MIN = 0.9
 
 
 def test_options_resolve() -> None:
-    assert default_weights("cpu") == "int8" and default_weights("cuda") == "bfloat16"
-    assert WeightsConfig("auto").resolved("cpu") == WeightsConfig("int8")
+    assert default_weights("cpu") == "float32" and default_weights("cuda") == "bfloat16"
+    assert WeightsConfig("auto").resolved("cuda") == WeightsConfig("bfloat16")
     assert WeightsConfig("int8").compute_dtype == torch.bfloat16
     assert WeightsConfig("int8").kv_torch_dtype == torch.bfloat16
     assert WeightsConfig("int8", "float32").kv_torch_dtype == torch.float32
