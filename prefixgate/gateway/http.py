@@ -102,9 +102,9 @@ SHIFTED_REUSE_TO_PROTO = {name: value for value, name in SHIFTED_REUSE_FROM_PROT
 class TurnFailed(Exception):
     """A turn that ends with an error the client should see (gRPC code + message)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, param: str | None = None) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
-        self.code, self.details, self.param = code, details, param
+        self.code, self.details = code, details
 
     @property
     def http_status(self) -> int:
@@ -370,8 +370,7 @@ class HTTPFront:
         try:
             response = await handler(request)
         except TurnFailed as exc:
-            response = error_response(exc.http_status, exc.details, exc.code.name.lower(),
-                                      exc.param)
+            response = error_response(exc.http_status, exc.details, exc.code.name.lower())
         except web.HTTPRequestEntityTooLarge:
             limit = self.service.config.limits.max_request_bytes
             response = error_response(413, f"the request body is over {limit} bytes: send a "
@@ -544,8 +543,7 @@ class HTTPFront:
             return response
         except Exception as exc:  # after the headers: the error is the stream's last event
             if isinstance(exc, TurnFailed):
-                body = error_body(exc.http_status, exc.details, exc.code.name.lower(),
-                                  exc.param)
+                body = error_body(exc.http_status, exc.details, exc.code.name.lower())
             else:  # a bug; the middleware cannot answer a stream already begun
                 log.exception("HTTP %s stream %s failed", turn.route, turn.request_id)
                 body = error_body(500, INTERNAL_MESSAGE, "internal")
