@@ -86,11 +86,12 @@ async def start_server(serve: Callable[[asyncio.Future[int]], Awaitable[None]]
     return task, started.result()
 
 
-def start_metrics(port: int, model_name: str) -> None:
-    """Serve Prometheus metrics on `port` at /metrics (0: off), every prefixgate series
-    labelled `model_name` (prefixgate/metrics_export.py)."""
+def start_metrics(port: int, model_name: str, host: str) -> None:
+    """Serve Prometheus metrics on host:`port` at /metrics (0: off; `host` is the
+    command's --host, so a loopback server keeps its metrics on loopback too), every
+    prefixgate series labelled `model_name` (prefixgate/metrics_export.py)."""
     if port:
         from prefixgate import metrics_export
 
-        metrics_export.serve(port, model_name)
-        log.info("Prometheus metrics on :%d/metrics", port)
+        metrics_export.serve(port, model_name, host)
+        log.info("Prometheus metrics on %s:%d/metrics", host, port)

@@ -42,7 +42,7 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
     overflow_flag(g)
     http_flag(g, -1)
     flag(g, "--metrics-port", type=int, default=0,
-         help="serve Prometheus metrics on this port at /metrics (0: off; with --processes "
+         help="serve Prometheus metrics on --host at this port, /metrics (0: off; with --processes "
               "N, process i serves on this port + i)")
     processes_flag(g)
     security.gateway_flags(g)
@@ -172,7 +172,7 @@ async def _serve(args: argparse.Namespace, on_listening: Callable[[], None] | No
         raise SystemExit("prefixgate gateway: give workers with --worker HOST:PORT "
                          "or a registry with --redis-url")
     spec = resolve_model(args.model, cache_dir(args))
-    start_metrics(args.metrics_port, spec.name)
+    start_metrics(args.metrics_port, spec.name, args.host)
     started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     if on_listening is not None:
         started.add_done_callback(lambda _: on_listening())

@@ -60,7 +60,7 @@ def add_arguments(w: argparse.ArgumentParser) -> None:
     flag(w, "--torch-threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     drain_flag(w)
     flag(w, "--metrics-port", type=int, default=0,
-         help="serve Prometheus metrics on this port at /metrics (0: off)")
+         help="serve Prometheus metrics on --host at this port, /metrics (0: off)")
     from prefixgate.emulate.worker import add_arguments as add_emulation_arguments
 
     add_emulation_arguments(w)  # --emulate: no model (prefixgate/emulate)
@@ -126,7 +126,7 @@ async def _serve(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.torch_threads)
     stop = stop_event()
     spec = resolve_model(args.model, cache_dir(args))
-    start_metrics(args.metrics_port, spec.name)
+    start_metrics(args.metrics_port, spec.name, args.host)
     tokenizer = ChatTokenizer(spec)
     device = args.device if args.device != "auto" else (
         "cuda" if torch.cuda.is_available() else "cpu")
