@@ -88,8 +88,10 @@ def test_paged_logits_within_tolerance_of_float32(fmt, smollm2_spec, smollm2_mod
                       "art, fashion and science."),
         ("user", "Name three other large cities in France."),
     ])
-    with torch.inference_mode():
-        want = torch.log_softmax(smollm2_model(torch.tensor([ids])).logits[0].float(), -1)
+    # The float32 reference runs the same paged path (itself checked against transformers
+    # to 1e-4 in test_paged_attention.py): the session's model is switched to paged
+    # attention by whichever engine test ran first, so a plain forward is not available.
+    want = torch.log_softmax(_paged_logits(smollm2_model, ids), -1)
     model = load_model(smollm2_spec, weights=WeightsConfig(fmt))
     got = torch.log_softmax(_paged_logits(model, ids), -1)
     kl = (want.exp() * (want - got)).sum(-1)
