@@ -35,6 +35,20 @@ def workers(loop_thread, tiny_spec, tiny_model):
         loop_thread.loop.call_soon_threadsafe(stop.set)
 
 
+def listening_sockets(port: int) -> int:
+    """How many sockets listen on TCP `port` (Linux /proc/net/tcp*, state 0A = LISTEN)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            count += state == "0A" and int(local.rsplit(":", 1)[1], 16) == port
+    return count
+
+
 def free_port_pair() -> int:
     """A port P with P and P + 1 free a moment ago (process i serves metrics on P + i)."""
     for _ in range(100):
@@ -56,6 +70,9 @@ def test_two_processes_share_a_port_and_route_alike(workers, tiny_spec) -> None:
          "--model", "tiny-random", "--cache-dir", str(tiny_spec.model_dir.parent.parent),
          "--metrics-port", str(metrics), "--drain-seconds", "1", "--http-port", "-1",
          *(a for address in workers for a in ("--worker", address))], env=env, cwd=REPO)
+    # Connections opened before both processes listen would all land on the first one.
+    wait_for(lambda: gw.poll() is not None or listening_sockets(port) >= 2, timeout=120,
+             what="both gateway processes listening")
     # One connection per channel (gRPC would share one between channels to one target).
     channels = [grpc.insecure_channel(f"127.0.0.1:{port}",
                                       options=[("grpc.use_local_subchannel_pool", 1)])
