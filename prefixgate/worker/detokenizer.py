@@ -16,6 +16,8 @@ from typing import Protocol
 
 
 class Decoder(Protocol):
+    vocab_size: int  # token ids the tokenizer can decode: [0, vocab_size)
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
 
 

@@ -125,7 +125,7 @@ class PagedEngine(Engine):
         self.config = config
         self.tokenizer = tokenizer
         self.pool = KVPool(pool_config_for(model, config.block_size, config.num_blocks))
-        self.runner = ModelRunner(model, self.pool)
+        self.runner = ModelRunner(model, self.pool, num_token_ids=tokenizer.vocab_size)
         self.attention_backend = resolve_backend(config.attention_backend, self.pool,
                                                  model.config.num_attention_heads)
         self.cache = PrefixCache(self.pool, event_sink)

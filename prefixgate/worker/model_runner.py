@@ -1,10 +1,14 @@
 """Run a transformers causal LM over the paged KV pool, one flat batch per step.
 
-Contract: `ModelRunner(model, pool).forward(input_ids, positions, step, sample_indices)`
-runs the model once on the T new tokens of a step (`input_ids`, `positions`: length T;
-`step`: the StepMetadata for their sequences), writes their K/V into the pool, and returns
-the next-token logits [len(sample_indices), vocab] (fp32, on the CPU) of the tokens at
-`sample_indices` (the last new token of each sequence that samples this step). Only Llama-family models with
+Contract: `ModelRunner(model, pool, num_token_ids).forward(input_ids, positions, step,
+sample_indices)` runs the model once on the T new tokens of a step (`input_ids`,
+`positions`: length T; `step`: the StepMetadata for their sequences), writes their K/V into
+the pool, and returns the next-token logits [len(sample_indices), num_token_ids] (fp32, on
+the CPU) of the tokens at `sample_indices` (the last new token of each sequence that
+samples this step). `num_token_ids` is the tokenizer's vocabulary: models often have more
+embedding rows than tokens (padding to a multiple of 64 or 128), and an id past the
+tokenizer's vocabulary can be neither decoded nor sent back as a prompt, so those rows are
+never offered to sampling (None: every row). Only Llama-family models with
 rotary embeddings are supported (the architecture of every built-in model).
 """
 
@@ -31,9 +35,11 @@ def pool_config_for(model: torch.nn.Module, block_size: int, num_blocks: int) ->
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, pool: KVPool) -> None:
+    def __init__(self, model: torch.nn.Module, pool: KVPool,
+                 num_token_ids: int | None = None) -> None:
         self.model = model
         self.pool = pool
+        self.num_token_ids = num_token_ids
         # Every attention layer now calls paged_attention_forward (no mask is built:
         # transformers skips mask creation for attention functions it does not know).
         model.config._attn_implementation = ATTN_IMPLEMENTATION
@@ -52,7 +58,7 @@ class ModelRunner:
             pg_step=step,
         )
         # Sampling runs on the CPU with per-request generators: hand it fp32 CPU logits.
-        return out.logits[0].float().cpu()
+        return out.logits[0, :, :self.num_token_ids].float().cpu()
 
 
 def _register_triton_backend() -> None:

@@ -183,6 +183,20 @@ def test_seeded_sampling_and_cancel(tiny_spec, tiny_model) -> None:
     engine.shutdown()
 
 
+def test_samples_only_ids_the_tokenizer_can_decode(tiny_spec, tiny_model) -> None:
+    """tiny-random has more embedding rows than tokens (as many real models do): a reply
+    never holds an id the tokenizer cannot decode, so it can come back as a prompt."""
+    engine = make_engine(tiny_spec, tiny_model)
+    vocab_size = engine.tokenizer.vocab_size
+    assert tiny_model.config.vocab_size > vocab_size  # the case under test exists
+    # Sampled at temperature 1 from a random model, about one token in five would fall in
+    # the extra rows (320 vs 259) if they were offered.
+    tokens, _ = run(engine, prompts(1, seed=7)[0], max_tokens=200, temperature=1.0, seed=3)
+    assert len(tokens) >= 20 and max(tokens) < vocab_size
+    assert_no_leak(engine)
+    engine.shutdown()
+
+
 def test_stop_strings_and_token_ids(tiny_spec, tiny_model) -> None:
     engine = make_engine(tiny_spec, tiny_model)
     p = prompts(1, seed=7)[0]
