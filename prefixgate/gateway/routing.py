@@ -59,9 +59,13 @@ Policies (RoutingConfig.policy)
                at `shared_prefix_weight` (default 0) on workers whose cache is fuller than
                (1 + occupancy_slack) x the mean: holding a popular prefix is no reason to
                attract a new conversation; load and cache occupancy place it.
-               Ties, in order: the worker of the conversation's previous turn, the worker
-               with fewer indexed blocks (emptier cache), a rendezvous hash of the
-               conversation id (or of the first block), the worker id.
+               Ties: costs closer than half a block of prefill at the worker's rate
+               (cached prefixes differ by whole blocks; a smaller difference is the
+               rates' measurement noise) go, in order, to the worker of the
+               conversation's previous turn, the less loaded (queued prefill tokens, then
+               running sequences), the worker with fewer indexed blocks (emptier
+               cache), a rendezvous hash of the conversation id (or of the first block),
+               the worker id.
   session      rendezvous hash of conversation_id (turns of one conversation stay on one
                worker while it is up); turns without an id go to the least-loaded worker
   least-loaded fewest queued prefill tokens, then fewest running sequences, then id
@@ -322,9 +326,11 @@ class Router:
         # A worker that has measured nothing yet (new, or never chosen) counts at its
         # peers' mean rate: a constant would make it look slower or faster than it is.
         unmeasured = sum(rates) / len(rates) if rates else cfg.default_prefill_tokens_per_s
+        tie_s: dict[str, float] = {}
         for w in workers:
             wid = w.worker_id
             rate = (getattr(w, "prefill_tokens_per_s", 0.0) if measured else 0.0) or unmeasured
+            tie_s[wid] = 0.5 * turn.block_size / rate
             queued = w.num_queued_prefill_tokens
             uncached = prompt - credit[wid]
             step_s = getattr(w, "decode_step_s", 0.0) if measured else 0.0
@@ -342,9 +348,27 @@ class Router:
             self._reuse_turns = n
             self.reuse += (min(1.0, max(cached.values(), default=0) / prompt) - reuse) / n
 
-        def sort_key(w: W) -> tuple:
+        def tie_key(w: W) -> tuple:
             wid = w.worker_id
-            return (costs[wid], wid != previous, occupancy[wid],
-                    -_rendezvous(key, wid) if key else 0, wid)
+            return (wid != previous, w.num_queued_prefill_tokens, w.num_running_requests,
+                    occupancy[wid], -_rendezvous(key, wid) if key else 0, wid)
 
-        return sorted(workers, key=sort_key)
+        # Costs closer than half a block of prefill are a tie. Cached prefixes count in
+        # whole blocks, so a real difference in what a turn finds cached is at least one
+        # block's prefill; anything smaller comes from the rates, and rates are measured
+        # (a running mean of tokens / seconds): identical workers report rates that differ
+        # by float noise, real ones by their jitter. Comparing exact seconds would let that
+        # noise pick the worker every time (all near-ties to whichever measured a hair
+        # faster) and the tie-breakers would never run. Groups form in cost order: a
+        # worker within the tolerance of its group's cheapest joins it; each group is
+        # ordered by the tie-breakers.
+        ranked: list[W] = []
+        group: list[W] = []
+        for w in sorted(workers, key=lambda w: costs[w.worker_id]):
+            if group:
+                lead = group[0].worker_id
+                if costs[w.worker_id] - costs[lead] >= max(tie_s[lead], tie_s[w.worker_id]):
+                    ranked += sorted(group, key=tie_key)
+                    group = []
+            group.append(w)
+        return ranked + sorted(group, key=tie_key)

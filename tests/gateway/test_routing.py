@@ -269,3 +269,42 @@ def test_decode_steps_delay_a_prefill_only_where_they_interleave() -> None:
     assert d.cost_s["w1"] == pytest.approx(0.1) and d.ranked[0].worker_id == "w1"
     d = router.decide([LoadSnapshot("w0", 0, 2), LoadSnapshot("w1")], turn)
     assert d.cost_s["w0"] == pytest.approx((1000 + 2 * 64) / 10_000)  # nothing measured
+
+
+def _spread_new_conversations(rates: list[float]) -> tuple[Counter, str]:
+    """16 new conversations, one at a time, on idle workers with these measured rates
+    (512-token prompts, no shared prefix), each served turn reported back as stored blocks;
+    then a fresh conversation's second turn (no cache anywhere). Returns (placement,
+    where that second turn went)."""
+    index = PrefixIndex()
+    router = Router(RoutingConfig(), index)
+    loads = [LoadSnapshot(f"w{i}", prefill_tokens_per_s=r) for i, r in enumerate(rates)]
+    placed: Counter = Counter()
+    for c in range(16):
+        prompt = list(range(c * 1000, c * 1000 + 512))
+        turn = make_turn(prompt, HASHER, f"c{c}")
+        w = router.rank(loads, turn)[0].worker_id
+        router.record(turn, w)
+        serve(index, w, prompt)
+        placed[w] += 1
+    router = Router(RoutingConfig())  # no index: only the tie-breakers can place it
+    router.record(make_turn([1, 2, 3, 4], HASHER, "conv"), "w2")
+    return placed, router.rank(loads, make_turn(list(range(64)), HASHER, "conv"))[0].worker_id
+
+
+def test_rates_that_differ_by_measurement_noise_are_a_tie() -> None:
+    """Identical workers report rates that differ by float noise (a running mean of
+    tokens / seconds): their costs differ by ~1e-12 s, far below anything the score
+    resolves. They must place turns as workers with exactly equal rates do (spread by the
+    emptier cache; a conversation's turn back on its worker), not all on the worker that
+    measured a hair faster."""
+    exact, affinity = _spread_new_conversations([20_000.0] * 4)
+    assert sorted(exact.values()) == [4, 4, 4, 4] and affinity == "w2"
+    noisy = [20_000.0 * (1 + k * 1e-12) for k in (3, -1, 2, 0)]
+    assert _spread_new_conversations(noisy) == (exact, affinity)
+    # Real workers' estimates differ by a few percent: still a tie for a turn whose costs
+    # differ by less than half a block of prefill ...
+    assert _spread_new_conversations([20_000.0, 20_100.0, 19_950.0, 20_050.0])[1] == "w2"
+    # ... while a real difference (a worker twice as fast) still decides.
+    fast = _spread_new_conversations([20_000.0, 20_000.0, 40_000.0, 20_000.0])
+    assert fast[0]["w2"] == 16
