@@ -130,12 +130,13 @@ def add_health_and_reflection(server: grpc.aio.Server,
     return servicer
 
 
-async def start_health_port(servicer: health.aio.HealthServicer, host: str,
-                            port: int) -> grpc.aio.Server | None:
-    """Serve `servicer` (and nothing else) in plain text on `port`; None when port is 0."""
+async def start_health_port(servicer: health.aio.HealthServicer, host: str, port: int,
+                            share_port: bool = False) -> grpc.aio.Server | None:
+    """Serve `servicer` (and nothing else) in plain text on `port`; None when port is 0.
+    `share_port`: other processes of this server listen there too (SO_REUSEPORT)."""
     if not port:
         return None
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", int(share_port))])
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     server.add_insecure_port(f"{host}:{port}")
     await server.start()

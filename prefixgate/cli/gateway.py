@@ -128,6 +128,7 @@ def gateway_config(args: argparse.Namespace, workers: Sequence[str], port: int):
                          status_interval_ms=args.status_interval_ms,
                          context_overflow=args.context_overflow,
                          http_port=args.http_port,
+                         share_port=getattr(args, "processes", 1) > 1,
                          limits=request_limits(args),
                          **security.gateway_security(args))
 
@@ -144,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
     args.port = args.port or free_port(args.host)  # one port for all of them
     if args.http_port == 0:
         args.http_port = free_port(args.host)
+    # The processes share their ports (SO_REUSEPORT), which would also share them with
+    # an unrelated listener: refuse a busy port before the first process binds.
+    processes.refuse_busy_ports(args)
     children = processes.spawn(serve_process, args, args.processes - 1)
     try:
         processes.wait_ready(children, timeout_s=300)

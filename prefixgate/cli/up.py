@@ -132,6 +132,10 @@ async def _up(args: argparse.Namespace) -> int:
         spec = resolve_model(args.model, cache_dir(args))
         static = [] if args.redis_url else addresses
         gw_stop = asyncio.Event()
+        if args.processes > 1:  # shared ports: refuse a busy one before the first bind
+            from prefixgate.gateway.processes import refuse_busy_ports
+
+            refuse_busy_ports(args)
         gateway, port = await start_server(lambda started: serve(
             spec, make_registry(args.redis_url or None),
             gateway_cli.gateway_config(args, static, args.port), gw_stop, started))

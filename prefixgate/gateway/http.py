@@ -333,14 +333,16 @@ class HTTPFront:
         self.runner: web.AppRunner | None = None
         self.turns_in_flight = 0
 
-    async def start(self, host: str, port: int, tls: rpc.TLSConfig | None = None) -> int:
-        """Listen on host:port (0: any free port); returns the bound port."""
+    async def start(self, host: str, port: int, tls: rpc.TLSConfig | None = None,
+                    share_port: bool = False) -> int:
+        """Listen on host:port (0: any free port); returns the bound port. `share_port`:
+        other gateway processes listen on the same port (SO_REUSEPORT)."""
         # handler_cancellation: a client that disconnects cancels its turn at once.
         self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
                                     shutdown_timeout=0)
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port, ssl_context=_ssl_context(tls),
-                           reuse_port=True)
+                           reuse_port=share_port)
         try:
             await site.start()
         except OSError as exc:

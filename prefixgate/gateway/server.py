@@ -110,6 +110,10 @@ class GatewayConfig:
     limits: RequestLimits = RequestLimits()  # what one request may carry
     # The OpenAI-compatible HTTP front (gateway/http.py) on this port: -1 off, 0 any free.
     http_port: int = -1
+    # Several gateway processes serve these ports (SO_REUSEPORT; gateway/processes.py).
+    # Off, binding a port something already listens on fails with a clear message instead
+    # of silently sharing it with that listener.
+    share_port: bool = False
 
 
 OVERFLOW_TO_PROTO = {name: value for value, name in OVERFLOW_FROM_PROTO.items() if name}
@@ -344,22 +348,23 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
     status = StatusFollower(config.status_interval_ms)
     server = grpc.aio.server(options=[
         *config.limits.server_options(config.limits.max_request_bytes),
-        # Several gateway processes may share the port (gateway/processes.py).
-        ("grpc.so_reuseport", 1)])
+        ("grpc.so_reuseport", int(config.share_port))])
     service.tokens = auth.load_tokens(config.auth, "gateway")
     rpc.add_service(server, SERVICE, service,
                     None if service.tokens is None else auth.tokens_guard(service.tokens))
     health = rpc.add_health_and_reflection(server, [SERVICE.full_name])
     port = rpc.bind(server, config.host, config.port, config.tls, "gateway")
     await server.start()
-    health_server = await rpc.start_health_port(health, config.host, config.health_port)
+    health_server = await rpc.start_health_port(health, config.host, config.health_port,
+                                                share_port=config.share_port)
     http = None
     if config.http_port >= 0:
         from prefixgate.gateway.http import HTTPFront
 
         http = HTTPFront(service)
         try:
-            http_port = await http.start(config.host, config.http_port, config.tls)
+            http_port = await http.start(config.host, config.http_port, config.tls,
+                                         share_port=config.share_port)
         except rpc.BindError:
             await server.stop(0)
             raise

@@ -260,7 +260,9 @@ async def serve(service: WorkerService, stop: asyncio.Event,
                 started: asyncio.Future[int] | None = None) -> None:
     """Serve until `stop` is set, then drain. `started` receives the bound port."""
     limits = service.config.limits
-    server = grpc.aio.server(options=limits.server_options(limits.worker_receive_bytes))
+    # No SO_REUSEPORT (gRPC's default is on): a second worker on a busy port must fail.
+    server = grpc.aio.server(options=[*limits.server_options(limits.worker_receive_bytes),
+                                      ("grpc.so_reuseport", 0)])
     internal = auth.load_internal(service.config.auth, f"worker {service.config.worker_id}")
     rpc.add_service(server, SERVICE, service,
                     None if internal is None else auth.internal_guard(internal))

@@ -232,11 +232,15 @@ def test_missing_extras_say_what_to_install(tmp_path) -> None:
         [], ["gateway", "--worker", "x:1", "--model", str(tmp_path)], env).stderr
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["plain-holder", "reuseport-holder"])
 @pytest.mark.parametrize("which", ["--port", "--http-port"])
-def test_busy_port_is_a_message(which, tmp_path) -> None:
+def test_busy_port_is_a_message(which, shared, tmp_path) -> None:
+    """A port something listens on is refused, also when that listener allows sharing
+    (SO_REUSEPORT, as another gateway's processes do): one gateway never joins another."""
     import socket
 
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, int(shared))
         s.bind(("127.0.0.1", 0))
         s.listen()
         busy = s.getsockname()[1]
