@@ -42,11 +42,13 @@ earlier turn left them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 
 import torch
@@ -176,12 +178,18 @@ class PagedEngine(Engine):
         reference count equals its references from the prefix cache (tree and tails) plus
         its occurrences in live block tables, and the free list holds exactly the blocks
         with none. Checked between steps on the engine thread (directly once stopped)."""
-        if not self._thread.is_alive():
-            self._check_integrity()
-            return
         done: Future[None] = Future()
-        self._inbox.put(CheckIntegrity(done))
-        done.result(timeout=60)
+        if self._thread.is_alive():
+            self._inbox.put(CheckIntegrity(done))
+        # The loop may stop (Shutdown queued first) without reaching the message: then the
+        # pool is no longer touched by anyone and is checked here.
+        for _ in range(600):
+            if not self._thread.is_alive() and not done.done():
+                self._check_integrity()
+                return
+            with contextlib.suppress(FutureTimeout):
+                return done.result(timeout=0.1)
+        raise FutureTimeout("the engine thread did not check its integrity within 60 s")
 
     def shutdown(self) -> None:
         self._inbox.put(Shutdown())
