@@ -118,21 +118,8 @@ def _decode_rates(model, spec, tok, prompts: dict[int, list[list[int]]], num_tok
     counter = iter(range(10**9))
 
     def run(batch: list[list[int]], n: int) -> float:
-        import queue
-
-        from prefixgate.worker.engine import FinalEvent
-
-        qs = []
-        for p in batch:
-            q: queue.Queue = queue.Queue()
-            engine.submit(Request(f"w{next(counter)}", tuple(p), SamplingConfig(max_tokens=n)),
-                          q.put)
-            qs.append(q)
-        finals = []
-        for q in qs:
-            while not isinstance(ev := q.get(timeout=900), FinalEvent):
-                pass
-            finals.append(ev)
+        finals = engine.run_batch([Request(f"w{next(counter)}", tuple(p),
+                                           SamplingConfig(max_tokens=n)) for p in batch], 900)
         span_ms = max(f.total_ms for f in finals) - max(f.ttft_ms for f in finals)
         return len(batch) * (n - 1) / max(1e-9, span_ms / 1e3)
 

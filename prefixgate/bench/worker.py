@@ -68,8 +68,6 @@ def _log(msg: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    import queue
-
     from prefixgate.cli.worker import passive_omp_wait
 
     passive_omp_wait()  # measure the threads as the worker runs them
@@ -99,18 +97,8 @@ def run(args: argparse.Namespace) -> dict:
     counter = iter(range(10**9))
 
     def generate(eng: PagedEngine, prompts: list[list[int]], max_tokens: int) -> list[FinalEvent]:
-        qs = []
-        for p in prompts:
-            q: queue.Queue = queue.Queue()
-            eng.submit(Request(f"b{next(counter)}", tuple(p), SamplingConfig(max_tokens=max_tokens)),
-                       q.put)
-            qs.append(q)
-        finals = []
-        for q in qs:
-            while not isinstance(ev := q.get(timeout=600), FinalEvent):
-                pass
-            finals.append(ev)
-        return finals
+        return eng.run_batch([Request(f"b{next(counter)}", tuple(p),
+                                      SamplingConfig(max_tokens=max_tokens)) for p in prompts])
 
     text_ids = tok.tokenizer.encode(_filler_text(), add_special_tokens=False).ids
     g = torch.Generator().manual_seed(0)

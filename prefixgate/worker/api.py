@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import queue
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -140,6 +140,22 @@ class Engine(ABC):
 
     @abstractmethod
     def shutdown(self) -> None: ...
+
+    def run_batch(self, requests: Sequence[Request], timeout_s: float = 600.0
+                  ) -> list[FinalEvent]:
+        """Submit every request at once (so they share steps) and block until each ends:
+        their sample-0 final events, in order. For benchmarks; the service streams."""
+        queues: list[queue.Queue[Event]] = []
+        for request in requests:
+            queues.append(queue.Queue())
+            self.submit(request, queues[-1].put)
+        finals: list[FinalEvent] = []
+        for events in queues:
+            while not (isinstance(ev := events.get(timeout=timeout_s), FinalEvent)
+                       and ev.index == 0):
+                pass
+            finals.append(ev)
+        return finals
 
     def run_to_completion(self, request: Request, timeout_s: float = 600.0
                           ) -> tuple[list[int], FinalEvent]:
