@@ -152,7 +152,8 @@ async def _up(args: argparse.Namespace) -> int:
             log.info("prefixgate is up: gateway %s, workers %s", address, ", ".join(addresses))
             if args.demo:
                 # The demo prints each turn's figures itself; keep the terminal readable.
-                logging.getLogger("prefixgate.gateway").setLevel(logging.WARNING)
+                for name in ("prefixgate.gateway", "prefixgate.turns"):
+                    logging.getLogger(name).setLevel(logging.WARNING)
                 return await _demo(address, len(addresses))
             http = (f"; OpenAI-compatible API on http://{args.host}:{args.http_port}/v1"
                     if args.http_port > 0 else "")
