@@ -53,7 +53,7 @@ import xxhash
 
 from prefixgate.emulate.cache import BlockCache
 from prefixgate.events import KVEventSink
-from prefixgate.radix import BlockHasher, Node
+from prefixgate.radix import BlockHasher, Hashers, Node
 from prefixgate.worker.api import (
     EmitFn,
     Engine,
@@ -149,7 +149,7 @@ class EmulatedEngine(Engine):
         self.config = config
         self.cache = BlockCache(config.capacity_blocks, events)
         self.records: list[ServedRecord] = []
-        self._hashers: dict[str, BlockHasher] = {}
+        self._hashers = Hashers(self.config.block_size, self.config.model_fingerprint)
         self._queue: deque[_Req] = deque()
         self._prefilling: _Req | None = None
         self._decoding: dict[str, _Req] = {}
@@ -193,13 +193,6 @@ class EmulatedEngine(Engine):
     def _wall(self, emulated_s: float) -> float:
         return emulated_s / self.config.time_scale
 
-    def _hasher(self, namespace: str) -> BlockHasher:
-        h = self._hashers.get(namespace)
-        if h is None:
-            h = self._hashers[namespace] = BlockHasher(
-                self.config.block_size, self.config.model_fingerprint, namespace)
-        return h
-
     def _usable(self, req: _Req) -> list[int]:
         # Cap the hit so that at least the last prompt token is computed.
         n = len(req.request.prompt_token_ids)
@@ -208,7 +201,7 @@ class EmulatedEngine(Engine):
     def _arrive(self, request: Request, emit: EmitFn, arrival: float) -> None:
         if self._closed:
             return
-        hasher = self._hasher(request.namespace)
+        hasher = self._hashers.get(request.namespace)
         req = _Req(request, emit, arrival, hasher.hash_blocks(request.prompt_token_ids), hasher)
         m = self.cache.expected(self._usable(req))
         req.expected_uncached = len(request.prompt_token_ids) - m * self.config.block_size

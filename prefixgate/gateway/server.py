@@ -68,7 +68,7 @@ from prefixgate.protocol import (
     check_prompt_tokens,
     sampling_from_proto,
 )
-from prefixgate.radix import BlockHasher, HashMemo
+from prefixgate.radix import Hashers, HashMemo
 from prefixgate.registry import Registry, WorkerRecord
 from prefixgate.token_ids import pack, packed_token_ids, repeated_token_ids
 from prefixgate.tokenizer import ChatTokenizer
@@ -133,7 +133,7 @@ class ChatService:
         self.config = config
         self.recorder = (TraceRecorder(config.record_trace, config.block_size)
                          if config.record_trace else None)
-        self._hashers: dict[str, BlockHasher] = {}
+        self.hashers = Hashers(config.block_size, spec.fingerprint)  # the workers' hashers
         self.hash_memo = HashMemo(config.hash_memo_bytes)
         self.tokens: auth.TokenStore | None = None  # serve() loads them from config.auth
 
@@ -150,17 +150,6 @@ class ChatService:
         except auth.AuthError as exc:
             await rpc.abort_refused(context, exc)
             raise
-
-    def _hasher(self, namespace: str) -> BlockHasher:
-        """The workers' hasher for `namespace` (block size, model fingerprint, namespace)."""
-        h = self._hashers.get(namespace)
-        if h is None:
-            if len(self._hashers) >= 4096:  # bounded: namespaces are client-chosen
-                self._hashers.clear()
-            h = self._hashers[namespace] = BlockHasher(
-                self.config.block_size, model_fingerprint=self.spec.fingerprint,
-                namespace=namespace)
-        return h
 
     def _prompt(self, request: chat_pb2.ChatRequest) -> memoryview:
         """The prompt as packed token ids (prefixgate/token_ids.py): hashed and forwarded
@@ -203,7 +192,7 @@ class ChatService:
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         t0 = time.perf_counter()
-        hasher = self._hasher(namespace)
+        hasher = self.hashers.get(namespace)
         turn = Turn(len(prompt), request.conversation_id,  # make_turn, new blocks only
                     self.hash_memo.hash_blocks(hasher, prompt, request.conversation_id),
                     hasher.block_size)

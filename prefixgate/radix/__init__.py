@@ -14,6 +14,7 @@ Shared by the gateway and the worker; pure Python (stdlib + xxhash), no torch, n
   set of workers holding them (the gateway), with per-owner updates that never scan.
 """
 
+from prefixgate.radix.hashers import Hashers
 from prefixgate.radix.hashing import (
     HASH_VERSION,
     BlockHasher,
@@ -28,6 +29,7 @@ __all__ = [
     "HASH_VERSION",
     "BlockHasher",
     "HashMemo",
+    "Hashers",
     "InsertResult",
     "LockedError",
     "MatchResult",

@@ -47,8 +47,7 @@ import torch
 import xxhash
 
 from prefixgate.overflow import OverflowPlan
-from prefixgate.radix import BlockHasher
-from prefixgate.radix.hashers import Hashers
+from prefixgate.radix import BlockHasher, Hashers
 from prefixgate.worker.api import EngineConfig
 from prefixgate.worker.blocks import BlockManager
 from prefixgate.worker.prefix_cache import PrefixCache
