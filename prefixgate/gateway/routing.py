@@ -20,7 +20,7 @@ Interface (shared by the gateway and the replay simulator)
   `Router.record(turn, worker_id)` tells the router where a turn was served (the
   conversation tie-breaker). `rank` = decide().ranked. The router never calls Redis or
   the network; its state is the conversation map (bounded LRU), the round-robin counter
-  and the measured reuse (a running mean).
+  and the measured reuse (a window of turns).
 * Optional `WorkerLoad` figures, read with defaults when absent (`LoadSnapshot` has them):
   `prefill_tokens_per_s` (0: not measured), `decode_step_s` (0: not measured),
   `prefill_chunk_tokens` (0: a prompt is prefilled alone, decode does not delay it),
@@ -41,9 +41,10 @@ Policies (RoutingConfig.policy)
                miss_s     what the choice costs later: the cached tokens it forgoes against
                           the best-cached worker are prefilled again here (duplicates) and
                           evict as many cached tokens of this worker once its cache is full;
-                          each evicted token costs its prefill again with the probability
-                          that cached tokens get reused, measured as the running mean of the
-                          best predicted hit of recent turns:
+                          each evicted token costs its prefill again as often as a cached
+                          token is reused, measured over recent turns as the tokens the
+                          best-cached workers held over the tokens they lacked (reuses per
+                          computed token, `reuse`):
                             miss_s = (best - credited) / rate x reuse x kv_fill
                Rates are what the worker measures and reports (`prefill_tokens_per_s`,
                `decode_step_s`, `prefill_chunk_tokens`, `kv_fill` in its status); a
@@ -78,7 +79,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
@@ -150,7 +151,7 @@ class RoutingConfig:
     # How long a routed turn's blocks count as expected on its worker without an event
     # confirming them (0: no predictions). Longer than a prefill's queue plus event delay.
     prediction_ttl_s: float = 30.0
-    # Turns over which the measured reuse (best predicted hit) is averaged.
+    # Turns over which the measured reuse (reuses per computed token) is counted.
     reuse_window_turns: int = 200
 
     def __post_init__(self) -> None:
@@ -238,8 +239,11 @@ class Router:
         self._counter = itertools.count()
         self._rng = random.Random(config.seed)
         self._last_worker: OrderedDict[str, str] = OrderedDict()
-        self.reuse = 0.0  # running mean of the best predicted hit (cached / prompt tokens)
-        self._reuse_turns = 0
+        # Reuses per computed token over the last reuse_window_turns turns: best predicted
+        # cached tokens / the rest of the prompt tokens (module docstring, miss_s).
+        self.reuse = 0.0
+        self._reuse_window: deque[tuple[int, int]] = deque()  # (cached, uncached) tokens
+        self._reuse_cached = self._reuse_uncached = 0
 
     def dispatch(self, turn: Turn, worker_id: str) -> int:
         """`turn` is being sent to `worker_id` now: its prompt's blocks are expected there
@@ -293,6 +297,24 @@ class Router:
             ranked = sorted(workers, key=_load)
         return Decision(ranked, policy, cached, shared, certain, costs)
 
+    def _measure_reuse(self, cached: int, prompt: int) -> None:
+        """Reuses per computed token: in steady state every token computed is stored once
+        and then served from cache `reuse` times on average, so a cached token that a
+        duplicate evicts costs that many re-prefills. Counted in tokens (a turn-mean of hit
+        ratios would let many short cold prompts outweigh the long ones that carry the
+        reuse), over the best predicted hit (what the fleet holds, whoever is chosen), at
+        most the window's length in turns (a token cannot be reused more often than turns
+        arrived)."""
+        window = self._reuse_window
+        window.append((cached, prompt - cached))
+        self._reuse_cached += cached
+        self._reuse_uncached += prompt - cached
+        if len(window) > self.config.reuse_window_turns:
+            old_cached, old_uncached = window.popleft()
+            self._reuse_cached -= old_cached
+            self._reuse_uncached -= old_uncached
+        self.reuse = min(float(len(window)), self._reuse_cached / max(1, self._reuse_uncached))
+
     def _rank_prefix(self, workers: list[W], turn: Turn, cached: dict[str, int],
                      certain: dict[str, int], match: PrefixMatch | None,
                      costs: dict[str, float]) -> list[W]:
@@ -343,10 +365,8 @@ class Router:
             miss_s = (best - credit[wid]) / rate * reuse * min(1.0, getattr(w, "kv_fill", 1.0))
             costs[wid] = (cfg.load_weight * (queued / rate + decode_s)
                           + cfg.prefix_weight * (uncached / rate + miss_s))
-        if prompt > 0 and workers:  # the measured reuse: the best hit this index predicts
-            n = min(self._reuse_turns + 1, cfg.reuse_window_turns)
-            self._reuse_turns = n
-            self.reuse += (min(1.0, max(cached.values(), default=0) / prompt) - reuse) / n
+        if prompt > 0 and workers:
+            self._measure_reuse(min(prompt, max(cached.values(), default=0)), prompt)
 
         def tie_key(w: W) -> tuple:
             wid = w.worker_id

@@ -237,13 +237,22 @@ def test_a_miss_costs_the_re_prefill_of_what_it_evicts() -> None:
     assert d.ranked[0].worker_id == "w1"
 
 
-def test_reuse_is_the_running_mean_of_the_best_predicted_hit() -> None:
+def test_reuse_is_the_reuses_per_computed_token_over_the_window() -> None:
+    """reuse = best predicted cached tokens / the tokens left to compute, counted in tokens
+    over the last `reuse_window_turns` turns: a 128-token prompt with 64 cached is one
+    reuse per computed token; beside cold prompts, the long one weighs by its tokens."""
     index = PrefixIndex()
     router = Router(RoutingConfig(reuse_window_turns=4), index)
     serve(index, "w0", list(range(64)))
     for _ in range(8):
         router.decide(workers(2), make_turn(list(range(128)), HASHER, "c"))
-    assert router.reuse == pytest.approx(0.5)
+    assert router.reuse == pytest.approx(1.0)
+    for _ in range(3):
+        router.decide(workers(2), make_turn(list(range(1000, 1128)), HASHER, "d"))
+    router.decide(workers(2), make_turn(list(range(2000, 3024)), HASHER, "e"))
+    assert router.reuse == pytest.approx(0.0)  # the window holds only cold turns now
+    router.decide(workers(2), make_turn(list(range(128)), HASHER, "c"))
+    assert router.reuse == pytest.approx(64 / (64 + 2 * 128 + 1024))
 
 
 def test_measured_rates_rank_workers_and_unmeasured_count_at_the_mean() -> None:
