@@ -5,8 +5,15 @@ Contract: `BlockCache(capacity_blocks, sink)` holds chained block hashes in a `R
 reports every change to `sink` (a `KVEventSink`) as a real worker's prefix cache does:
 `stored(parent, new hashes)` for the blocks new to it, `removed(hashes)` for evicted ones.
 
-  expected(hashes)       leading blocks held now, without touching them (a queued
-                         request's expected hit)
+  expected(hashes)       leading blocks held now or reserved, without touching them (a
+                         queued request's expected hit when its prefill starts)
+  reserve(hashes) / unreserve(hashes)
+                         blocks a request queued or in prefill will store before the
+                         requests queued behind it start (publish at prefill end): they
+                         count in `expected`, so a burst of prompts sharing a new prefix is
+                         counted as one prefill of it, not one per prompt (reference
+                         counted; a reserved block is not held and is never evicted or
+                         published by this)
   acquire(hashes)        leading blocks held now, touched and locked for a request:
                          (handle, number of blocks)
   store(handle, hashes)  the request computed `hashes` (a prefix path): insert them, keep
@@ -37,13 +44,32 @@ class BlockCache:
         self.sink = sink or NullSink()
         self.tree: RadixTree[int] = RadixTree(1)
         self.overflow_blocks = 0
+        self._reserved: dict[int, int] = {}  # block hash -> requests that will store it
 
     @property
     def num_blocks(self) -> int:
         return self.tree.num_blocks
 
     def expected(self, hashes: Sequence[int]) -> int:
-        return self.tree.match(hashes, touch=False).num_blocks
+        n = self.tree.match(hashes, touch=False).num_blocks
+        reserved = self._reserved
+        while n < len(hashes) and hashes[n] in reserved:
+            n += 1
+        return n
+
+    def reserve(self, hashes: Sequence[int]) -> None:
+        reserved = self._reserved
+        for h in hashes:
+            reserved[h] = reserved.get(h, 0) + 1
+
+    def unreserve(self, hashes: Sequence[int]) -> None:
+        reserved = self._reserved
+        for h in hashes:
+            n = reserved[h] - 1
+            if n:
+                reserved[h] = n
+            else:
+                del reserved[h]
 
     def acquire(self, hashes: Sequence[int]) -> tuple[Node[int], int]:
         m = self.tree.match(hashes)

@@ -31,7 +31,9 @@ Model of one worker (EmulationConfig; times below are *emulated* seconds, which 
            function of the prompt, so equal prompts give equal replies (as greedy
            decoding does).
   status   `num_queued_prefill_tokens`: the uncached prompt tokens of the requests waiting
-           or in prefill (their expected uncached part when they arrived);
+           or in prefill (their expected uncached part when they arrived, counting as
+           cached the blocks that the requests ahead of them store at their prefill's end:
+           a burst sharing a new prefix is one prefill of it, BlockCache.reserve);
            `num_running_requests`: requests decoding; `num_waiting_requests`: queued.
 
 The final event reports prompt and cached tokens and the worker-side timings (queue, TTFT,
@@ -141,6 +143,7 @@ class _Req:
     handle: Node[int] | None = None
     timer: asyncio.TimerHandle | None = None
     stage: str = "queued"  # queued | prefill | decode | done
+    reserved: bool = False  # its blocks are reserved in the cache (BlockCache.reserve)
     reply: list[int] = field(default_factory=list)
 
 
@@ -205,6 +208,9 @@ class EmulatedEngine(Engine):
         req = _Req(request, emit, arrival, hasher.hash_blocks(request.prompt_token_ids), hasher)
         m = self.cache.expected(self._usable(req))
         req.expected_uncached = len(request.prompt_token_ids) - m * self.config.block_size
+        if self.config.publish_at == "prefill":  # stored before the requests behind it start
+            self.cache.reserve(req.hashes)
+            req.reserved = True
         self._queued_tokens += req.expected_uncached
         self._by_id[request.request_id] = req
         self._queue.append(req)
@@ -236,6 +242,7 @@ class EmulatedEngine(Engine):
         self._queued_tokens -= req.expected_uncached
         if self.config.publish_at == "prefill":
             req.handle = self.cache.store(req.handle, req.hashes)
+        self._unreserve(req)
         max_tokens = req.request.sampling.max_tokens
         req.reply = reply_token_ids(req.hashes, req.hasher.root_hash, max_tokens,
                                     self.config.vocab_size)
@@ -270,6 +277,11 @@ class EmulatedEngine(Engine):
         if more or self.config.publish_at == "finish":
             req.handle = self.cache.store(req.handle, req.hashes + more)
 
+    def _unreserve(self, req: _Req) -> None:
+        if req.reserved:
+            req.reserved = False
+            self.cache.unreserve(req.hashes)
+
     def _cancel(self, request_id: str) -> None:
         req = self._by_id.get(request_id)
         if req is not None:
@@ -282,6 +294,7 @@ class EmulatedEngine(Engine):
         rid = req.request.request_id
         if req.timer is not None:
             req.timer.cancel()
+        self._unreserve(req)
         if req.stage == "queued":
             self._queue.remove(req)
             self._queued_tokens -= req.expected_uncached

@@ -25,7 +25,8 @@ Worker (SimConfig; the emulated worker's model, emulate/engine.py, with the same
            which a replay's next prompt, carrying the recorded reply, does not share) or
            "recorded" (the reply is the trace's: the next turn's prompt reuses it).
   status   queued prefill tokens (expected uncached tokens of the turns waiting or in
-           prefill, as at their arrival), running (decoding) sequences, KV fill, and its
+           prefill, as at their arrival, counting as cached the blocks the turns ahead of
+           them store at their prefill's end: BlockCache.reserve), running (decoding) sequences, KV fill, and its
            rates once a finished request measured them (worker/rates.py), as the worker
            reports them; a gateway sees them `status_interval_s` old at most (pushed on
            change), less what it saw end since, and takes the larger of that and its own
@@ -384,6 +385,8 @@ class _Sim:
         g.in_flight[wid] = g.in_flight.get(wid, 0) + 1
         g.in_flight_tokens[wid] = g.in_flight_tokens.get(wid, 0) + req.pending
         req.expected_uncached = t.num_prompt_tokens - w.cache.expected(req.usable) * cfg.block_size
+        if cfg.publish_at == "prefill":  # stored before the turns queued behind it start
+            w.cache.reserve(t.block_hashes)
         w.queue.append(req)
         w.queued_tokens += req.expected_uncached
         self._next_of[id(req)] = (conv, i + 1) if chained and i + 1 < len(conv) else None
@@ -405,6 +408,7 @@ class _Sim:
         w.queued_tokens -= req.expected_uncached
         if self.cfg.publish_at == "prefill":
             req.handle = w.cache.store(req.handle, req.turn.block_hashes)
+            w.cache.unreserve(req.turn.block_hashes)
         req.ttft = self.now - req.arrival
         g.in_flight_tokens[w.wid] -= req.pending
         g.prefilled_since[w.wid] = g.prefilled_since.get(w.wid, 0) + req.pending

@@ -482,3 +482,22 @@ def test_synthesised_prompts_share_exactly_their_shared_blocks(
     n = len(shared) * block_size
     assert len(pa) == len(pb) == (len(shared) + len(tail)) * block_size
     assert pa[:n] == pb[:n] and all(0 <= t < vocab for t in pa)
+
+
+def test_block_cache_counts_blocks_reserved_by_requests_ahead() -> None:
+    """A request queued behind one that stores a prefix at its prefill's end will find that
+    prefix cached when it starts: `expected` counts reserved blocks (after the held ones,
+    in chain order), without holding, publishing or evicting them."""
+    from prefixgate.emulate.cache import BlockCache
+
+    cache = BlockCache(4)
+    cache.store(None, [1, 2])
+    assert cache.expected([1, 2, 3, 4]) == 2
+    cache.reserve([1, 2, 3])
+    cache.reserve([1, 2, 3, 5])
+    assert cache.expected([1, 2, 3, 4]) == 3 and cache.expected([1, 2, 3, 5, 6]) == 4
+    assert cache.expected([9, 2, 3]) == 0 and cache.num_blocks == 2
+    cache.unreserve([1, 2, 3, 5])
+    assert cache.expected([1, 2, 3, 5]) == 3
+    cache.unreserve([1, 2, 3])
+    assert cache.expected([1, 2, 3]) == 2
