@@ -20,8 +20,10 @@ side indexes follow).
 
 from __future__ import annotations
 
+from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import compress, repeat
 from typing import Generic, TypeVar
 
 from prefixgate.radix.tree import Node, RadixTree
@@ -66,6 +68,16 @@ def owner_runs(sets: Sequence[frozenset],
     return runs
 
 
+def _remap(vals: list, change: Callable[[frozenset], frozenset]) -> None:
+    """vals[i] = change(vals[i]) for every i, calling `change` once per distinct set (the
+    sets are interned: a node's blocks share a few set objects) and looping in C."""
+    distinct = dict.fromkeys(vals)  # frozensets cache their hash: a C pass
+    if len(distinct) == 1:
+        vals[:] = [change(vals[0])] * len(vals)
+    else:
+        vals[:] = map({s: change(s) for s in distinct}.__getitem__, vals)
+
+
 class OwnerIndex(RadixTree[frozenset]):
     """Blocks (chained hashes) -> the set of owners holding them."""
 
@@ -108,34 +120,57 @@ class OwnerIndex(RadixTree[frozenset]):
         node = res.node if res.num_new_blocks == 0 else res.node.parent
         root = self._root
         merged: dict[frozenset, frozenset] = {}  # each distinct (interned) set merged once
+
+        def merge(s: frozenset) -> frozenset:
+            if owner in s:
+                return s
+            u = merged.get(s)
+            if u is None:
+                u = merged[s] = self._intern(s | single)
+            return u
+
         while node is not None and node is not root:
             vals = node.values
-            if vals.count(single) == len(vals):  # C-speed check: nothing to merge
-                node = node.parent
-                continue
-            for i, s in enumerate(vals):
-                if owner not in s:
-                    u = merged.get(s)
-                    if u is None:
-                        u = merged[s] = self._intern(s | single)
-                    vals[i] = u
+            if vals.count(single) != len(vals):  # C-speed check: something to merge
+                _remap(vals, merge)
             node = node.parent
         self._by_owner.setdefault(owner, set()).update(block_hashes)
         return res.num_new_blocks
 
-    def add_to(self, path: Sequence[int], blocks: Sequence[int], owner: Hashable) -> int:
-        """Give `owner` only `blocks` (a subsequence of `path`, in path order) of the path
-        `path` from the root, creating the missing blocks (always its tail, so they must
-        be among `blocks`). Unlike `add`, the rest of the path keeps its owners (a
-        prediction names only the blocks a worker does not hold yet). Returns how many
-        blocks were created."""
+    def add_unheld(self, path: Sequence[int], owner: Hashable, holder: Hashable) -> list[int]:
+        """Give `owner` every block of the path `path` (from the root) that `holder` does
+        not hold, creating the missing blocks (`holder` holds none of those). Unlike
+        `add`, the rest of the path keeps its owners (a prediction names only the blocks a
+        worker does not hold yet). Returns those blocks' hashes (not in path order).
+
+        Cost: one walk of the path's nodes; per block only C loops over the node's owner
+        sets (a few distinct interned objects), never a lookup in the hash-wide side
+        indexes except for the blocks given to `owner`."""
         single = self._intern(frozenset((owner,)))
         res = self.insert(path, [single] * len(path))
-        existing = blocks[: len(blocks) - res.num_new_blocks]
-        if existing:
-            self._replace_sets(existing, lambda s: s | single)
-        self._by_owner.setdefault(owner, set()).update(blocks)
-        return res.num_new_blocks
+        node = res.node
+        blocks: list[int] = []
+        if res.num_new_blocks:  # the new leaf: exactly the created blocks
+            blocks.extend(node.key)
+            node = node.parent
+        root = self._root
+        merged: dict[frozenset, frozenset] = {}
+        while node is not None and node is not root:
+            vals = node.values
+            unheld = {s: holder not in s for s in dict.fromkeys(vals)}
+            if any(unheld.values()):
+                blocks.extend(compress(node.key, map(unheld.__getitem__, vals)))
+                for s, give in unheld.items():
+                    if give and owner not in s:
+                        unheld[s] = merged.get(s) or merged.setdefault(
+                            s, self._intern(s | single))
+                    else:
+                        unheld[s] = s
+                vals[:] = map(unheld.__getitem__, vals)
+            node = node.parent
+        if blocks:
+            self._by_owner.setdefault(owner, set()).update(blocks)
+        return blocks
 
     def discard(self, block_hashes: Iterable[int], owner: Hashable) -> int:
         """Remove `owner` from the given blocks (wherever they are); drop blocks left
@@ -183,28 +218,30 @@ class OwnerIndex(RadixTree[frozenset]):
         """Replace the owner set of each given block (distinct, all indexed) by
         `change(set)`, interned. Grouped by node, so each node's key is scanned once however
         many of its blocks are listed (a dead worker may hold thousands of blocks of one
-        node), and each distinct (interned) set is changed once. Returns the nodes touched."""
-        by_node: dict[Node[frozenset], list[int]] = {}
-        where = self._where
-        for h in block_hashes:
-            by_node.setdefault(where[h], []).append(h)
+        node), and each distinct (interned) set is changed once. Returns the nodes touched.
+        Per block only C loops run (a 12k-token prompt is 768 blocks of 16 tokens)."""
+        hashes = block_hashes if isinstance(block_hashes, (set, frozenset, list, tuple)) \
+            else list(block_hashes)
+        per_node = Counter(map(self._where.__getitem__, hashes))  # node -> blocks listed
         changed: dict[frozenset, frozenset] = {}
-        for node, hs in by_node.items():
-            key, vals = node.key, node.values
-            if len(hs) == len(vals):
-                positions: Iterable[int] = range(len(vals))
-            elif len(hs) == 1:
-                positions = (key.index(hs[0]),)
-            else:
-                wanted = set(hs)
-                positions = [i for i, h in enumerate(key) if h in wanted]
-            for i in positions:
-                s = vals[i]
-                u = changed.get(s)
-                if u is None:
-                    u = changed[s] = self._intern(change(s))
-                vals[i] = u
-        return by_node.keys()
+
+        def new_set(s: frozenset) -> frozenset:
+            u = changed.get(s)
+            if u is None:
+                u = changed[s] = self._intern(change(s))
+            return u
+
+        wanted: set[int] | frozenset[int] | None = None
+        for node, count in per_node.items():
+            vals = node.values
+            if count == len(vals):  # the whole node: the usual case
+                _remap(vals, new_set)
+                continue
+            if wanted is None:
+                wanted = hashes if isinstance(hashes, (set, frozenset)) else set(hashes)
+            for i in compress(range(len(vals)), map(wanted.__contains__, node.key)):
+                vals[i] = new_set(vals[i])
+        return per_node.keys()
 
     def _prune(self, node: Node[frozenset]) -> None:
         """Drop ownerless blocks from the tail of leaf `node`, then up its ancestors."""
@@ -229,9 +266,7 @@ class OwnerIndex(RadixTree[frozenset]):
             self._prune(self._orphans.pop())
 
     def _on_attach(self, node: Node[frozenset]) -> None:
-        where = self._where
-        for h in node.key:
-            where[h] = node
+        self._where.update(zip(node.key, repeat(node)))
 
     def _on_split(self, head: Node[frozenset]) -> None:
         self._on_attach(head)
@@ -243,14 +278,16 @@ class OwnerIndex(RadixTree[frozenset]):
         pending = node if start else node.parent
         if pending is not None:
             self._orphans.append(pending)
-        for h, s in zip(node.key[start:], node.values[start:], strict=True):
-            where.pop(h, None)
-            for o in s:
-                held = by_owner.get(o)
-                if held is not None:
-                    held.discard(h)
-                    if not held:
-                        del by_owner[o]
+        keys = node.key[start:]
+        deque(map(where.pop, keys, repeat(None)), maxlen=0)  # C loop: no per-block frame
+        # An owner listed on some dropped block loses the dropped blocks it holds (the
+        # others are not in its set: each hash is one block).
+        for o in {o for s in dict.fromkeys(node.values[start:]) for o in s}:
+            held = by_owner.get(o)
+            if held is not None:
+                held.difference_update(keys)
+                if not held:
+                    del by_owner[o]
 
     def _on_clear(self) -> None:
         self._where.clear()
