@@ -21,6 +21,9 @@ Contract: `add_arguments(parser)` adds this part's flags to `bench worker`;
               mean_kl / max_kl  KL(float32 || format) of the next-token distributions at
                                 those positions, nats;
               holds             top1_agreement >= TOP1_MIN and mean_kl <= KL_MAX;
+  default_cpu  the format `--weights auto` picks on the CPU for this model;
+  quantization_error  {format: largest |dequantized - float32| weight} for q4_1 (0.0:
+            lossless, the blocks of the model's GGUF recovered exactly);
   llama_cpp {"batch1_tok_s", "prefixgate_over_llama_cpp"} when `--llama-cpp-url` names a
             running llama.cpp server (OpenAI API): the same prompt as text, streamed,
             the same token count, measured right after prefixgate's figures.
@@ -46,7 +49,7 @@ KL_MAX = 0.05
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--weight-formats", nargs="+", default=["float32", "bfloat16", "int8"],
+    parser.add_argument("--weight-formats", nargs="+", default=["float32", "bfloat16", "int8", "q4_1"],
                         help="weight formats to measure (float32 is the fidelity reference)")
     parser.add_argument("--fidelity-conversations", type=int, default=12,
                         help="ShareGPT conversations for the fidelity figures (0: skip)")
@@ -65,14 +68,17 @@ def _log(msg: str) -> None:
 
 def weight_figures(args: argparse.Namespace, spec, tok, prompt: Callable[[int], list[int]]
                    ) -> dict:
-    from prefixgate.worker.model_loader import WeightsConfig, load_model
+    from prefixgate.worker.model_loader import WeightsConfig, default_weights, load_model
 
     formats = list(dict.fromkeys(["float32", *args.weight_formats]))
     models = {}
+    out: dict = {"default_cpu": default_weights("cpu", spec), "decode": {}, "fidelity": {},
+                 "quantization_error": {}}
     for fmt in formats:
         _log(f"loading {spec.name} as {fmt}")
         models[fmt] = load_model(spec, weights=WeightsConfig(fmt))
-    out: dict = {"decode": {}, "fidelity": {}}
+        if hasattr(models[fmt], "quantization_error"):  # q4_1: 0.0 = lossless
+            out["quantization_error"][fmt] = models[fmt].quantization_error
     prompts = {b: [prompt(128) for _ in range(b)] for b in args.batches}
     for fmt in args.weight_formats if args.batches else ():
         _log(f"decode throughput, {fmt}")
@@ -99,10 +105,9 @@ def weight_figures(args: argparse.Namespace, spec, tok, prompt: Callable[[int], 
 def default_over_llama_cpp(result: dict) -> float:
     """prefixgate's batch-1 decode in the worker's default CPU format over llama.cpp's
     (0.0 when not measured)."""
-    from prefixgate.worker.model_loader import default_weights
-
-    ratios = result.get("weights", {}).get("llama_cpp", {}).get("prefixgate_over_llama_cpp", {})
-    return ratios.get(default_weights("cpu"), 0.0)
+    weights = result.get("weights", {})
+    ratios = weights.get("llama_cpp", {}).get("prefixgate_over_llama_cpp", {})
+    return ratios.get(weights.get("default_cpu", "float32"), 0.0)
 
 
 def _decode_rates(model, spec, tok, prompts: dict[int, list[list[int]]], num_tokens: int

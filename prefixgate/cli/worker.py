@@ -70,10 +70,12 @@ def weights_flags(parser: argparse.ArgumentParser) -> None:
     """--weights and --kv-dtype (worker and up): worker/model_loader.WeightsConfig. The
     choices are spelled here too, so that building the parser imports no torch."""
     flag(parser, "--weights", default="auto",
-         choices=("auto", "float32", "bfloat16", "float16", "int8"),
-         help="weight format: float32 (the reference), bfloat16, float16, or int8 "
-              "(weight-only int8, bfloat16 compute, CPU only) (auto: float32 on CPU, "
-              "bfloat16 on GPU; quality and speed of each in docs/benchmarks.md)")
+         choices=("auto", "float32", "bfloat16", "float16", "int8", "q4_1"),
+         help="weight format: float32 (the reference), bfloat16, float16, int8 "
+              "(weight-only int8, bfloat16 compute, CPU only) or q4_1 (GGUF's 4-bit "
+              "blocks, float32 compute, CPU with AVX-512) (auto: q4_1 on CPU where it is "
+              "lossless, a Q4_1 GGUF such as SmolLM2's, else float32; bfloat16 on GPU; "
+              "quality and speed of each in docs/benchmarks.md)")
     flag(parser, "--kv-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
          help="KV cache element type (auto: the compute dtype, bfloat16 under int8 weights)")
 
@@ -130,7 +132,7 @@ async def _serve(args: argparse.Namespace) -> None:
     tokenizer = ChatTokenizer(spec)
     device = args.device if args.device != "auto" else (
         "cuda" if torch.cuda.is_available() else "cpu")
-    weights = WeightsConfig(args.weights, args.kv_dtype).resolved(device)
+    weights = WeightsConfig(args.weights, args.kv_dtype).resolved(device, spec)
     log.info("weights %s, KV %s", weights.weights, weights.kv_torch_dtype)
     model = await asyncio.to_thread(load_model, spec, device=device, weights=weights)
     bytes_per_token = pool_config_for(model, args.block_size, 1).bytes_per_token

@@ -13,6 +13,15 @@ Weight formats (`WeightsConfig`, the worker's `--weights` / `--kv-dtype`):
             (`prefixgate bench worker`, fidelity).
   bfloat16 / float16
             weights, activations and (by default) KV in that dtype.
+  q4_1      GGUF's blocks of 32 weights: every linear layer Q4_1 (a float32 scale and
+            min per block, 4-bit codes), the LM head Q8_0 (a scale per block, 8-bit codes);
+            activations, norms, attention and KV float32. CPU only (AVX-512 kernels,
+            worker/kernels/cpu_quant.py). On a model shipped as such a GGUF (SmolLM2) the
+            blocks are recovered exactly from the float32 reference (checked at load:
+            `model.quantization_error` == 0), so it is lossless against float32 while a
+            decode streams 0.75 bytes per weight instead of 4. The CPU default where it is
+            lossless (`default_weights`); on any other model it is plain round-to-nearest
+            4-bit, opt-in, and its fidelity is measured like int8's.
   int8      weight-only int8: every nn.Linear (projections, MLP, LM head) keeps its
             weight as int8 with one bfloat16 scale per output channel (symmetric, round to
             nearest); activations, norms, RoPE, attention and (by default) KV are bfloat16.
@@ -32,6 +41,7 @@ element type (`model_runner.pool_config_for` reads it; without it, the model's d
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -71,7 +81,7 @@ def materialize_weights(spec: ModelSpec) -> None:
         log.info("materialised %s weights in %.1f s", spec.name, time.monotonic() - start)
 
 
-WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8")
+WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "q4_1")
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -92,17 +102,20 @@ class WeightsConfig:
             raise ValueError(f"unknown KV dtype {self.kv_dtype!r} "
                              f"(choose from {', '.join(KV_DTYPES)})")
 
-    def resolved(self, device: str) -> WeightsConfig:
-        """This config with "auto" weights replaced by the device's default."""
+    def resolved(self, device: str, spec: ModelSpec | None = None) -> WeightsConfig:
+        """This config with "auto" weights replaced by the device's (and model's)
+        default."""
         if self.weights != "auto":
             return self
-        return WeightsConfig(default_weights(device), self.kv_dtype)
+        return WeightsConfig(default_weights(device, spec), self.kv_dtype)
 
     @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype of activations and of the weights left unquantized."""
         if self.weights == "auto":
             raise ValueError("resolve 'auto' weights for a device first (resolved())")
+        if self.weights == "q4_1":
+            return torch.float32
         return torch.bfloat16 if self.weights == "int8" else getattr(torch, self.weights)
 
     @property
@@ -110,11 +123,33 @@ class WeightsConfig:
         return self.compute_dtype if self.kv_dtype == "auto" else getattr(torch, self.kv_dtype)
 
 
-def default_weights(device: str) -> str:
+def default_weights(device: str, spec: ModelSpec | None = None) -> str:
     """The fastest format whose quality holds on that device (docs/benchmarks.md, weight
-    formats): float32 on the CPU (int8 misses the quality bar, top-1 agreement 0.956 <
-    0.97; bfloat16 holds but runs no faster there in eager mode), bfloat16 on GPUs."""
-    return "float32" if torch.device(device).type == "cpu" else "bfloat16"
+    formats). On the CPU: q4_1 when it is lossless for `spec` (a GGUF whose layer weights
+    are Q4_1 and whose LM head is Q8_0, as the built-in SmolLM2's: q4_1 then carries
+    exactly the float32 reference's values, in a fifth of the bytes) and its kernels build;
+    float32 otherwise (bfloat16 holds the quality bar but runs no faster there in eager
+    mode; int8 misses it, top-1 agreement 0.956 < 0.97). bfloat16 on GPUs."""
+    if torch.device(device).type != "cpu":
+        return "bfloat16"
+    if spec is not None and spec.gguf_path is not None and _gguf_is_q4_1(str(spec.gguf_path)):
+        from prefixgate.worker.kernels import cpu_quant
+
+        if cpu_quant.available():
+            return "q4_1"
+    return "float32"
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_is_q4_1(path: str) -> bool:
+    """Whether every layer matrix of the GGUF at `path` is Q4_1 and its LM head (output,
+    else the tied token embedding) Q8_0: the blocks the q4_1 format holds."""
+    from gguf import GGUFReader
+
+    types = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors if len(t.shape) > 1}
+    head = types.get("output.weight", types.get("token_embd.weight"))
+    layers = [v for k, v in types.items() if k.startswith("blk.")]
+    return head == "Q8_0" and bool(layers) and all(v == "Q4_1" for v in layers)
 
 
 def load_model(spec: ModelSpec, dtype: torch.dtype = torch.float32, device: str = "cpu",
@@ -123,15 +158,17 @@ def load_model(spec: ModelSpec, dtype: torch.dtype = torch.float32, device: str 
     `dtype`, or in the format `weights` names (which then decides the dtype)."""
     materialize_weights(spec)
     if weights is not None:
-        weights = weights.resolved(device)
+        weights = weights.resolved(device, spec)
         dtype = weights.compute_dtype
-    int8 = weights is not None and weights.weights == "int8"
+    fmt = weights.weights if weights is not None else None
     # int8 scales come from the float32 weights, not from rounded bfloat16 ones.
-    model = AutoModelForCausalLM.from_pretrained(str(spec.model_dir),
-                                                 dtype=torch.float32 if int8 else dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(spec.model_dir), dtype=torch.float32 if fmt in ("int8", "q4_1") else dtype)
     model = model.to(device).eval()
-    if int8:
+    if fmt == "int8":
         model = quantize_int8(model).to(dtype)  # .to leaves the int8 buffers as they are
+    elif fmt == "q4_1":
+        model = quantize_q4_1(model)
     if weights is not None:
         model.kv_cache_dtype = weights.kv_torch_dtype
     return model
@@ -189,4 +226,89 @@ def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
         for name, child in list(module.named_children()):
             if isinstance(child, torch.nn.Linear):
                 setattr(module, name, Int8Linear(child))
+    return model
+
+
+# Rows up to which the quantized kernels (worker/kernels/cpu_quant.py) multiply directly;
+# longer inputs (prefill chunks) multiply through torch's float32 GEMM on a weight
+# dequantized for the call, which costs one pass over the weight and wins once the GEMM's
+# blocking beats the kernel's 8-row passes. Measured here (one thread, SmolLM2's
+# 1536x576): 32 rows 0.71 ms kernel vs 0.66 ms dense, cache-hot, i.e. even; with the
+# weight streamed from memory (a real step) the kernel's 5x fewer bytes decide.
+QUANT_KERNEL_MAX_ROWS = 32
+
+
+class QuantLinear(torch.nn.Module):
+    """A bias-free linear layer whose weight [out, in] is held as GGUF-style blocks of 32
+    (`kind` "q4_1": scale and min per block, 4-bit codes; "q8_0": scale per block, 8-bit
+    codes; layouts in worker/kernels/cpu_quant.py). float32 in, float32 out."""
+
+    def __init__(self, linear: torch.nn.Linear, kind: str) -> None:
+        super().__init__()
+        from prefixgate.worker.kernels import cpu_quant
+
+        if linear.bias is not None:
+            raise ValueError("quantized linears take no bias (Llama's have none)")
+        self.kind = kind
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach().float()
+        pack = cpu_quant.pack_q8_0 if kind == "q8_0" else cpu_quant.pack_q4_1
+        self.register_buffer("packed", pack(w))
+        # How far the blocks are from the weight they replace (0 on a GGUF model's weights:
+        # the blocks it was dequantized from come back exactly).
+        deq = cpu_quant.unpack_reference(self.packed, self.in_features, kind == "q8_0")
+        self.max_abs_error = float((deq - w).abs().max())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from prefixgate.worker.kernels import cpu_quant
+
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] <= QUANT_KERNEL_MAX_ROWS:
+            fn = cpu_quant.q8_0_linear if self.kind == "q8_0" else cpu_quant.q4_1_linear
+            y = fn(rows, self.packed, self.out_features)
+        else:
+            y = torch.nn.functional.linear(rows.float(), self.dequantized())
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    @staticmethod
+    def concat(mods: list[QuantLinear]) -> QuantLinear:
+        """One QuantLinear computing `mods` side by side (same kind and in_features)."""
+        fused = QuantLinear.__new__(QuantLinear)
+        torch.nn.Module.__init__(fused)
+        fused.kind, fused.in_features = mods[0].kind, mods[0].in_features
+        fused.out_features = sum(m.out_features for m in mods)
+        fused.register_buffer("packed", torch.cat([m.packed for m in mods]))
+        fused.max_abs_error = max(m.max_abs_error for m in mods)
+        return fused
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [out, in] (a fresh tensor)."""
+        from prefixgate.worker.kernels import cpu_quant
+
+        fn = cpu_quant.dequantize_q8_0 if self.kind == "q8_0" else cpu_quant.dequantize_q4_1
+        return fn(self.packed, self.in_features)
+
+
+def quantize_q4_1(model: torch.nn.Module) -> torch.nn.Module:
+    """Every nn.Linear of a float32 CPU `model` -> QuantLinear in place: the LM head Q8_0,
+    the rest Q4_1 (the formats of llama.cpp's Q4_1 GGUFs, SmolLM2's included: there the
+    result is lossless against the float32 reference). Sets `model.quantization_error`
+    (the largest |dequantized - float32| of any weight); returns the model."""
+    from prefixgate.worker.kernels import cpu_quant
+
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError("q4_1 weights run on the CPU only; use --weights bfloat16 on a GPU")
+    if not cpu_quant.available():
+        raise ValueError("q4_1 weights need the CPU kernels (a C compiler and AVX-512); "
+                         "use --weights float32")
+    head = model.get_output_embeddings()
+    error = 0.0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                q = QuantLinear(child, "q8_0" if child is head else "q4_1")
+                error = max(error, q.max_abs_error)
+                setattr(module, name, q)
+    model.quantization_error = error
+    log.info("q4_1 weights: largest |dequantized - float32| %.3g", error)
     return model

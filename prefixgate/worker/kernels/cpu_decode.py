@@ -15,25 +15,19 @@ its context, the new token's own K/V included). Query head h reads KV head h // 
 Work items (sequence, KV head) are spread over `torch.get_num_threads()` POSIX threads;
 no OpenMP (a second OpenMP runtime beside torch's would spin against it).
 
-The C source below is compiled on first use with the system C compiler (`cc -O3
--march=native`) into the prefixgate cache directory, keyed by the source and the host; no
-compiler, or a failed build, leaves `available()` False and the torch path in use.
+The C source below is compiled on first use (kernels/cbuild.py); no compiler, or a failed
+build, leaves `available()` False and the torch path in use.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
-from pathlib import Path
 
 import torch
+
+from prefixgate.worker.kernels import cbuild
 
 log = logging.getLogger(__name__)
 
@@ -145,41 +139,15 @@ int pg_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, const void *
 }
 """
 
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
-          "-fassociative-math", "-fno-signed-zeros", "-shared", "-fPIC", "-pthread"]
-
 _lib: ctypes.CDLL | None = None
 _tried = False
 _lock = threading.Lock()
 
 
-def _cache_dir() -> Path:
-    from prefixgate.models import default_cache_dir
-
-    return default_cache_dir() / "kernels"
-
-
 def _build() -> ctypes.CDLL | None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        log.info("no C compiler: decode attention stays on the torch path")
+    lib = cbuild.load("pg_decode", _SOURCE)
+    if lib is None:
         return None
-    key = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, cc, platform.machine(),
-                                    platform.processor(), platform.node()]).encode())
-    target = _cache_dir() / f"pg_decode_{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            src, out = Path(tmp) / "k.c", Path(tmp) / "k.so"
-            src.write_text(_SOURCE)
-            proc = subprocess.run([cc, *_FLAGS, str(src), "-o", str(out), "-lm"],
-                                  capture_output=True, text=True, timeout=120)
-            if proc.returncode != 0:
-                log.warning("building the CPU decode kernel failed; using the torch path:\n%s",
-                            proc.stderr[-2000:])
-                return None
-            os.replace(out, target)  # atomic: concurrent builders agree
-    lib = ctypes.CDLL(str(target))
     fn = lib.pg_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
@@ -196,11 +164,7 @@ def available() -> bool:
     with _lock:
         if not _tried:
             _tried = True
-            try:
-                _lib = _build()
-            except (OSError, subprocess.SubprocessError) as e:
-                log.warning("CPU decode kernel unavailable (%s); using the torch path", e)
-                _lib = None
+            _lib = _build()
     return _lib is not None
 
 
