@@ -4,8 +4,9 @@ Contract: `ChatTokenizer(spec).encode_messages(messages)` renders `messages` (ro
 content pairs, validated by prefixgate.protocol.check_messages) with the model's chat
 template plus the assistant generation prompt and returns the token ids exactly as
 transformers' `apply_chat_template(..., tokenize=True)` would (a test compares them on
-SmolLM2). It uses only `tokenizers` and jinja2, so the gateway needs neither transformers
-nor torch.
+SmolLM2). Encoding is thread-safe and releases the GIL (`encode_text`): the gateway runs
+long prompts on a thread pool, off its event loop. It uses only `tokenizers` and jinja2,
+so the gateway needs neither transformers nor torch.
 """
 
 from __future__ import annotations
@@ -62,7 +63,14 @@ class ChatTokenizer:
             add_generation_prompt=True, **self.special_tokens)
 
     def encode_messages(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        return self.tokenizer.encode(self.render(messages), add_special_tokens=False).ids
+        return self.encode_text(self.render(messages))
+
+    def encode_text(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The ids of `text`, as `Tokenizer.encode` gives them. Thread-safe, and it lets
+        other threads run meanwhile: `encode_batch` releases the GIL where `encode` holds
+        it for the whole text (~40 ms for 48k characters), so a caller may run it off its
+        event loop without stalling that loop."""
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

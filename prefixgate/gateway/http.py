@@ -50,7 +50,7 @@ import logging
 import ssl
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -432,19 +432,28 @@ class HTTPFront:
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._turn(request, CHAT_ROUTE, chat_request)
+        async def build(body: dict) -> chat_pb2.ChatRequest:
+            return chat_request(body)  # messages: tokenized by the ChatService
+
+        return await self._turn(request, CHAT_ROUTE, build)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        tokenizer = self.service.tokenizer
+        service = self.service
+        tokenizer = service.tokenizer
 
-        def build(body: dict) -> chat_pb2.ChatRequest:
-            return completion_request(body, lambda text: tokenizer.tokenizer.encode(text).ids,
-                                      tokenizer.vocab_size)
+        async def build(body: dict) -> chat_pb2.ChatRequest:
+            prompt = body.get("prompt")
+            num_chars = len(prompt) if isinstance(prompt, str) else 0
+            return await service.off_loop(  # a long text prompt off the event loop
+                num_chars, completion_request, body,
+                lambda text: tokenizer.encode_text(text, add_special_tokens=True),
+                tokenizer.vocab_size)
 
         return await self._turn(request, COMPLETIONS_ROUTE, build)
 
     async def _turn(self, request: web.Request, route: str,
-                    build: Callable[[dict], chat_pb2.ChatRequest]) -> web.StreamResponse:
+                    build: Callable[[dict], Awaitable[chat_pb2.ChatRequest]]
+                    ) -> web.StreamResponse:
         try:
             body = await request.json(loads=json.loads)
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -476,11 +485,11 @@ class HTTPFront:
             self.turns_in_flight -= 1
             await events.aclose()
 
-    async def _events(self, build: Callable[[dict], chat_pb2.ChatRequest], body: dict,
-                      context: _TurnContext, request_id: str
+    async def _events(self, build: Callable[[dict], Awaitable[chat_pb2.ChatRequest]],
+                      body: dict, context: _TurnContext, request_id: str
                       ) -> AsyncIterator[chat_pb2.ChatEvent]:
         try:
-            chat = build(body)
+            chat = await build(body)
         except InvalidRequest as exc:
             raise TurnFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         async for ev in self.service.chat_events(chat, context, request_id):

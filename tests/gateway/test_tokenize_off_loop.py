@@ -1,0 +1,55 @@
+"""Tokenizing a long prompt runs off the gateway's event loop (gateway/server.py,
+`ChatService.off_loop`): the loop keeps serving other streams meanwhile, and the ids are
+the tokenizer's own."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prefixgate.gateway.pool import WorkerPool
+from prefixgate.gateway.server import INLINE_TOKENIZE_CHARS, ChatService, GatewayConfig
+from prefixgate.models import ModelSpec
+from prefixgate.registry import make_registry
+from prefixgate.tokenizer import ChatTokenizer
+
+
+def _loop_ticks_while(service: ChatService, num_chars: int, messages: list) -> tuple[list, int]:
+    """Tokenize through `service.off_loop` (as if the text had `num_chars` characters)
+    while a task ticks every millisecond; returns the ids and the ticks seen meanwhile."""
+
+    async def main() -> tuple[list, int]:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.001)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0.01)
+        before = ticks
+        ids = await service.off_loop(num_chars, service.tokenizer.encode_messages, messages)
+        during = ticks - before
+        task.cancel()
+        return ids, during
+
+    return asyncio.run(main())
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(tiny_spec: ModelSpec) -> None:
+    tokenizer = ChatTokenizer(tiny_spec)
+    service = ChatService(tiny_spec, tokenizer,
+                          WorkerPool(make_registry(None), tiny_spec.fingerprint), GatewayConfig())
+    try:
+        text = "the quick brown fox jumps over the lazy dog " * 20_000  # 880k characters
+        messages = [("user", text)]
+        expected = tokenizer.encode_messages(messages)
+        # On the loop (what a short text gets): nothing else runs until it is done.
+        ids, ticks_inline = _loop_ticks_while(service, INLINE_TOKENIZE_CHARS - 1, messages)
+        assert ids == expected and ticks_inline <= 1
+        ids, ticks_off = _loop_ticks_while(service, len(text), messages)
+        assert ids == expected
+        assert ticks_off >= 5, ticks_off  # the loop went on while the text was tokenized
+    finally:
+        service.close()
