@@ -18,18 +18,22 @@ them between steps, so every structure below is touched by that thread only. A s
 1. ends cancelled requests, admits waiting ones, schedules a batch;
 2. runs the model once (K/V written into the pool, attention through block tables),
    samples where a sequence's last pending token was computed, streams text, stops;
-3. finishes sequences: their computed blocks go to the prefix cache (reuse planner), so
+3. caches a sequence's prompt blocks as soon as its prefill has produced the first token
+   (`ReusePlanner.commit`: published as `stored` then, not when the reply ends), and
+   finishes sequences: their computed blocks go to the prefix cache (reuse planner), so
    the next turn of the conversation hits all of it.
 
 Containment (docs/reliability.md): an exception inside a step is attributed to the
-request that caused it, and only that request fails (FinishReason.ERROR, every sample
-of it; its blocks are released, none of its K/V is cached); the others go on with their
-caches intact. Admission fails the sequence being admitted; a failed model forward is
-retried on halves of the batch until the failing sequence is alone (the forward writes
-K/V only into each sequence's own slots and nothing advances until it succeeds, so a
-retry is safe); sampling and streaming fail the one sequence. Only an exception nothing
-can be attributed to (scheduling) fails every running request, with FinishReason.FAILED:
-the service reports that without the request marker, so the gateway retries it once.
+request that caused it, and only that request fails (FinishReason.ERROR, every sample of
+it; its blocks are released, none of its K/V is cached); the others go on with their
+caches intact. (A request failing after its first token leaves its prompt's blocks
+cached: that K/V was committed when it produced a token.) Admission fails the sequence
+being admitted; a failed model forward is retried on halves of the batch until the
+failing sequence is alone (the forward writes K/V only into each sequence's own slots
+and nothing advances until it succeeds, so a retry is safe); sampling and streaming fail
+the one sequence. Only an exception nothing can be attributed to (scheduling) fails
+every running request, with FinishReason.FAILED: the service reports that without the
+request marker, so the gateway retries it once.
 
 A request with `sampling.n > 1` computes its prompt once: sample 0 forks the others when
 its prompt is done (they share its full blocks and copy its partial one).
@@ -301,10 +305,14 @@ class PagedEngine(Engine):
     def _run(self, batch: Batch) -> None:
         for seq, row in self._forward(batch):
             try:
-                if seq.request.sampling.n > 1 and seq.index == 0 and not seq.num_generated:
+                first = not seq.num_generated
+                if first and seq.request.sampling.n > 1 and seq.index == 0:
                     for child in self._fork(seq):
                         self._append(child, child.sampler.sample(row))
-                self._append(seq, seq.sampler.sample(row))
+                token = seq.sampler.sample(row)
+                if first:  # the prompt is computed and produced a token: cache and publish it
+                    self.reuse.commit(seq)
+                self._append(seq, token)
             except Exception as exc:
                 self._fail(seq, exc)
 

@@ -12,7 +12,8 @@ and what events carry. The tree holds one pool reference on each block it contai
   block. `unlock(handle)` when done.
 - `insert(block_hashes, block_ids)` hands the caller's references on `block_ids` to the
   cache: blocks new to the tree are kept; blocks already present (the same id, or a
-  duplicate computed concurrently) have the caller's reference released. Emits `stored`.
+  duplicate computed concurrently) have the caller's reference released. Emits `stored`
+  for the new ones and returns the handle of the whole path (not locked).
 - `evict(num_blocks)` frees up to that many unlocked blocks, least recently used leaves
   first, emitting `removed`; `flush()` drops every unlocked block (`cleared` when the
   tree ends up empty) and returns the number of tokens it dropped.
@@ -63,9 +64,9 @@ class PrefixCache:
     def unlock(self, handle: Node[int]) -> None:
         self.tree.unlock(handle)
 
-    def insert(self, block_hashes: Sequence[int], block_ids: Sequence[int]) -> None:
+    def insert(self, block_hashes: Sequence[int], block_ids: Sequence[int]) -> Node[int] | None:
         if not block_hashes:
-            return
+            return None
         r = self.tree.insert(block_hashes, block_ids)
         m = r.num_cached_blocks
         self.pool.release(block_ids[:m])
@@ -73,6 +74,7 @@ class PrefixCache:
             self._hash_of[b] = h
         if m < len(block_hashes):
             self.events.stored(block_hashes[m - 1] if m else None, block_hashes[m:])
+        return r.node
 
     def store_tail(self, parent_hash: int, tokens: Sequence[int], block_id: int) -> None:
         """Keep `block_id` (holding `tokens`, fewer than a block) as the tail after

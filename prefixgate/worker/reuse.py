@@ -14,6 +14,14 @@ Contract
 - `extend(seq)` (right after admission) extends the hit: from a cached tail (the partial
   block a finished turn left: its matching tokens are copied into a fresh block, since
   this sequence will write the rest), and, for an overflowing prompt, by shifted reuse.
+- `commit(seq)` (prefill done: the prompt's first token was sampled) caches the
+  sequence's computed full blocks while it keeps running: they are shared with the
+  cache (one more pool reference), locked for as long as the sequence holds them, and
+  published as `stored` now. A request arriving meanwhile with the same prefix reuses
+  them, and gateways learn where the conversation lives before its reply ends (a reply
+  of 1,000 tokens takes tens of seconds; routing the next turn blind for that long
+  sends concurrent turns elsewhere). vLLM caches each block as it fills, SGLang each
+  prefill chunk; the prompt's end is the point where its K/V has produced a token.
 - `store(seq)` (finish) hands the sequence's computed full blocks to the prefix cache
   and keeps its partial last block as a tail, so the next turn of the conversation reuses
   all of it; the rest of its blocks are released.
@@ -244,6 +252,26 @@ class ReusePlanner:
                 seq.resume = (n_keep + redo, end)
         log.info("request %s: moved %d cached tokens back by %d positions (%s)",
                  seq.request_id, end - n_keep, delta, mode)
+
+    # --- prefill done ----------------------------------------------------------------------
+
+    def commit(self, seq: Sequence) -> None:
+        """Cache seq's computed full blocks now; seq keeps running on them (see the module
+        docstring). Blocks the cache already holds (its exact hit, or a duplicate another
+        sequence committed first) stay seq's alone until `store` releases them."""
+        full = seq.num_computed_tokens // self.config.block_size
+        if not self.config.enable_prefix_cache or not full:
+            return
+        blocks = seq.block_table[:full]
+        self.pool.ref(blocks)  # the cache's reference; seq keeps its own
+        node = self.cache.insert(self.hashes(seq)[:full], blocks)
+        assert node is not None
+        # Lock the longer path before unlocking the matched one: the blocks seq computes on
+        # must not be evicted (the eviction would free nothing while seq holds them).
+        self.cache.tree.lock(node)
+        if seq.cache_handle is not None:
+            self.cache.unlock(seq.cache_handle)
+        seq.cache_handle = node
 
     # --- finish ----------------------------------------------------------------------------
 

@@ -260,3 +260,52 @@ def test_n_samples_share_the_prompt_blocks(tiny_spec, tiny_model) -> None:
     assert len({tuple(v) for v in samples.values()}) > 1
     assert_no_leak(engine)
     engine.shutdown()
+
+
+def test_prompt_blocks_are_cached_and_published_when_prefill_ends(tiny_spec, tiny_model) -> None:
+    """A prompt's full blocks are `stored` before its first token is streamed (not when the
+    reply ends), and a request with the same prefix arriving while the first one is still
+    decoding reuses them; outputs equal the uncached engine's."""
+    from prefixgate.events import KVEventSink
+    from prefixgate.radix import BlockHasher
+
+    class Stored(KVEventSink):
+        def __init__(self) -> None:
+            self.blocks: list[int] = []
+
+        def stored(self, parent_hash, block_hashes) -> None:
+            self.blocks += block_hashes
+
+        def removed(self, block_hashes) -> None:
+            pass
+
+        def cleared(self) -> None:
+            pass
+
+    sink = Stored()
+    engine = make_engine(tiny_spec, tiny_model, event_sink=sink)
+    uncached = make_engine(tiny_spec, tiny_model, enable_prefix_cache=False)
+    p = prompts(1, seed=11, lo=100, hi=101)[0]  # 6 full blocks of 16 and 4 tokens
+    follow = p + [7, 8]
+    prompt_blocks = BlockHasher(16, tiny_spec.fingerprint, "").hash_blocks(p)
+    seen_at_first_token: list[list[int]] = []
+    a_events: queue.Queue = queue.Queue()
+    b_events: queue.Queue = queue.Queue()
+
+    def emit_a(ev) -> None:  # engine thread
+        if isinstance(ev, TokenEvent) and not seen_at_first_token:
+            seen_at_first_token.append(list(sink.blocks))
+            engine.submit(Request("b", tuple(follow), SamplingConfig(max_tokens=4)), b_events.put)
+        a_events.put(ev)
+
+    engine.submit(Request("a", tuple(p), SamplingConfig(max_tokens=48)), emit_a)
+    out_b, final_b = collect(b_events)
+    out_a, final_a = collect(a_events)
+    assert seen_at_first_token[0][:len(prompt_blocks)] == prompt_blocks
+    assert final_b.cached_tokens == 96, "b was admitted while a decoded: a's prompt blocks"
+    assert final_a.completion_tokens > final_b.completion_tokens  # a still ran when b ended
+    assert out_a == run(uncached, p, max_tokens=48, rid="ra")[0]
+    assert out_b == run(uncached, follow, max_tokens=4, rid="rb")[0]
+    assert_no_leak(engine)
+    engine.shutdown()
+    uncached.shutdown()
