@@ -2,6 +2,11 @@
 
 Benchmark modules import only the standard library at top level (heavy imports live in
 their run()), so building this parser stays cheap and torch-free.
+
+Unlike the serving commands, bench flags have no PREFIXGATE_* variables (plain
+`add_argument`, not `cli.flags.flag`): many share names with serving flags (--workers,
+--weights, --block-size), and a benchmark must measure what its command line says, not
+what an environment exported for `prefixgate up` sets.
 """
 
 from __future__ import annotations
