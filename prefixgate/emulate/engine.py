@@ -31,7 +31,8 @@ Model of one worker (EmulationConfig; times below are *emulated* seconds, which 
            function of the prompt, so equal prompts give equal replies (as greedy
            decoding does).
   status   `num_queued_prefill_tokens`: the uncached prompt tokens of the requests waiting
-           or in prefill (their expected uncached part when they arrived, counting as
+           or in prefill (the one in prefill with the share of it not yet computed; the
+           others with their expected uncached part when they arrived, counting as
            cached the blocks that the requests ahead of them store at their prefill's end:
            a burst sharing a new prefix is one prefill of it, BlockCache.reserve);
            `num_running_requests`: requests decoding; `num_waiting_requests`: queued.
@@ -47,6 +48,7 @@ called from any thread. `status` reads one immutable snapshot.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -179,7 +181,18 @@ class EmulatedEngine(Engine):
             self._loop.call_soon_threadsafe(self._cancel, request_id)
 
     def status(self) -> EngineStatus:
-        return self._status
+        # The prompt in prefill counts with what is left of it, as a real engine's pending
+        # tokens shrink chunk by chunk (worker/scheduler.py): a gateway must not see a long
+        # prefill that is nearly done as a whole one ahead of the next turn.
+        status, req, loop = self._status, self._prefilling, self._loop
+        if req is None or loop is None or req.first_token <= req.started:
+            return status
+        share = (loop.time() - req.started) / (req.first_token - req.started)
+        computed = int(req.expected_uncached * min(1.0, max(0.0, share)))
+        if not computed:
+            return status
+        return dataclasses.replace(status, num_queued_prefill_tokens=max(
+            0, status.num_queued_prefill_tokens - computed))
 
     def flush_cache(self) -> int:
         n = self.cache.flush()

@@ -56,6 +56,7 @@ class WorkerHandle:
     # ended must not count against the worker its conversation's next turn prefers.
     finished_since_status: int = 0
     prefilled_since_status: int = 0
+    in_flight_prompt_tokens_at_status: int = 0  # in_flight_prompt_tokens when it was set
     absent_since: float | None = None  # monotonic time it was first missing from the registry
 
     @property
@@ -66,15 +67,25 @@ class WorkerHandle:
     def set_status(self, status: worker_pb2.WorkerStatus | None) -> None:
         self.status = status
         self.finished_since_status = self.prefilled_since_status = 0
+        self.in_flight_prompt_tokens_at_status = self.in_flight_prompt_tokens
 
     # The routing.WorkerLoad view. The worker's status lags by up to its push interval
-    # (less what this gateway saw end since) and this gateway's counters miss other
-    # gateways' turns: take the larger of the two, so a burst routed here counts at once
-    # without counting it twice once reported.
+    # and this gateway's counters miss other gateways' turns. Queued prefill: the status,
+    # less this gateway's prefill in it that ended since, plus this gateway's prompt tokens
+    # sent since the status and still waiting for their first token (the worker queues
+    # first come first served, so the prefill that ended since was the older turns'
+    # first). A burst routed here counts at once, and a prompt being prefilled counts
+    # with what is left of it, as the worker reports it: the own count alone holds a
+    # turn's whole prompt until its first token, which made a long prefill that was
+    # nearly done look like a whole one ahead of the next turn. Running: the larger of
+    # the status (less what ended here since) and the own count.
     @property
     def num_queued_prefill_tokens(self) -> int:
         polled = self.status.num_queued_prefill_tokens if self.status is not None else 0
-        return max(polled - self.prefilled_since_status, self.in_flight_prompt_tokens)
+        before = self.in_flight_prompt_tokens_at_status
+        ended = min(self.prefilled_since_status, before)  # of the turns in the status
+        return (max(0, polled - ended)
+                + max(0, self.in_flight_prompt_tokens - before + ended))
 
     @property
     def num_running_requests(self) -> int:

@@ -15,7 +15,8 @@ in place of the gateways; each on a fresh fleet (empty caches):
 
 Time: `--time-scale S` runs the whole fleet S times faster than the emulated clock:
 workers divide service times by S, arrivals (already divided by --speedup) and think
-times are divided by S, and every reported time is emulated (wall-clock figures x S). At
+times are divided by S, gateways push status every 50 ms / S (at least 10 ms:
+`status_interval_ms`), and every reported time is emulated (wall-clock figures x S). At
 S = 1 the fleet runs in real time; the trace's own clock is divided by --speedup in both.
 
 Reported beside the client's figures (summary): `workers`: hit rate counted at the workers
@@ -50,6 +51,19 @@ from prefixgate.replay.targets import (
 from prefixgate.replay.traces import Trace
 
 CHAT_BLOCK_SIZE = 16
+# The gateways' status push interval a deployment runs with (GatewayConfig), and the
+# workers' floor (prefixgate/status.py MIN_INTERVAL_S), in wall milliseconds.
+DEPLOYED_STATUS_INTERVAL_MS = 50
+MIN_STATUS_INTERVAL_MS = 10
+
+
+def status_interval_ms(time_scale: float) -> int:
+    """The status interval gateways get in a fleet running `time_scale` times faster: the
+    deployed interval in emulated time, as far as the workers' floor allows (at 20x, 10 ms
+    of wall time: 200 ms emulated instead of the 1 s the unscaled 50 ms would be). A
+    wall-clock constant left unscaled would make load look 20 times staler than in the
+    deployment the fleet stands for; `--gateway-args='--status-interval-ms N'` overrides."""
+    return max(MIN_STATUS_INTERVAL_MS, round(DEPLOYED_STATUS_INTERVAL_MS / time_scale))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -265,8 +279,9 @@ def run_fleet(trace: Trace, args: argparse.Namespace, arrival: ArrivalConfig,
             decode_s_per_token=args.decode_s_per_token, time_scale=args.time_scale,
             redis=args.fleet_redis and not router, model=args.tokenizer_model,
             max_context_tokens=context, peer_router=router, publish_at=args.publish_at,
-            gateway_flags=() if router else (*policy_flags(policy),
-                                             *shlex.split(args.gateway_args)),
+            gateway_flags=() if router else (
+                "--status-interval-ms", str(status_interval_ms(args.time_scale)),
+                *policy_flags(policy), *shlex.split(args.gateway_args)),
             cache_dir=getattr(args, "cache_dir", None) or "")
         plural = "s" if gateways > 1 else ""
         if router:

@@ -24,14 +24,15 @@ Worker (SimConfig; the emulated worker's model, emulate/engine.py, with the same
            ends); when the reply ends the blocks of prompt and reply are stored. `reply_blocks`: "private" (default: the worker's own reply,
            which a replay's next prompt, carrying the recorded reply, does not share) or
            "recorded" (the reply is the trace's: the next turn's prompt reuses it).
-  status   queued prefill tokens (expected uncached tokens of the turns waiting or in
-           prefill, as at their arrival, counting as cached the blocks the turns ahead of
+  status   queued prefill tokens (expected uncached tokens of the turns waiting, as at
+           their arrival, and the share not yet computed of the one in prefill, counting as cached the blocks the turns ahead of
            them store at their prefill's end: BlockCache.reserve), running (decoding) sequences, KV fill, and its
            rates once a finished request measured them (worker/rates.py), as the worker
            reports them; a gateway sees them `status_interval_s` old at most (pushed on
-           change), less what it saw end since, and takes the larger of that and its own
-           in-flight counts (turns it routed and not finished; their uncached prompt tokens
-           until the first token), as gateway/pool.py does.
+           change); queued: that less its own prefill in it that ended since, plus its own
+           turns' uncached prompt tokens sent since and waiting for their first token;
+           running: the larger of that less what it saw end since and its own turns in
+           flight (as gateway/pool.py's WorkerHandle does).
 
 Gateways: turns go to the gateways in turn (round-robin, as a load balancer in front of
 replicas). Each routes by its own index, fed with every worker's events; its routing
@@ -216,7 +217,7 @@ def prepare_turns(trace: Trace, block_size: int = 16, tokenizer=None,
 
 class _Worker:
     __slots__ = ("wid", "cache", "queue", "queued_tokens", "busy", "running", "status",
-                 "prefill_rate", "decode_step_s")
+                 "prefill_rate", "decode_step_s", "prefilling")
 
     def __init__(self, wid: str, cache: BlockCache) -> None:
         self.wid = wid
@@ -224,6 +225,7 @@ class _Worker:
         self.queue: deque[_Req] = deque()
         self.queued_tokens = 0  # expected uncached tokens of the turns queued or in prefill
         self.busy = False
+        self.prefilling: _Req | None = None
         self.running = 0  # sequences decoding
         # Rates the worker reports once a finished request measured them (worker/rates.py).
         self.prefill_rate = 0.0
@@ -233,7 +235,7 @@ class _Worker:
 
 class _Gateway:
     __slots__ = ("index", "router", "in_flight", "in_flight_tokens", "finished_since",
-                 "prefilled_since")
+                 "prefilled_since", "tokens_at_status")
 
     def __init__(self, cfg: SimConfig, clock) -> None:
         self.index = PrefixIndex(spread_fanout=cfg.routing.spread_fanout,
@@ -246,6 +248,7 @@ class _Gateway:
         # the prompt tokens whose prefill it saw end (gateway/pool.py WorkerHandle).
         self.finished_since: dict[str, int] = {}
         self.prefilled_since: dict[str, int] = {}
+        self.tokens_at_status: dict[str, int] = {}  # in_flight_tokens when the status came
 
 
 class _IndexFeed(KVEventSink):
@@ -279,6 +282,8 @@ class _Req:
     cached: int = 0
     handle: object = None
     ttft: float = 0.0
+    prefill_start: float = 0.0
+    prefill_end: float = 0.0
 
 
 def _reply_hashes(last: int, n: int) -> list[int]:
@@ -333,7 +338,11 @@ class _Sim:
     # -- load, as the gateways see it ---------------------------------------------------
 
     def _live_status(self, w: _Worker) -> tuple:
-        return (w.queued_tokens, w.running,
+        queued, req = w.queued_tokens, w.prefilling
+        if req is not None and req.prefill_end > req.prefill_start:  # the part computed
+            share = (self.now - req.prefill_start) / (req.prefill_end - req.prefill_start)
+            queued -= int(req.expected_uncached * min(1.0, max(0.0, share)))
+        return (queued, w.running,
                 min(1.0, w.cache.num_blocks / w.cache.capacity_blocks), w.prefill_rate,
                 w.decode_step_s)
 
@@ -344,20 +353,25 @@ class _Sim:
                 w.status = live
                 for g in self.gateways:
                     g.finished_since[w.wid] = g.prefilled_since[w.wid] = 0
+                    g.tokens_at_status[w.wid] = g.in_flight_tokens.get(w.wid, 0)
         if self.events:  # keep ticking while anything else is pending
             self.at(self.now + self.status_interval, self._tick)
 
     def _loads(self, g: _Gateway) -> list[LoadSnapshot]:
         out = []
         for w in self.workers:
-            if self.status_interval:
+            own = g.in_flight_tokens.get(w.wid, 0)
+            if self.status_interval:  # as gateway/pool.py WorkerHandle combines them
                 queued, running, fill, rate, step_s = w.status
-                queued -= g.prefilled_since.get(w.wid, 0)
+                before = g.tokens_at_status.get(w.wid, 0)
+                ended = min(g.prefilled_since.get(w.wid, 0), before)
+                queued = max(0, queued - ended) + max(0, own - before + ended)
                 running -= g.finished_since.get(w.wid, 0)
             else:
                 queued, running, fill, rate, step_s = self._live_status(w)
+                queued = max(queued, own)
             out.append(LoadSnapshot(
-                w.wid, max(queued, g.in_flight_tokens.get(w.wid, 0)),
+                w.wid, queued,
                 max(running, g.in_flight.get(w.wid, 0)), prefill_tokens_per_s=rate,
                 decode_step_s=step_s, prefill_chunk_tokens=0, kv_fill=fill))
         return out
@@ -400,11 +414,13 @@ class _Sim:
         req.cached = m * self.cfg.block_size
         uncached = req.turn.num_prompt_tokens - req.cached
         dur = 0.0 if self.ideal else uncached / self.cfg.prefill_tokens_per_s
+        req.prefill_start, req.prefill_end = self.now, self.now + dur
+        w.prefilling = req
         self.at(self.now + dur, self.prefill_done, req)
 
     def prefill_done(self, req: _Req) -> None:
         w, g = req.worker, req.gateway
-        w.busy = False
+        w.busy, w.prefilling = False, None
         w.queued_tokens -= req.expected_uncached
         if self.cfg.publish_at == "prefill":
             req.handle = w.cache.store(req.handle, req.turn.block_hashes)
@@ -541,7 +557,7 @@ def run_simulations(trace: Trace, args: argparse.Namespace, arrival: ArrivalConf
     flags (prefixgate/cli/replay.py)."""
     from tqdm import tqdm
 
-    from prefixgate.replay.fleet import decision_summary
+    from prefixgate.replay.fleet import decision_summary, status_interval_ms
 
     policies = list(policies) or list(POLICIES)
     try:
@@ -575,6 +591,8 @@ def run_simulations(trace: Trace, args: argparse.Namespace, arrival: ArrivalConf
                          max_output_tokens=args.max_tokens,
                          shared_predictions=getattr(args, "fleet_redis", False),
                          time_scale=getattr(args, "time_scale", 1.0),
+                         status_interval_s=status_interval_ms(
+                             getattr(args, "time_scale", 1.0)) / 1e3,
                          publish_at=getattr(args, "publish_at", "prefill"))
         bnd = bounds(convs, base)
         bar.update(1)

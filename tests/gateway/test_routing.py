@@ -317,3 +317,32 @@ def test_rates_that_differ_by_measurement_noise_are_a_tie() -> None:
     # ... while a real difference (a worker twice as fast) still decides.
     fast = _spread_new_conversations([20_000.0, 20_000.0, 40_000.0, 20_000.0])
     assert fast[0]["w2"] == 16
+
+
+def test_gateway_load_view_counts_status_plus_turns_sent_since() -> None:
+    """WorkerHandle's queued prefill: the worker's status (a prompt in prefill with what
+    is left of it) plus this gateway's turns sent since that status, less its own prefill
+    in the status that ended since; not the own count's whole prompts until first token."""
+    from prefixgate.gateway.pool import WorkerHandle
+    from prefixgate.registry import WorkerRecord
+    from prefixgate.v1 import worker_pb2
+
+    h = WorkerHandle(WorkerRecord("w", "127.0.0.1:1"), None, None)  # type: ignore[arg-type]
+
+    def send(tokens: int) -> None:
+        h.in_flight_prompt_tokens += tokens
+
+    def first_token(tokens: int) -> None:
+        h.in_flight_prompt_tokens -= tokens
+        h.prefilled_since_status += tokens
+
+    send(1000)
+    assert h.num_queued_prefill_tokens == 1000  # no status yet: the own count
+    h.set_status(worker_pb2.WorkerStatus(num_queued_prefill_tokens=400))  # 600 computed
+    assert h.num_queued_prefill_tokens == 400
+    send(300)
+    assert h.num_queued_prefill_tokens == 700
+    first_token(1000)
+    assert h.num_queued_prefill_tokens == 300  # only the turn the status has not seen
+    h.set_status(worker_pb2.WorkerStatus(num_queued_prefill_tokens=2000))  # others' turns
+    assert h.num_queued_prefill_tokens == 2000
