@@ -60,6 +60,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import compress, repeat
 
 from prefixgate.radix import OwnerIndex
 from prefixgate.radix.owners import owner_runs
@@ -131,6 +132,38 @@ class _Tree(OwnerIndex):
         for part in reversed(parts):
             out += part
         return out
+
+    def take_over(self, path: Sequence[int], num_blocks: int, old: object) -> list[int]:
+        """Remove owner `old` from the last `num_blocks` blocks of the indexed path `path`,
+        which another owner also holds (`add` just gave them to it: no block is left
+        ownerless, none is dropped). Returns the blocks that listed `old`. One walk up
+        from the path's end with C loops per block, no hash-wide lookup per block."""
+        node = self._where[path[-1]]
+        key = node.key
+        end = len(key) if key[-1] == path[-1] else key.index(path[-1]) + 1
+        gone = frozenset((old,))
+        changed: dict[frozenset, frozenset] = {}
+        hit: list[int] = []
+        root = self._root
+        while num_blocks > 0 and node is not root:
+            start = max(0, end - num_blocks)
+            part = node.values[start:end]
+            listed = {s: old in s for s in dict.fromkeys(part)}
+            if any(listed.values()):
+                hit.extend(compress(node.key[start:end], map(listed.__getitem__, part)))
+                for s, has in listed.items():
+                    listed[s] = (changed.get(s) or changed.setdefault(
+                        s, self._intern(s - gone))) if has else s
+                node.values[start:end] = map(listed.__getitem__, part)
+            num_blocks -= end - start
+            node = node.parent
+            end = len(node.values)
+        held = self._by_owner.get(old)
+        if hit and held is not None:
+            held.difference_update(hit)
+            if not held:
+                del self._by_owner[old]
+        return hit
 
     def fanout(self, block_hash: int) -> int:
         """Distinct continuations stored right after `block_hash` (0 if unknown)."""
@@ -309,7 +342,8 @@ class PrefixIndex:
         if self._expected.pop(worker_id, None) is not None:
             self._tree.remove_owner(self._key(worker_id))
 
-    def _confirm(self, worker_id: str, block_hashes: Iterable[int], stored: bool) -> None:
+    def _unexpect(self, worker_id: str, block_hashes: Iterable[int]) -> None:
+        """`worker_id` is no longer expected to hold these blocks (a `removed` event)."""
         mine = self._expected.get(worker_id)
         if not mine:
             return
@@ -321,8 +355,6 @@ class PrefixIndex:
         else:
             deque(map(mine.__delitem__, hit), maxlen=0)
         self._tree.discard(hit, self._key(worker_id))
-        if stored:
-            self.num_confirmed_blocks += len(hit)
 
     # ------------------------------------------------------------------ updates
 
@@ -359,7 +391,14 @@ class PrefixIndex:
             prefix.extend(block_hashes)
             path = prefix
         added = self._tree.add(path, worker_id)
-        self._confirm(worker_id, block_hashes, stored=True)
+        mine = self._expected.get(worker_id)
+        if mine:  # confirm: the chain's blocks expected there are held now
+            hit = self._tree.take_over(path, len(block_hashes), self._key(worker_id))
+            if hit:
+                deque(map(mine.pop, hit, repeat(None)), maxlen=0)
+                if not mine:
+                    del self._expected[worker_id]
+                self.num_confirmed_blocks += len(hit)
         self._cap()
         return added
 
@@ -367,7 +406,7 @@ class PrefixIndex:
         if self._current(worker_id, epoch):
             hs = block_hashes if isinstance(block_hashes, Sequence) else list(block_hashes)
             self._tree.discard(hs, worker_id)
-            self._confirm(worker_id, hs, stored=False)
+            self._unexpect(worker_id, hs)
 
     def cleared(self, worker_id: str, epoch: int) -> None:
         if self._current(worker_id, epoch):
