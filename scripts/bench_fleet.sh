@@ -5,7 +5,7 @@
 #
 #   bash scripts/bench_fleet.sh [mooncake|sharegpt|all]
 #
-# Environment: TRACES (default ../shared/traces), OUT, TIME_SCALE (default 10),
+# Environment: TRACES (default ../shared/traces), OUT, TIME_SCALE (default 20, the issue's),
 # SGLANG_PYTHON (a python with sglang-router 0.3.2, default /work/peers/sglang-venv/bin/
 # python; the sglang runs are skipped without it), SHAREGPT_CONVERSATIONS (default 100).
 set -euo pipefail
@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 WHAT=${1:-all}
 TRACES=${TRACES:-../shared/traces}
 OUT=${OUT:-bench-out/fleet}
-S=${TIME_SCALE:-10}
+S=${TIME_SCALE:-20}
 SGLANG_PYTHON=${SGLANG_PYTHON:-/work/peers/sglang-venv/bin/python}
 N_CHAT=${SHAREGPT_CONVERSATIONS:-100}
 PG=(nice -n 10 .venv/bin/python -m prefixgate replay --no-progress)
@@ -27,11 +27,13 @@ if [[ $WHAT == mooncake || $WHAT == all ]]; then
      --time-scale "$S")
   "${PG[@]}" "${M[@]}" --simulate --sim-workers 8 --sim-policies prefix --gateways 1,2,4 \
     --out "$OUT" --name mooncake-sim > /dev/null
+  uptime | tee -a "$OUT/uptime.txt"
   "${PG[@]}" "${M[@]}" --fleet 8 --gateways 1,2,4 --out "$OUT" --name mooncake-gateways \
     > /dev/null
-  "${PG[@]}" "${M[@]}" --fleet 8 --gateways 2 --fleet-redis --out "$OUT" \
+  "${PG[@]}" "${M[@]}" --fleet 8 --gateways 2,4 --fleet-redis --out "$OUT" \
     --name mooncake-redis > /dev/null
   if [[ -x $SGLANG_PYTHON ]]; then
+    uptime | tee -a "$OUT/uptime.txt"
     "${PG[@]}" "${M[@]}" --fleet 8 --gateways 1,2 --sim-policies none \
       --peer-router "$SGLANG_PYTHON -m sglang_router.launch_router --policy cache_aware --prometheus-port {free_port}" \
       --peer-label "sglang-router 0.3.2 cache_aware" --out "$OUT" --name mooncake-sglang \
