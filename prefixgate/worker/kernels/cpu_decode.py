@@ -12,28 +12,20 @@ with query [B, H, D] (float32, last dim contiguous), k_cache/v_cache one layer o
 and context_lens [B] int32 as in `StepMetadata` (paged_attention.py), returns [B, H, D]
 float32: each sequence's one query row per head against keys 0..context_lens[b]-1 (all of
 its context, the new token's own K/V included). Query head h reads KV head h // (H // KVH).
-Work items (sequence, KV head) are spread over `torch.get_num_threads()` POSIX threads;
-no OpenMP (a second OpenMP runtime beside torch's would spin against it).
-
-The C source below is compiled on first use (kernels/cbuild.py); no compiler, or a failed
-build, leaves `available()` False and the torch path in use.
+Work items (sequence, KV head) are spread over `torch.get_num_threads()` threads of the
+CPU kernel library's pool (cpu_quant.py: the C source below is built into that library,
+on first use; no compiler, or a failed build, leaves `available()` False and the torch
+path in use).
 """
 
 from __future__ import annotations
 
-import ctypes
-import logging
-import threading
-
 import torch
 
-from prefixgate.worker.kernels import cbuild
+from prefixgate.worker.kernels import cpu_quant
 
-log = logging.getLogger(__name__)
-
-_SOURCE = r"""
+SOURCE = r"""
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -46,7 +38,6 @@ typedef struct {
     const void *k, *v; int64_t slot_stride; int bf16;
     const int32_t *bt; int64_t bt_stride; const int32_t *ctx;
     float *out; int nd, H, KVH, D, bs; float scale;
-    int next; pthread_mutex_t lock;
 } job_t;
 
 static inline void load_row(const void *base, int bf16, int64_t off, int D, float *dst) {
@@ -107,16 +98,9 @@ static void one(job_t *j, int b, int kh) {
     }
 }
 
-static void *worker(void *arg) {
+static void decode_item(void *arg, int i) {
     job_t *j = (job_t *)arg;
-    int total = j->nd * j->KVH;
-    for (;;) {
-        pthread_mutex_lock(&j->lock);
-        int i = j->next++;
-        pthread_mutex_unlock(&j->lock);
-        if (i >= total) return 0;
-        one(j, i / j->KVH, i % j->KVH);
-    }
+    one(j, i / j->KVH, i % j->KVH);
 }
 
 int pg_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, const void *k,
@@ -125,47 +109,15 @@ int pg_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, const void *
                         int KVH, int D, int bs, float scale, int nthreads) {
     if (H % KVH || H / KVH > MAXG || D > MAXD) return -1;
     job_t j = {q, q_sb, q_sh, k, v, slot_stride, bf16, bt, bt_stride, ctx, out, nd, H, KVH,
-               D, bs, scale, 0};
-    pthread_mutex_init(&j.lock, 0);
-    pthread_t th[64];
-    int n = nthreads < 1 ? 1 : nthreads > 64 ? 64 : nthreads;
-    if (n > nd * KVH) n = nd * KVH;
-    int started = 0;
-    for (int i = 1; i < n; i++) if (!pthread_create(&th[started], 0, worker, &j)) started++;
-    worker(&j);
-    for (int i = 0; i < started; i++) pthread_join(th[i], 0);
-    pthread_mutex_destroy(&j.lock);
+               D, bs, scale};
+    pool_run(decode_item, &j, nd * KVH, nthreads);
     return 0;
 }
 """
 
-_lib: ctypes.CDLL | None = None
-_tried = False
-_lock = threading.Lock()
-
-
-def _build() -> ctypes.CDLL | None:
-    lib = cbuild.load("pg_decode", _SOURCE)
-    if lib is None:
-        return None
-    fn = lib.pg_decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
-                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                   ctypes.c_int]
-    return lib
-
-
 def available() -> bool:
-    """Whether the kernel is built (building it on the first call)."""
-    global _lib, _tried
-    with _lock:
-        if not _tried:
-            _tried = True
-            _lib = _build()
-    return _lib is not None
+    """Whether the kernel is built (building the CPU kernel library on the first call)."""
+    return cpu_quant.library() is not None
 
 
 def supports(k_cache: torch.Tensor, num_heads: int) -> bool:
@@ -179,15 +131,15 @@ def supports(k_cache: torch.Tensor, num_heads: int) -> bool:
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                      scale: float) -> torch.Tensor:
-    if not available():
+    lib = cpu_quant.library()
+    if lib is None:
         raise RuntimeError("the CPU decode kernel could not be built (see the log)")
-    assert _lib is not None
     q = query.float()
     if q.stride(-1) != 1:
         q = q.contiguous()
     nd, num_heads, head_dim = q.shape
     out = torch.empty((nd, num_heads, head_dim), dtype=torch.float32)
-    rc = _lib.pg_decode_attention(
+    rc = lib.pg_decode_attention(
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
         k_cache.stride(0), int(k_cache.dtype == torch.bfloat16), block_tables.data_ptr(),
         block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(), nd, num_heads,

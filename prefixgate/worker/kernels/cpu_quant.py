@@ -56,7 +56,12 @@ SPIN_US = int(os.environ.get("PREFIXGATE_KERNEL_SPIN_US", "200"))
 
 _SOURCE = r"""
 #define _GNU_SOURCE
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#else
+#define _mm_pause() ((void)0)
+#endif
+#include <math.h>
 #include <linux/futex.h>
 #include <limits.h>
 #include <pthread.h>
@@ -68,15 +73,22 @@ _SOURCE = r"""
 #include <time.h>
 #include <unistd.h>
 
-/* ---- a small persistent thread pool ------------------------------------------------ */
-typedef void (*task_fn)(void *arg, int tid);
+/* ---- a small persistent thread pool ------------------------------------------------
+   pool_run(fn, arg, nitems, nth) calls fn(arg, i) once for every item i < nitems, on the
+   caller and up to nth - 1 pool threads. Items are claimed one at a time with a CAS on
+   `claim` = (job generation << 32 | next item), and the caller waits for the number of
+   *finished* items, never for a thread to show up: a pool thread that the OS has not
+   scheduled (a loaded machine) simply takes no part, and the caller does its items. A
+   late thread's CAS fails on the generation, so it never touches a finished job. */
+typedef void (*item_fn)(void *arg, int item);
 #define MAXT 64
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
 static int pool_started = 0;
-static _Atomic unsigned pool_gen = 0;
-static _Atomic int pool_pending = 0;
+static _Atomic unsigned pool_gen = 0;       /* futex word: bumped per job */
+static _Atomic uint64_t pool_claim = 0;     /* gen << 32 | next item */
+static _Atomic int pool_done = 0;
 static _Atomic int pool_sleepers = 0;
-static task_fn pool_fn; static void *pool_arg; static int pool_nth;
+static item_fn pool_fn; static void *pool_arg; static int pool_items;
 static long spin_ns = 200000;
 
 static inline long now_ns(void) {
@@ -84,9 +96,22 @@ static inline long now_ns(void) {
     return t.tv_sec * 1000000000L + t.tv_nsec;
 }
 
+/* Claim and run items of job `gen` until none is left; returns items run. */
+static int pool_work(unsigned gen) {
+    int ran = 0;
+    for (;;) {
+        uint64_t c = atomic_load(&pool_claim);
+        if ((unsigned)(c >> 32) != gen || (int)(uint32_t)c >= pool_items) return ran;
+        if (!atomic_compare_exchange_weak(&pool_claim, &c, c + 1)) continue;
+        pool_fn(pool_arg, (int)(uint32_t)c);
+        atomic_fetch_add(&pool_done, 1);
+        ran++;
+    }
+}
+
 static void *pool_main(void *p) {
-    int tid = (int)(intptr_t)p;
-    unsigned seen = 0;
+    (void)p;
+    unsigned seen = atomic_load(&pool_gen);
     for (;;) {
         unsigned g;
         long t0 = 0; int i = 0;
@@ -103,31 +128,33 @@ static void *pool_main(void *p) {
             t0 = 0;
         }
         seen = g;
-        if (tid < pool_nth) pool_fn(pool_arg, tid);
-        atomic_fetch_sub(&pool_pending, 1);
+        pool_work(g);
     }
     return 0;
 }
 
-static void pool_run(task_fn fn, void *arg, int nth) {
+static void pool_run(item_fn fn, void *arg, int nitems, int nth) {
+    if (nitems <= 0) return;
     if (nth > MAXT) nth = MAXT;
-    if (nth <= 1) { fn(arg, 0); return; }
-    pthread_mutex_lock(&pool_lock);  /* one caller at a time; starts threads on demand */
+    if (nth > nitems) nth = nitems;
+    if (nth <= 1) { for (int i = 0; i < nitems; i++) fn(arg, i); return; }
+    pthread_mutex_lock(&pool_lock);  /* one job at a time; threads started on demand */
     while (pool_started < nth - 1) {
         pthread_t th;
-        if (pthread_create(&th, 0, pool_main, (void *)(intptr_t)(pool_started + 1))) break;
+        if (pthread_create(&th, 0, pool_main, 0)) break;
         pthread_detach(th);
         pool_started++;
     }
-    if (nth > pool_started + 1) nth = pool_started + 1;
-    pool_fn = fn; pool_arg = arg; pool_nth = nth;
-    atomic_store(&pool_pending, pool_started);
-    atomic_fetch_add(&pool_gen, 1);
+    pool_fn = fn; pool_arg = arg; pool_items = nitems;
+    atomic_store(&pool_done, 0);
+    unsigned gen = atomic_load(&pool_gen) + 1;
+    atomic_store(&pool_claim, (uint64_t)gen << 32);
+    atomic_store(&pool_gen, gen);
     if (atomic_load(&pool_sleepers))
-        syscall(SYS_futex, &pool_gen, FUTEX_WAKE_PRIVATE, INT_MAX, 0, 0, 0);
-    fn(arg, 0);
+        syscall(SYS_futex, &pool_gen, FUTEX_WAKE_PRIVATE, nth - 1, 0, 0, 0);
+    pool_work(gen);
     int i = 0;
-    while (atomic_load(&pool_pending) > 0) {
+    while (atomic_load(&pool_done) < nitems) {
         if (++i < 4096) _mm_pause(); else { sched_yield(); i = 0; }
     }
     pthread_mutex_unlock(&pool_lock);
@@ -135,6 +162,8 @@ static void pool_run(task_fn fn, void *arg, int nth) {
 
 void pg_set_spin_us(int us) { spin_ns = (long)us * 1000; }
 
+#ifdef __AVX512F__
+int pg_has_avx512(void) { return 1; }
 /* ---- products ---------------------------------------------------------------------- */
 #define ROWS_PER_TASK 64
 #define MB 8   /* activation rows per pass over a weight row (8 accumulators) */
@@ -193,53 +222,51 @@ void q8_rows(const gemm_t *g, int n, int m0, int mb) {
     for (int r = 0; r < mb; r++) g->out[(int64_t)(m0 + r) * g->os + n] = hsum(acc[r]);
 }
 
-#define GEMM_TASK(NAME, ROWS)                                                           \
-static void NAME(void *arg, int tid) {                                                 \
-    gemm_t *g = (gemm_t *)arg; (void)tid;                                              \
-    for (;;) {                                                                          \
-        int n0 = atomic_fetch_add(&g->next, ROWS_PER_TASK);                            \
-        if (n0 >= g->N) return;                                                         \
-        int n1 = n0 + ROWS_PER_TASK < g->N ? n0 + ROWS_PER_TASK : g->N;                \
-        for (int m0 = 0; m0 < g->M; m0 += MB) {                                         \
-            int mb = g->M - m0 < MB ? g->M - m0 : MB;                                   \
-            for (int n = n0; n < n1; n++) switch (mb) {                                 \
-                case 1: ROWS(g, n, m0, 1); break; case 2: ROWS(g, n, m0, 2); break;     \
-                case 3: ROWS(g, n, m0, 3); break; case 4: ROWS(g, n, m0, 4); break;     \
-                case 5: ROWS(g, n, m0, 5); break; case 6: ROWS(g, n, m0, 6); break;     \
-                case 7: ROWS(g, n, m0, 7); break; default: ROWS(g, n, m0, 8); break;    \
-            }                                                                           \
+#define GEMM_ITEM(NAME, ROWS)                                                           \
+static void NAME(void *arg, int item) {                                                \
+    const gemm_t *g = (const gemm_t *)arg;                                              \
+    int n0 = item * ROWS_PER_TASK;                                                      \
+    int n1 = n0 + ROWS_PER_TASK < g->N ? n0 + ROWS_PER_TASK : g->N;                    \
+    for (int m0 = 0; m0 < g->M; m0 += MB) {                                             \
+        int mb = g->M - m0 < MB ? g->M - m0 : MB;                                       \
+        for (int n = n0; n < n1; n++) switch (mb) {                                     \
+            case 1: ROWS(g, n, m0, 1); break; case 2: ROWS(g, n, m0, 2); break;         \
+            case 3: ROWS(g, n, m0, 3); break; case 4: ROWS(g, n, m0, 4); break;         \
+            case 5: ROWS(g, n, m0, 5); break; case 6: ROWS(g, n, m0, 6); break;         \
+            case 7: ROWS(g, n, m0, 7); break; default: ROWS(g, n, m0, 8); break;        \
         }                                                                               \
     }                                                                                   \
 }
-GEMM_TASK(q4_task, q4_rows)
-GEMM_TASK(q8_task, q8_rows)
+GEMM_ITEM(q4_item, q4_rows)
+GEMM_ITEM(q8_item, q8_rows)
+
+#define SLICES(N) (((N) + ROWS_PER_TASK - 1) / ROWS_PER_TASK)
 
 int pg_q4_1_gemm(const float *x, int64_t xs, int M, int K, int N, const uint8_t *w,
                  float *out, int64_t os, int nth) {
     if (K % 32) return -1;
-    gemm_t g = {x, xs, M, K, N, w, out, os, 0};
-    pool_run(q4_task, &g, nth);
+    gemm_t g = {x, xs, M, K, N, w, out, os};
+    pool_run(q4_item, &g, SLICES(N), nth);
     return 0;
 }
 
 int pg_q8_0_gemm(const float *x, int64_t xs, int M, int K, int N, const uint8_t *w,
                  float *out, int64_t os, int nth) {
     if (K % 32) return -1;
-    gemm_t g = {x, xs, M, K, N, w, out, os, 0};
-    pool_run(q8_task, &g, nth);
+    gemm_t g = {x, xs, M, K, N, w, out, os};
+    pool_run(q8_item, &g, SLICES(N), nth);
     return 0;
 }
 
 /* dequantize: rows n of [N, K] float32 */
-typedef struct { const uint8_t *w; float *out; int K, N, q8; _Atomic int next; } deq_t;
+typedef struct { const uint8_t *w; float *out; int K, N, q8; } deq_t;
 
-static void deq_task(void *arg, int tid) {
-    deq_t *j = (deq_t *)arg; (void)tid;
+static void deq_item(void *arg, int item) {
+    const deq_t *j = (const deq_t *)arg;
     int nb = j->K / 32;
     const __m512i mask = _mm512_set1_epi32(15);
-    for (;;) {
-        int n0 = atomic_fetch_add(&j->next, ROWS_PER_TASK);
-        if (n0 >= j->N) return;
+    {
+        int n0 = item * ROWS_PER_TASK;
         int n1 = n0 + ROWS_PER_TASK < j->N ? n0 + ROWS_PER_TASK : j->N;
         for (int n = n0; n < n1; n++) for (int b = 0; b < nb; b++) {
             float *o = j->out + (int64_t)n * j->K + b * 32;
@@ -267,57 +294,66 @@ static void deq_task(void *arg, int tid) {
 
 int pg_dequantize(const uint8_t *w, float *out, int K, int N, int q8, int nth) {
     if (K % 32) return -1;
-    deq_t j = {w, out, K, N, q8, 0};
-    pool_run(deq_task, &j, nth);
+    deq_t j = {w, out, K, N, q8};
+    pool_run(deq_item, &j, SLICES(N), nth);
     return 0;
 }
+#else
+int pg_has_avx512(void) { return 0; }
+#endif
 """
 
 _lib: ctypes.CDLL | None = None
+_avx512 = False
 _tried = False
 _lock = threading.Lock()
 
 
 def _build() -> ctypes.CDLL | None:
-    lib = cbuild.load("pg_quant", _SOURCE)
+    from prefixgate.worker.kernels import cpu_decode
+
+    lib = cbuild.load("pg_cpu", _SOURCE + cpu_decode.SOURCE)
     if lib is None:
         return None
-    p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for name in ("pg_q4_1_gemm", "pg_q8_0_gemm"):
-        fn = getattr(lib, name)
-        fn.restype = i
-        fn.argtypes = [p, i64, i, i, i, p, p, i64, i]
-    lib.pg_dequantize.restype = i
-    lib.pg_dequantize.argtypes = [p, p, i, i, i, i]
+    p, i64, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.pg_decode_attention.restype = i
+    lib.pg_decode_attention.argtypes = [p, i64, i64, p, p, i64, i, p, i64, p, p, i, i, i, i,
+                                        i, f, i]
     lib.pg_set_spin_us.argtypes = [i]
     lib.pg_set_spin_us(SPIN_US)
+    if lib.pg_has_avx512():
+        for name in ("pg_q4_1_gemm", "pg_q8_0_gemm"):
+            fn = getattr(lib, name)
+            fn.restype = i
+            fn.argtypes = [p, i64, i, i, i, p, p, i64, i]
+        lib.pg_dequantize.restype = i
+        lib.pg_dequantize.argtypes = [p, p, i, i, i, i]
     return lib
 
 
-def available() -> bool:
-    """Whether the kernels are built (building them on the first call): needs a C
-    compiler and AVX-512 (the build fails without it, and the caller falls back)."""
-    global _lib, _tried
+def library() -> ctypes.CDLL | None:
+    """The CPU kernel library (this module's kernels, the decode attention of
+    cpu_decode.py, one thread pool), built on the first call; None without a compiler."""
+    global _lib, _avx512, _tried
     with _lock:
         if not _tried:
             _tried = True
-            _lib = _build() if _has_avx512() else None
-    return _lib is not None
+            _lib = _build()
+            _avx512 = _lib is not None and bool(_lib.pg_has_avx512())
+    return _lib
 
 
-def _has_avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return " avx512f " in f" {flags.split(':', 1)[-1].strip()} " \
-        and " avx512bw " in f" {flags.split(':', 1)[-1].strip()} "
+def available() -> bool:
+    """Whether the quantized kernels run here: the library builds and the CPU has
+    AVX-512 (without it the library holds only the decode attention)."""
+    library()
+    return _avx512
 
 
 def _lib_or_raise() -> ctypes.CDLL:
     if not available():
-        raise RuntimeError("the CPU quantized-weight kernels could not be built (see the log)")
+        raise RuntimeError("the CPU quantized-weight kernels are unavailable: no C compiler "
+                           "or no AVX-512 (see the log)")
     assert _lib is not None
     return _lib
 
