@@ -45,16 +45,24 @@ if [[ $WHAT == mooncake || $WHAT == all ]]; then
 fi
 
 if [[ $WHAT == sharegpt || $WHAT == all ]]; then
-  # The race case: closed loop, no think time; workers publish when a request finishes
-  # (as prefixgate's engine does), with and without routing predictions.
+  # The race case: closed loop, no think time, turns sent without a conversation id (as
+  # agents and OpenAI-style clients do: a follow-up is found by its cached prefix alone);
+  # workers publish when a request finishes (as prefixgate's engine does); with and
+  # without routing predictions, 1 and 2 gateways over WatchEvents, 2 over Redis.
   C=(--trace "$TRACES/sharegpt_multiturn_dev.jsonl.gz" --max-conversations "$N_CHAT"
-     --arrival closed --concurrency 8 --think-time 0 --publish-at finish --time-scale "$S")
-  "${PG[@]}" "${C[@]}" --simulate --sim-workers 8 \
-    --sim-policies prefix,prefix:prediction_ttl_s=0 --out "$OUT" --name sharegpt-sim > /dev/null
-  "${PG[@]}" "${C[@]}" --fleet 8 --out "$OUT" --name sharegpt-predict > /dev/null
-  "${PG[@]}" "${C[@]}" --fleet 8 --gateway-args='--prediction-ttl-s 0' \
-    --label "no prediction:" --out "$OUT" --name sharegpt-nopredict > /dev/null
-  "${PG[@]}" --combine "$OUT/sharegpt-predict.json,$OUT/sharegpt-nopredict.json" \
+     --arrival closed --concurrency 8 --think-time 0 --publish-at finish --no-conversation-ids
+     --time-scale "$S")
+  P=(--sim-policies prefix,prefix:prediction_ttl_s=0)
+  "${PG[@]}" "${C[@]}" --simulate --sim-workers 8 "${P[@]}" --gateways 1,2 \
+    --out "$OUT" --name sharegpt-sim > /dev/null
+  "${PG[@]}" "${C[@]}" --simulate --sim-workers 8 "${P[@]}" --gateways 2 --fleet-redis \
+    --out "$OUT" --name sharegpt-sim-redis > /dev/null
+  uptime | tee -a "$OUT/uptime.txt"
+  "${PG[@]}" "${C[@]}" --fleet 8 --gateways 1,2 "${P[@]}" --out "$OUT" \
+    --name sharegpt-watch > /dev/null
+  "${PG[@]}" "${C[@]}" --fleet 8 --gateways 2 --fleet-redis "${P[@]}" --out "$OUT" \
+    --name sharegpt-redis > /dev/null
+  "${PG[@]}" --combine "$OUT/sharegpt-watch.json,$OUT/sharegpt-redis.json" \
     --out "$OUT" --name sharegpt
 fi
 uptime | tee -a "$OUT/uptime.txt"

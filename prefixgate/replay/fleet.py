@@ -88,6 +88,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag(p, "--publish-at", default="prefill", choices=("prefill", "finish"),
          help="--fleet/--simulate: workers publish a prompt's blocks when its prefill "
               "completes, or only when the request finishes (as prefixgate's engine does)")
+    flag(p, "--no-conversation-ids", action="store_true",
+         help="--fleet/--simulate: send turns without their conversation id, as agents and "
+              "OpenAI-style clients do: a follow-up is routed by its cached prefix alone "
+              "(the race routing predictions cover)")
     flag(p, "--gateway-args", default="",
          help="--fleet: more flags for every gateway, given with '=': "
               "--gateway-args='--prediction-ttl-s 0'")
@@ -107,9 +111,11 @@ class RoundRobin(Target):
     replicas): prefixgate gateways (host:port) or HTTP routers (http:// URLs, sent token
     ids as text, see OpenAITarget)."""
 
-    def __init__(self, addresses: list[str], timeout_s: float) -> None:
+    def __init__(self, addresses: list[str], timeout_s: float,
+                 conversation_ids: bool = True) -> None:
         self.targets = [OpenAITarget(a, timeout_s=timeout_s, text_token_ids=True)
-                        if a.startswith("http") else GatewayTarget(a, timeout_s=timeout_s)
+                        if a.startswith("http") else
+                        GatewayTarget(a, timeout_s=timeout_s, conversation_ids=conversation_ids)
                         for a in addresses]
         self.name = f"x{len(addresses)} front ends"
         self._next = itertools.cycle(self.targets)
@@ -184,7 +190,8 @@ def _scaled(rec: TurnRecord, scale: float) -> TurnRecord:
 
 
 async def fleet_run(trace: Trace, fleet_config, arrival: ArrivalConfig, limits: Limits, *,
-                    timeout_s: float, workdir: Path, label: str, progress: bool) -> dict:
+                    timeout_s: float, workdir: Path, label: str, progress: bool,
+                    conversation_ids: bool = True) -> dict:
     """One replay of `trace` through a fresh fleet (emulate.fleet.FleetConfig)."""
     from prefixgate.emulate.fleet import Fleet
 
@@ -193,7 +200,7 @@ async def fleet_run(trace: Trace, fleet_config, arrival: ArrivalConfig, limits: 
                                        think_time_s=arrival.think_time_s / scale)
     fleet = Fleet(fleet_config, workdir)
     async with fleet:
-        target = RoundRobin(fleet.gateways, timeout_s / scale)
+        target = RoundRobin(fleet.gateways, timeout_s / scale, conversation_ids)
         try:
             await target.wait_ready(10)
             result = await run_load(trace, target, wall_arrival, limits, progress=progress)
@@ -298,7 +305,8 @@ def run_fleet(trace: Trace, args: argparse.Namespace, arrival: ArrivalConfig,
             try:
                 runs.append(asyncio.run(fleet_run(
                     trace, config, arrival, limits, timeout_s=args.timeout, workdir=workdir,
-                    label=label, progress=not args.no_progress)))
+                    label=label, progress=not args.no_progress,
+                    conversation_ids=not args.no_conversation_ids)))
             except RuntimeError as exc:  # a fleet that did not come up: report, go on
                 print(f"prefixgate replay: {label}: {exc}", file=sys.stderr)
     if not runs:

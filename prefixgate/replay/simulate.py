@@ -37,7 +37,8 @@ Worker (SimConfig; the emulated worker's model, emulate/engine.py, with the same
 Gateways: turns go to the gateways in turn (round-robin, as a load balancer in front of
 replicas). Each routes by its own index, fed with every worker's events; its routing
 predictions (Router.dispatch) reach the other gateways' indexes only with
-`shared_predictions` (Redis). `time_scale` is the fleet's (emulated seconds per wall
+`shared_predictions` (Redis); with `conversation_ids` False turns carry no conversation
+id (routing by cached prefix alone, as for agents). `time_scale` is the fleet's (emulated seconds per wall
 second): the gateway's wall-clock constants (prediction TTL, status interval) are
 multiplied by it.
 
@@ -75,6 +76,11 @@ from prefixgate.replay.metrics import summarize
 from prefixgate.replay.targets import TurnRecord
 from prefixgate.replay.traces import Trace, synth_prompt_array
 
+# Wall seconds a worker's events take to reach the gateways through Redis: its publisher
+# sends a batch this long after the batch's first event (worker/events.py RedisPublisher
+# flush_interval_s), so bursts share a round trip. WatchEvents streams each batch at once.
+REDIS_EVENT_DELAY_S = 0.005
+
 
 @dataclass(frozen=True)
 class SimConfig:
@@ -93,6 +99,7 @@ class SimConfig:
     event_delay_s: float = 0.0  # wall seconds from a worker's event to the indexes
     time_scale: float = 1.0  # emulated seconds per wall second (the fleet's)
     publish_at: str = "prefill"  # "prefill" | "finish" (emulate/engine.py)
+    conversation_ids: bool = True  # False: turns reach the gateways without their id
 
     def __post_init__(self) -> None:
         if self.num_workers < 1 or self.capacity_tokens < self.block_size or self.block_size < 1:
@@ -382,7 +389,8 @@ class _Sim:
         cfg, t = self.cfg, conv[i]
         g = self.gateways[self.num_arrivals % len(self.gateways)]
         self.num_arrivals += 1
-        turn = Turn(t.num_prompt_tokens, t.conversation_id, t.block_hashes, cfg.block_size)
+        turn = Turn(t.num_prompt_tokens, t.conversation_id if cfg.conversation_ids else "",
+                    t.block_hashes, cfg.block_size)
         decision = g.router.decide(self._loads(g), turn)
         wid = decision.ranked[0].worker_id
         w = self.by_id[wid]
@@ -459,7 +467,8 @@ class _Sim:
             w.prefill_rate = cfg.prefill_tokens_per_s
         if req.num_output_tokens > 1 and cfg.decode_s_per_token:
             w.decode_step_s = cfg.decode_s_per_token
-        g.router.record(Turn(t.num_prompt_tokens, t.conversation_id, t.block_hashes,
+        g.router.record(Turn(t.num_prompt_tokens,
+                             t.conversation_id if cfg.conversation_ids else "", t.block_hashes,
                              cfg.block_size), w.wid)
         self.records.append(TurnRecord(
             t.conversation_id, t.turn_index, start_s=req.arrival, ttft_s=req.ttft,
@@ -590,10 +599,13 @@ def run_simulations(trace: Trace, args: argparse.Namespace, arrival: ArrivalConf
                          decode_s_per_token=args.decode_s_per_token, arrival=arrival,
                          max_output_tokens=args.max_tokens,
                          shared_predictions=getattr(args, "fleet_redis", False),
+                         event_delay_s=(REDIS_EVENT_DELAY_S if getattr(args, "fleet_redis", False)
+                                        else 0.0),
                          time_scale=getattr(args, "time_scale", 1.0),
                          status_interval_s=status_interval_ms(
                              getattr(args, "time_scale", 1.0)) / 1e3,
-                         publish_at=getattr(args, "publish_at", "prefill"))
+                         publish_at=getattr(args, "publish_at", "prefill"),
+                         conversation_ids=not getattr(args, "no_conversation_ids", False))
         bnd = bounds(convs, base)
         bar.update(1)
         for policy, gateways in itertools.product(policies, gateway_counts):

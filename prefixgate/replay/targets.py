@@ -95,8 +95,9 @@ class _Clock:
 
 class GatewayTarget(Target):
     def __init__(self, address: str, *, timeout_s: float = 300.0, temperature: float = 0.0,
-                 namespace: str = "") -> None:
+                 namespace: str = "", conversation_ids: bool = True) -> None:
         self.name = f"prefixgate {address}"
+        self.conversation_ids = conversation_ids  # False: turns go without their id
         self.client = ChatClient(address)
         self.timeout_s = timeout_s
         self.temperature = temperature
@@ -113,7 +114,8 @@ class GatewayTarget(Target):
         try:
             r = await self.client.turn(
                 request.messages, prompt_token_ids=request.prompt_token_ids,
-                conversation_id=request.conversation_id, namespace=self.namespace,
+                conversation_id=request.conversation_id if self.conversation_ids else "",
+                namespace=self.namespace,
                 sampling=sampling, timeout_s=self.timeout_s, on_text=lambda _t: clock.chunk())
         except grpc.aio.AioRpcError as exc:
             clock.fill(rec)

@@ -501,3 +501,14 @@ def test_block_cache_counts_blocks_reserved_by_requests_ahead() -> None:
     assert cache.expected([1, 2, 3, 5]) == 3
     cache.unreserve([1, 2, 3])
     assert cache.expected([1, 2, 3]) == 2
+
+
+def test_simulated_redis_event_delay_is_the_publishers_batching() -> None:
+    """--simulate --fleet-redis delays events by the worker's Redis batching interval."""
+    import inspect
+
+    from prefixgate.replay.simulate import REDIS_EVENT_DELAY_S
+    from prefixgate.worker.events import RedisPublisher
+
+    flush = inspect.signature(RedisPublisher.__init__).parameters["flush_interval_s"].default
+    assert REDIS_EVENT_DELAY_S == flush
