@@ -151,7 +151,9 @@ async def observe_turn(route: str, events: AsyncIterator[chat_pb2.ChatEvent], *,
     first = 0.0
     final = None
     status, error = ok_status, ""
-    IN_FLIGHT.labels(route).inc()
+    in_flight = IN_FLIGHT.labels(route)
+    inter_token = INTER_TOKEN.labels(route)  # looked up once, not per token
+    in_flight.inc()
     try:
         async for ev in events:
             if ev.HasField("delta"):
@@ -161,7 +163,7 @@ async def observe_turn(route: str, events: AsyncIterator[chat_pb2.ChatEvent], *,
                         first = now
                         TTFT.labels(route).observe(now - arrival)
                     else:
-                        INTER_TOKEN.labels(route).observe(now - last)
+                        inter_token.observe(now - last)
                     last = now
             else:
                 final = ev.final
@@ -170,7 +172,7 @@ async def observe_turn(route: str, events: AsyncIterator[chat_pb2.ChatEvent], *,
         status, error = status_of(exc)
         raise
     finally:
-        IN_FLIGHT.labels(route).dec()
+        in_flight.dec()
         done = time.monotonic()
         REQUESTS.labels(route, status).inc()
         fields = {"request_id": request_id, "route": route, "status": status,

@@ -259,15 +259,16 @@ class ChatService:
                 ttft_ms = 0.0
                 async for ev in worker.stub.Generate(gen, timeout=remaining):
                     if ev.HasField("chunk"):
-                        if not ttft_ms and ev.chunk.token_ids:
+                        chunk = ev.chunk
+                        token_ids = chunk.token_ids
+                        if token_ids and not ttft_ms:
                             ttft_ms = (time.monotonic() - arrival) * 1e3
                             worker.in_flight_prompt_tokens -= pending
                             worker.prefilled_since_status += pending
                             pending = 0
-                        sent_tokens += len(ev.chunk.token_ids)
+                        sent_tokens += len(token_ids)
                         yield chat_pb2.ChatEvent(delta=chat_pb2.ChatDelta(
-                            text=ev.chunk.text, token_ids=ev.chunk.token_ids,
-                            index=ev.chunk.index))
+                            text=chunk.text, token_ids=token_ids, index=chunk.index))
                         continue
                     final = ev.final
                     # Gateway-side timings: worker queue plus what happened before it.
