@@ -47,7 +47,8 @@ fi
 if [[ $WHAT == sharegpt || $WHAT == all ]]; then
   # The race case: closed loop, no think time, turns sent without a conversation id (as
   # agents and OpenAI-style clients do: a follow-up is found by its cached prefix alone);
-  # workers publish when a request finishes (as prefixgate's engine does); with and
+  # workers publish when a request finishes (the widest window for the race: engines that
+  # publish with the reply; prefixgate's publishes at prefill end since abee3f4); with and
   # without routing predictions, 1 and 2 gateways over WatchEvents, 2 over Redis.
   C=(--trace "$TRACES/sharegpt_multiturn_dev.jsonl.gz" --max-conversations "$N_CHAT"
      --arrival closed --concurrency 8 --think-time 0 --publish-at finish --no-conversation-ids

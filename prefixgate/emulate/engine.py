@@ -21,9 +21,9 @@ Model of one worker (EmulationConfig; times below are *emulated* seconds, which 
   publish  when the prefill completes (`publish_at` "prefill"), the prompt's full blocks
            enter the cache and the event log (`stored`), as an engine's do once computed;
            evictions publish `removed`. When the reply ends, the full blocks of prompt +
-           reply are stored (`publish_at` "finish": only then, prompt included, as
-           prefixgate's engine does: the window in which a gateway cannot know them from
-           events is the whole request).
+           reply are stored (`publish_at` "finish": only then, prompt included, as engines
+           that publish with the reply do: the window in which a gateway cannot know them
+           from events is the whole request).
   decode   batched, never slowing prefill: the first token at the end of the prefill
            (TTFT = queue + prefill), the rest `decode_s_per_token` apart; the reply is
            streamed as the first token, then the remaining tokens in one chunk at the end
@@ -88,8 +88,8 @@ class EmulationConfig:
     vocab_size: int = 32000
     max_context_tokens: int = 1 << 20
     # When a prompt's blocks are cached and published: "prefill" (when its prefill
-    # completes, as engines that publish computed blocks do) or "finish" (with the reply,
-    # when the request ends, as prefixgate's own engine does today).
+    # completes, as engines that publish computed blocks do, prefixgate's included) or
+    # "finish" (with the reply, when the request ends: the widest window for the race).
     publish_at: str = "prefill"
 
     def __post_init__(self) -> None:

@@ -42,7 +42,7 @@ def add_arguments(w: argparse.ArgumentParser) -> None:
          help="emulated: on shutdown, write one JSON line per finished request here")
     flag(w, "--publish-at", default="prefill", choices=("prefill", "finish"),
          help="emulated: cache and publish a prompt's blocks when its prefill completes, or "
-              "only when the request finishes (as prefixgate's engine does)")
+              "only when the request finishes (as engines that publish with the reply do)")
     flag(w, "--http-port", type=int, default=-1,
          help="emulated: also answer OpenAI /v1/completions over HTTP on this port, for HTTP "
               "routers (0: any free port; -1: off)")

@@ -87,7 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
               "fleet's, for the gateways' wall-clock constants")
     flag(p, "--publish-at", default="prefill", choices=("prefill", "finish"),
          help="--fleet/--simulate: workers publish a prompt's blocks when its prefill "
-              "completes, or only when the request finishes (as prefixgate's engine does)")
+              "completes (as prefixgate's engine does), or only when the request finishes "
+              "(as engines that publish with the reply do)")
     flag(p, "--no-conversation-ids", action="store_true",
          help="--fleet/--simulate: send turns without their conversation id, as agents and "
               "OpenAI-style clients do: a follow-up is routed by its cached prefix alone "
