@@ -67,7 +67,9 @@ class WorkerHandle:
     def set_status(self, status: worker_pb2.WorkerStatus | None) -> None:
         self.status = status
         self.finished_since_status = self.prefilled_since_status = 0
-        self.in_flight_prompt_tokens_at_status = self.in_flight_prompt_tokens
+        # No status (the stream failed): the own count alone stands for the load.
+        self.in_flight_prompt_tokens_at_status = (self.in_flight_prompt_tokens
+                                                  if status is not None else 0)
 
     # The routing.WorkerLoad view. The worker's status lags by up to its push interval
     # and this gateway's counters miss other gateways' turns. Queued prefill: the status,

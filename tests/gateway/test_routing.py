@@ -346,3 +346,5 @@ def test_gateway_load_view_counts_status_plus_turns_sent_since() -> None:
     assert h.num_queued_prefill_tokens == 300  # only the turn the status has not seen
     h.set_status(worker_pb2.WorkerStatus(num_queued_prefill_tokens=2000))  # others' turns
     assert h.num_queued_prefill_tokens == 2000
+    h.set_status(None)  # the status stream failed: the own count again
+    assert h.num_queued_prefill_tokens == 300
