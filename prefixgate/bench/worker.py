@@ -1,5 +1,8 @@
 """Worker engine on SmolLM2: prefix-hit TTFT, decode throughput, step costs, KV bytes per token.
 
+The worker runs in `--weights` (default auto: the format a worker picks, q4_1 for SmolLM2
+on the CPU); "transformers" below is float32 transformers.
+
 Every figure is compared with a baseline measured in the same run:
 - TTFT of a turn whose 1k / 4k-token history is cached, vs the same turn with the prefix
   cache disabled, vs transformers itself with a contiguous DynamicCache already holding
@@ -54,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context tokens of every sequence in the step figures")
     parser.add_argument("--attention-backends", nargs="+", default=["torch", "auto"],
                         help="attention backends compared in the step figures")
+    parser.add_argument("--weights", default="auto",
+                        help="the worker's weight format for the ttft, decode, steps and reuse "
+                             "sections (auto: the worker's default, q4_1 for SmolLM2 on the "
+                             "CPU; the weights section measures --weight-formats)")
     parser.add_argument("--step-threads", type=int, default=0,
                         help="torch threads for the step figures (0: unchanged); 1 makes "
                              "CPU time a clean measure of work on a shared machine")
@@ -77,12 +84,13 @@ def run(args: argparse.Namespace) -> dict:
     from prefixgate.protocol import SamplingConfig
     from prefixgate.tokenizer import ChatTokenizer
     from prefixgate.worker.engine import EngineConfig, FinalEvent, PagedEngine, Request
-    from prefixgate.worker.model_loader import load_model
+    from prefixgate.worker.model_loader import WeightsConfig, load_model
 
     spec = resolve_model(args.model)
     tok = ChatTokenizer(spec)
-    _log(f"loading {spec.name}")
-    paged_model, hf_model = load_model(spec), load_model(spec)
+    served = WeightsConfig(args.weights).resolved("cpu", spec)
+    _log(f"loading {spec.name} ({served.weights} weights)")
+    paged_model, hf_model = load_model(spec, weights=served), load_model(spec)
     max_len = max(args.history_tokens) + args.new_tokens + args.decode_tokens + 64
     num_blocks = max(2 * max(args.batches) * (args.decode_tokens + 200) // 16,
                      4 * max_len // 16) + 64
@@ -107,7 +115,8 @@ def run(args: argparse.Namespace) -> dict:
         start = int(torch.randint(0, len(text_ids) - n, (1,), generator=g))
         return text_ids[start:start + n]
 
-    result: dict = {"model": spec.name, "torch_threads": torch.get_num_threads(), "ttft": {}}
+    result: dict = {"model": spec.name, "weights_format": served.weights,
+                    "torch_threads": torch.get_num_threads(), "ttft": {}}
     for hist_len in args.history_tokens if "ttft" in args.sections else []:
         _log(f"TTFT with a {hist_len}-token history")
         history = fresh(hist_len)

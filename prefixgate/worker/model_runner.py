@@ -140,6 +140,14 @@ class LlamaStep:
                 a.o_proj, layer.post_attention_layernorm.weight,
                 _fuse(mlp, ("gate_proj", "up_proj")), mlp.down_proj, a.layer_idx,
                 float(a.scaling)))
+        # Decode-only steps on q4_1 weights run all layers in one C call (no torch
+        # operator per layer); the torch loop below computes the same.
+        from prefixgate.worker.kernels.cpu_llama import LayerPlan
+
+        in_order = [layer[6] for layer in self.layers] == list(range(len(self.layers)))
+        self.plan = LayerPlan.build(self.layers, self.hidden, self.num_heads,
+                                    self.num_kv_heads, self.head_dim, self.eps) \
+            if in_order else None
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, D] for rotate-by-half RoPE; sin's first half negated, so that
@@ -161,8 +169,15 @@ class LlamaStep:
         nh, nkv = self.num_heads, self.num_kv_heads
         cos, sin = self._rope(torch.tensor(positions))
         x = m.embed_tokens(torch.tensor(input_ids)).float()
-        attend = BACKENDS[step.backend]
         pool = step.pool
+        if self.plan is not None and self.plan.runs(step, pool):
+            from prefixgate.worker.kernels.cpu_llama import decode_layers
+
+            x = x.contiguous()
+            decode_layers(self.plan, x, cos[:, 0].contiguous(), sin[:, 0].contiguous(), step)
+            return self.model.lm_head(m.norm(x[torch.tensor(sample_indices, dtype=torch.long)])
+                                      ).float()
+        attend = BACKENDS[step.backend]
         width = (nh + nkv) * hd
         for ln1, qkv_proj, o_proj, ln2, gate_up, down, layer_idx, scale in self.layers:
             h = F.rms_norm(x, (self.hidden,), ln1, self.eps)

@@ -84,13 +84,20 @@ def test_llama_step_on_q4_1_matches_transformers(tiny_spec) -> None:
     g = torch.Generator().manual_seed(2)
     a, b = torch.randint(3, 259, (40,), generator=g).tolist(), \
         torch.randint(3, 259, (25,), generator=g).tolist()
-    ta, tb = [3, 9, 1, 20, 7], [11, 4, 30, 2]
+    ta, tb = [3, 9, 1, 20, 7, 12], [11, 4, 30, 2]
     step = StepMetadata.build(pool, [ta], [39], [39], backend)
     runner.forward(a[:39], list(range(39)), step, [38])
     step = StepMetadata.build(pool, [ta, tb], [40, 25], [1, 25], backend)
     got = runner.forward([a[39]] + b, [39, *range(25)], step, [0, 25])
+    # Decodes only: all layers in one C call (kernels/cpu_llama.py) on the CPU backend.
+    assert runner.fast.plan is not None and (backend != "cpu" or runner.fast.plan.runs(
+        StepMetadata.build(pool, [ta, tb], [41, 26], [1, 1], backend), pool))
+    a, b = a + [17], b + [23]
+    step = StepMetadata.build(pool, [ta, tb], [41, 26], [1, 1], backend)
+    got = torch.cat([got, runner.forward([a[40], b[25]], [40, 25], step, [0, 1])])
     with torch.inference_mode():
-        want = torch.stack([reference(input_ids=torch.tensor([s])).logits[0, -1] for s in (a, b)])
+        want = torch.stack([reference(input_ids=torch.tensor([s])).logits[0, -1]
+                            for s in (a[:40], b[:25], a, b)])
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
@@ -137,7 +144,7 @@ def test_smollm2_q4_1_is_lossless_and_matches_float32(smollm2_spec, smollm2_mode
     # Decode-sized steps take the kernels (prefill above took the dequantized GEMM).
     from prefixgate.worker.kv_pool import KVPool
     from prefixgate.worker.model_runner import ModelRunner, pool_config_for
-    from prefixgate.worker.paged_attention import StepMetadata
+    from prefixgate.worker.paged_attention import StepMetadata, resolve_backend
 
     outs = []
     for m in (smollm2_model, model):
@@ -145,7 +152,8 @@ def test_smollm2_q4_1_is_lossless_and_matches_float32(smollm2_spec, smollm2_mode
         runner = ModelRunner(m, pool)
         rows = []
         for i, t in enumerate(ids[:12]):
-            step = StepMetadata.build(pool, [list(range(8))], [i + 1], [1])
+            step = StepMetadata.build(pool, [list(range(8))], [i + 1], [1],
+                                      resolve_backend("auto", pool, 9))
             rows.append(runner.forward([t], [i], step, [0]))
         outs.append(torch.cat(rows))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-3, rtol=0)

@@ -182,14 +182,16 @@ void q4_rows(const gemm_t *g, int n, int m0, int mb) {
     const uint8_t *row = g->w + (int64_t)n * nb * 24;
     __m512 acc[MB];
     for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
-    const __m512i mask = _mm512_set1_epi32(15);
+    /* The block's 16 possible weights d * q + m in one register; each code picks its
+       weight with a permute (which reads only the low 4 bits of each index). */
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * 24;
         float d, m; memcpy(&d, blk, 4); memcpy(&m, blk + 4, 4);
         __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 8)));
-        __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
-        __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, mask)), dv, mv);
-        __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), dv, mv);
+        __m512 lut = _mm512_fmadd_ps(iota, _mm512_set1_ps(d), _mm512_set1_ps(m));
+        __m512 lo = _mm512_permutexvar_ps(v, lut);
+        __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
         for (int r = 0; r < mb; r++) {
             const float *xr = g->x + (int64_t)(m0 + r) * g->xs + b * 32;
             acc[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[r]);
@@ -310,9 +312,9 @@ _lock = threading.Lock()
 
 
 def _build() -> ctypes.CDLL | None:
-    from prefixgate.worker.kernels import cpu_decode
+    from prefixgate.worker.kernels import cpu_decode, cpu_llama
 
-    lib = cbuild.load("pg_cpu", _SOURCE + cpu_decode.SOURCE)
+    lib = cbuild.load("pg_cpu", _SOURCE + cpu_decode.SOURCE + cpu_llama.SOURCE)
     if lib is None:
         return None
     p, i64, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -328,6 +330,9 @@ def _build() -> ctypes.CDLL | None:
             fn.argtypes = [p, i64, i, i, i, p, p, i64, i]
         lib.pg_dequantize.restype = i
         lib.pg_dequantize.argtypes = [p, p, i, i, i, i]
+        lib.pg_decode_layers.restype = i
+        lib.pg_decode_layers.argtypes = [i, p, p, i, i, i, i, i, i, f, p, p, p, p, p, i64, p,
+                                         i64, p, i, f, p, i]
     return lib
 
 
