@@ -7,9 +7,12 @@ stream (one output token), in two ways against that same worker over real gRPC:
 
 * direct: client -> worker `Generate` with the packed prompt (the baseline);
 * gateway: client -> `prefixgate gateway --processes N` `Chat` with the same packed form
-  -> worker (validation, block hashing, routing, request building, relaying).
+  -> worker (validation, block hashing, routing, request building, relaying);
+* relay: client -> a grpc.aio `Chat` server that only relays (`relay_main`: builds the
+  worker request, calls `Generate`, re-wraps the replies; no validation, hashing, routing,
+  index, feeds or metrics) -> worker: the floor of a Python gRPC gateway, one process.
 
-added = gateway latency - direct latency, per quantile (p50, p99), for prompts of 1k and
+added = gateway (or relay) latency - direct latency, per quantile (p50, p99), for prompts of 1k and
 12k tokens, of two kinds: `fresh` (random ids, every block new to the gateway's index: its
 worst case) and `turn` (one of `--burst` conversations seen before plus `--new-tokens` new
 ones, as a multi-turn chat's next turn), in two traffic shapes: idle (one request at a
@@ -57,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="multi-turn shape: tokens each turn adds to a prompt seen before")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--relay", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure a gRPC relay with no gateway logic (the floor)")
     parser.add_argument("--plot", default="",
                         help="write a PNG: added latency idle and under the burst, by prompt, "
                              "kind and number of gateway processes")
@@ -165,43 +170,89 @@ class _Prompts:
         return self.bases[self.i % len(self.bases)] + new if self.bases else new
 
 
-async def _measure(direct: _Client, gateway: _Client, args: argparse.Namespace,
-                   prompts: _Prompts, progress, gateway_pid: int) -> dict[str, Any]:
+async def _measure(clients: dict[str, _Client], pids: dict[str, int],
+                   args: argparse.Namespace, prompts: _Prompts, progress) -> dict[str, Any]:
+    """`clients`: "direct", "gateway" and optionally "relay"; `pids`: the server process
+    whose CPU is counted for each path other than direct."""
     out: dict[str, Any] = {"prompt_tokens": prompts.num_tokens, "kind": prompts.kind,
                            "new_tokens_per_request": prompts.new_tokens}
     for base in prompts.bases:  # the conversations so far: known to index and worker
-        await direct.one(0, direct.request(base))
-        await gateway.one(0, gateway.request(base))
-    samples: dict[str, list[float]] = {"direct": [], "gateway": []}
-    cpu0 = _cpu_s(gateway_pid)
-    for i in range(args.idle):  # alternate: drift hits both alike
-        for name, client in (("direct", direct), ("gateway", gateway))[:: 1 if i % 2 else -1]:
+        for client in clients.values():
+            await client.one(0, client.request(base))
+    order = list(clients.items())
+    samples: dict[str, list[float | None]] = {name: [] for name in clients}
+    cpu0 = {name: _cpu_s(pid) for name, pid in pids.items()}
+    for i in range(args.idle):  # alternate: drift hits every path alike
+        for name, client in order[:: 1 if i % 2 else -1]:
             samples[name].append(await client.one(i, client.request(prompts.next())))
         progress.update()
     out["idle"] = _summary(samples)
-    out["idle"]["gateway_cpu_ms_per_request"] = round(
-        (_cpu_s(gateway_pid) - cpu0) * 1e3 / max(1, args.idle), 3)
-    samples = {"direct": [], "gateway": []}
-    cpu0 = _cpu_s(gateway_pid)
+    for name, pid in pids.items():
+        out["idle"][f"{name}_cpu_ms_per_request"] = round(
+            (_cpu_s(pid) - cpu0[name]) * 1e3 / max(1, args.idle), 3)
+    samples = {name: [] for name in clients}
+    cpu0 = {name: _cpu_s(pid) for name, pid in pids.items()}
     for b in range(args.bursts):
-        for name, client in (("direct", direct), ("gateway", gateway))[:: 1 if b % 2 else -1]:
+        for name, client in order[:: 1 if b % 2 else -1]:
             reqs = [client.request(prompts.next()) for _ in range(args.burst)]
             t0 = time.perf_counter()
             samples[name] += await asyncio.gather(*(client.one(i, r, t0)
                                                     for i, r in enumerate(reqs)))
         progress.update(args.idle // max(1, args.bursts))
     out["burst"] = _summary(samples)
-    out["burst"]["gateway_cpu_ms_per_request"] = round(
-        (_cpu_s(gateway_pid) - cpu0) * 1e3 / max(1, args.bursts * args.burst), 3)
+    for name, pid in pids.items():
+        out["burst"][f"{name}_cpu_ms_per_request"] = round(
+            (_cpu_s(pid) - cpu0[name]) * 1e3 / max(1, args.bursts * args.burst), 3)
     out["queueing_p50_ms"] = round(out["burst"]["added_ms"]["p50"]
                                    - out["idle"]["added_ms"]["p50"], 3)
     return out
 
 
-def _summary(samples: dict[str, list[float]]) -> dict[str, Any]:
-    d, g = _quantiles(samples["direct"]), _quantiles(samples["gateway"])
-    return {"direct_ms": d, "gateway_ms": g,
-            "added_ms": {q: round(g[q] - d[q], 3) for q in ("p50", "p99")}}
+def _summary(samples: dict[str, list[float | None]]) -> dict[str, Any]:
+    q = {name: _quantiles(s) for name, s in samples.items()}
+    d = q["direct"]
+    out: dict[str, Any] = {f"{name}_ms": v for name, v in q.items()}
+    out["added_ms"] = {k: round(q["gateway"][k] - d[k], 3) for k in ("p50", "p99")}
+    if "relay" in q:
+        out["relay_added_ms"] = {k: round(q["relay"][k] - d[k], 3) for k in ("p50", "p99")}
+    return out
+
+
+def relay_main(worker: str, port: int) -> None:
+    """The `relay` path: a grpc.aio ChatService on 127.0.0.1:`port` that only relays to
+    `worker` (the floor a Python gRPC gateway costs per turn; see the module docstring)."""
+    import grpc
+
+    from prefixgate.v1 import chat_pb2, chat_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+    big = 64 << 20
+
+    class Relay(chat_pb2_grpc.ChatServiceServicer):
+        def __init__(self, stub: worker_pb2_grpc.WorkerServiceStub) -> None:
+            self.stub = stub
+
+        async def Chat(self, request, context):  # noqa: N802 (the RPC's name)
+            gen = worker_pb2.GenerateRequest(
+                packed_prompt_token_ids=request.packed_prompt_token_ids,
+                sampling=request.sampling)
+            async for ev in self.stub.Generate(gen):
+                if ev.HasField("chunk"):
+                    c = ev.chunk
+                    yield chat_pb2.ChatEvent(delta=chat_pb2.ChatDelta(
+                        text=c.text, token_ids=c.token_ids, index=c.index))
+                else:
+                    yield chat_pb2.ChatEvent(final=chat_pb2.ChatFinal(usage=ev.final.usage))
+
+    async def serve() -> None:
+        channel = grpc.aio.insecure_channel(worker, options=[("grpc.max_send_message_length", big)])
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", big)])
+        chat_pb2_grpc.add_ChatServiceServicer_to_server(
+            Relay(worker_pb2_grpc.WorkerServiceStub(channel)), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
 
 
 def _wait_port(address: str, procs: list[subprocess.Popen], timeout_s: float = 120) -> None:
@@ -255,9 +306,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                "--prefill-tokens-per-s", "1e15", "--decode-s-per-token", "0",
                                *quiet], preexec_fn=die_with_parent)
     procs = [worker]
+    relay = None
+    if args.relay:
+        rport = free_port()
+        relay = subprocess.Popen([sys.executable, "-c", "import sys; from prefixgate.bench."
+                                  "gateway import relay_main; relay_main(sys.argv[1], "
+                                  "int(sys.argv[2]))", f"127.0.0.1:{wport}", str(rport)],
+                                 preexec_fn=die_with_parent)
+        procs.append(relay)
     results: list[dict[str, Any]] = []
     load_before = os.getloadavg()
-    steps = len(args.processes) * len(args.prompt_tokens) * len(KINDS) * 2 * args.idle
+    paths = 3 if relay is not None else 2
+    steps = len(args.processes) * len(args.prompt_tokens) * len(KINDS) * paths * args.idle
     try:
         _wait_port(f"127.0.0.1:{wport}", procs)
         with tqdm(total=steps, desc="bench gateway", file=sys.stderr) as progress:
@@ -275,9 +335,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         for kind in KINDS:
                             prompts = _Prompts(kind, random.Random(args.seed), num_tokens,
                                                vocab_size, args.burst, args.new_tokens)
-                            r = asyncio.run(_one_config(f"127.0.0.1:{wport}",
-                                                        f"127.0.0.1:{gport}", args, prompts,
-                                                        progress, gw.pid))
+                            servers = {"gateway": (f"127.0.0.1:{gport}", gw.pid)}
+                            if relay is not None:
+                                servers["relay"] = (f"127.0.0.1:{rport}", relay.pid)
+                            r = asyncio.run(_one_config(f"127.0.0.1:{wport}", servers, args,
+                                                        prompts, progress))
                             results.append({"processes": n, **r})
                 finally:
                     _stop([gw])
@@ -313,6 +375,11 @@ def plot(result: dict, path: str) -> None:
                    label=f"{n} process{'es' if n > 1 else ''}")
             ax.scatter(xs, [by[g]["p99"] for g in groups], marker="_", s=200, color="black",
                        zorder=3, label="p99" if j == 0 else None)
+        floor = {(r["prompt_tokens"], r["kind"]): r[shape]["relay_added_ms"] for r in rows
+                 if r["processes"] == procs[0] and "relay_added_ms" in r[shape]}
+        if floor:  # the relay with no gateway logic, drawn over the bars
+            ax.scatter(range(len(groups)), [floor[g]["p50"] for g in groups], marker="D",
+                       color="dimgray", zorder=4, label="relay only (p50): the floor")
         ax.axhline(TARGETS["added_p50_ms_12k_burst"], color="red", ls="--", lw=1,
                    label="target (p50, 12k, burst)")
         ax.set_xticks(range(len(groups)), [f"{t // 1024}k {k}" for t, k in groups])
@@ -329,16 +396,20 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-async def _one_config(worker: str, gateway: str, args: argparse.Namespace, prompts: _Prompts,
-                      progress, gateway_pid: int) -> dict[str, Any]:
-    direct, via = _Client(worker, args.burst, False), _Client(gateway, args.burst, True)
+async def _one_config(worker: str, servers: dict[str, tuple[str, int]],
+                      args: argparse.Namespace, prompts: _Prompts, progress) -> dict[str, Any]:
+    """`servers`: path name -> (address, pid) of the Chat servers measured beside direct."""
+    clients = {"direct": _Client(worker, args.burst, False)}
+    clients.update({name: _Client(address, args.burst, True)
+                    for name, (address, _) in servers.items()})
     try:
-        await direct.ready()
-        await via.ready()
-        return await _measure(direct, via, args, prompts, progress, gateway_pid)
+        for client in clients.values():
+            await client.ready()
+        return await _measure(clients, {name: pid for name, (_, pid) in servers.items()},
+                              args, prompts, progress)
     finally:
-        await direct.close()
-        await via.close()
+        for client in clients.values():
+            await client.close()
 
 
 def _report(args: argparse.Namespace, results: list[dict[str, Any]],
@@ -360,6 +431,10 @@ def _report(args: argparse.Namespace, results: list[dict[str, Any]],
             "met": r["burst"]["added_ms"]["p50"] <= TARGETS["added_p50_ms_12k_burst"]
             and r["queueing_p50_ms"] <= TARGETS["queueing_p50_ms_12k"],
         }
+        if "relay_cpu_ms_per_request" in r["burst"]:  # the floor, same run
+            targets[f"{n}_processes_{r['kind']}"].update(
+                relay_cpu_ms_per_request=r["burst"]["relay_cpu_ms_per_request"],
+                relay_added_p50_ms_12k_burst=r["burst"]["relay_added_ms"]["p50"])
     return {
         "benchmark": "gateway",
         "config": {k: v for k, v in vars(args).items() if not k.startswith("_")

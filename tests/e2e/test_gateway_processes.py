@@ -127,5 +127,5 @@ def test_bench_gateway_runs_and_reports_both_kinds(capsys) -> None:
     assert {(r["processes"], r["kind"]) for r in report["results"]} == {(2, "turn"), (2, "fresh")}
     for r in report["results"]:
         for shape in ("idle", "burst"):
-            for path in ("direct_ms", "gateway_ms"):
+            for path in ("direct_ms", "gateway_ms", "relay_ms"):  # relay: the floor
                 assert r[shape][path]["errors"] == 0 and r[shape][path]["p50"] > 0
