@@ -85,7 +85,12 @@ def passive_omp_wait() -> None:
     torch is imported. Why: a worker shares its host with the gateway, other workers and
     its own gRPC threads; with more runnable threads than cores, spinning threads burn
     the slices the working ones need (measured here, 2 threads on 2 busy cores, SmolLM2
-    int8 decode: 2.8 s per token spinning, 48 ms passive). An OMP_WAIT_POLICY the user set wins."""
+    int8 decode: 2.8 s per token spinning, 48 ms passive). The cost of passive waiting is
+    a wake-up per parallel operator: it hurt when every decode operator went through
+    OpenMP, but q4_1 decode steps now run on the CPU kernels' own pool (bounded spin,
+    never waits for an unscheduled thread; worker/kernels/cpu_quant.py) and OpenMP serves
+    prefill GEMMs of milliseconds each (docs/benchmarks.md, weight formats: threads).
+    An OMP_WAIT_POLICY the user set wins."""
     import os
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
