@@ -93,6 +93,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          help="--fleet/--simulate: send turns without their conversation id, as agents and "
               "OpenAI-style clients do: a follow-up is routed by its cached prefix alone "
               "(the race routing predictions cover)")
+    flag(p, "--sim-turnaround-ms", action="append", type=float,
+         help="--simulate: wall milliseconds from a reply's end to its user's next turn "
+              "arriving (x --time-scale), one drawn per turn from these, e.g. 6,9,15 "
+              "(default: the emulated fleet's measured deciles, docs/traces.md; 0: none)")
     flag(p, "--gateway-args", default="",
          help="--fleet: more flags for every gateway, given with '=': "
               "--gateway-args='--prediction-ttl-s 0'")
@@ -185,6 +189,50 @@ def decision_summary(records: list[TurnRecord]) -> dict | None:
                                                  for r in ok)}
 
 
+def worker_times(records: list[TurnRecord], served: list[dict], started_unix_s: float,
+                 scale: float) -> dict[tuple[str, int], tuple[float, float]]:
+    """(conversation, turn) -> (arrival, end) of that turn at its worker, emulated seconds
+    from the run's start (the client records' clock): client records (emulated, from the
+    run's start) are joined to the workers' (`served`) by worker, prompt tokens and the
+    nearest arrival to the client's send."""
+    pool: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for s in served:
+        arrival = (s["arrival_unix_s"] - started_unix_s) * scale
+        pool.setdefault((s["worker"], s["prompt_tokens"]), []).append(
+            (arrival, arrival + s["total_s"]))
+    out = {}
+    for r in sorted((r for r in records if r.ok), key=lambda r: r.start_s):
+        cands = pool.get((r.worker, r.prompt_tokens))
+        if cands:
+            best = min(cands, key=lambda c: abs(c[0] - r.start_s))
+            cands.remove(best)
+            out[(r.conversation_id, r.turn_index)] = best
+    return out
+
+
+def turnaround_summary(records: list[TurnRecord],
+                       at_worker: dict[tuple[str, int], tuple[float, float]]) -> dict | None:
+    """The turnaround of follow-ups, emulated seconds: from the end of a turn at its worker
+    (its reply's last token, when a worker publishing at finish stores its blocks) to the
+    next turn of the conversation being sent by the client (`to_send_s`) and arriving at
+    its worker (`to_worker_s`: the gateway tokenized and routed it in between; its routing
+    decision is a gRPC hop before that arrival); `client_s`: the client's own part (its
+    reply's end to its next send). None without follow-ups."""
+    by_turn = {(r.conversation_id, r.turn_index): r for r in records if r.ok}
+    send, worker, client = [], [], []
+    for (conv, i), (_, end) in at_worker.items():
+        nxt, after = by_turn.get((conv, i + 1)), at_worker.get((conv, i + 1))
+        if nxt is not None and after is not None:
+            r = by_turn[(conv, i)]
+            send.append(nxt.start_s - end)
+            worker.append(after[0] - end)
+            client.append(nxt.start_s - (r.start_s + r.e2e_s))
+    if not send:
+        return None
+    return {"to_send_s": distribution(send), "to_worker_s": distribution(worker),
+            "client_s": distribution(client)}
+
+
 def _scaled(rec: TurnRecord, scale: float) -> TurnRecord:
     return dataclasses.replace(rec, start_s=rec.start_s * scale, ttft_s=rec.ttft_s * scale,
                                e2e_s=rec.e2e_s * scale, itl_s=[g * scale for g in rec.itl_s])
@@ -213,6 +261,8 @@ async def fleet_run(trace: Trace, fleet_config, arrival: ArrivalConfig, limits: 
     summary = summarize(records, result.duration_s * scale, workers=workers)
     summary["workers"] = worker_summary(served, workers)
     summary["decisions"] = decision_summary(records)
+    at_worker = worker_times(records, served, result.started_unix_s, scale)
+    summary["turnaround"] = turnaround_summary(records, at_worker)
     failed = {}
     for r in records:
         if not r.ok:
@@ -231,11 +281,14 @@ async def fleet_run(trace: Trace, fleet_config, arrival: ArrivalConfig, limits: 
             "worker_ttft_samples_s": sorted(r["ttft_s"] for r in served),
             "turns": [{"conversation_id": r.conversation_id, "turn": r.turn_index,
                        "start_s": round(r.start_s, 4), "status": r.status,
-                       "ttft_s": round(r.ttft_s, 4), "prompt_tokens": r.prompt_tokens,
+                       "ttft_s": round(r.ttft_s, 4), "e2e_s": round(r.e2e_s, 4), "prompt_tokens": r.prompt_tokens,
                        "cached_tokens": r.cached_tokens, "worker": r.worker,
                        "predicted_cached_tokens": r.predicted_cached_tokens,
-                       "best_predicted_cached_tokens": r.best_predicted_cached_tokens}
-                      for r in sorted(records, key=lambda r: r.start_s)]}
+                       "best_predicted_cached_tokens": r.best_predicted_cached_tokens,
+                       "worker_arrival_s": round(w[0], 4) if w else None,
+                       "worker_end_s": round(w[1], 4) if w else None}
+                      for r in sorted(records, key=lambda r: r.start_s)
+                      for w in (at_worker.get((r.conversation_id, r.turn_index)),)]}
 
 
 def fleet_context_tokens(trace: Trace, max_tokens: int) -> int:

@@ -44,7 +44,11 @@ multiplied by it.
 
 Arrivals (ArrivalConfig, as the load generator's, in emulated time): open loop at trace
 timestamps / speedup; closed loop (`concurrency` conversations, `think_time_s`); Poisson
-conversation starts.
+conversation starts. A user's next turn arrives `think_time_s` plus a turnaround after
+its reply ends: one of `turnaround_s` (wall seconds x time_scale, drawn per turn), what the
+fleet's client and gateway take to read a reply, send the next turn and route it; with
+events delayed (`event_delay_s`), it decides whether a follow-up is routed knowing its
+previous turn's blocks.
 
 Bounds (`bounds`): the same turns with instant prefill (no queueing; decoding and think
 times as configured, so conversations arrive and end as in the policy runs) through one
@@ -58,6 +62,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import itertools
+import random
 import sys
 import time
 from collections import deque
@@ -76,10 +81,21 @@ from prefixgate.replay.metrics import summarize
 from prefixgate.replay.targets import TurnRecord
 from prefixgate.replay.traces import Trace, synth_prompt_array
 
-# Wall seconds a worker's events take to reach the gateways through Redis: its publisher
-# sends a batch this long after the batch's first event (worker/events.py RedisPublisher
-# flush_interval_s), so bursts share a round trip. WatchEvents streams each batch at once.
-REDIS_EVENT_DELAY_S = 0.005
+# Wall seconds a worker's events take to reach the gateways through Redis in the emulated
+# fleet: its publisher sends a batch 5 ms after the batch's first event (worker/events.py
+# RedisPublisher flush_interval_s, so bursts share a round trip), then the round trips to
+# Redis and on to the gateways on the fleet's host. Measured (docs/traces.md, "Turnaround
+# and event delay"): the turnaround that best separates the follow-ups a gateway routed
+# knowing their previous turn's stored event from those it routed blind, 12 ms (243 ms
+# emulated at time scale 20). WatchEvents streams each batch at once (0 here).
+REDIS_EVENT_DELAY_S = 0.012
+# Wall seconds from a reply's end at its worker to the follow-up's arrival at a worker
+# (the client reads the reply and sends the next turn; a gateway tokenizes and routes it),
+# as measured in the emulated fleet (docs/traces.md): the deciles of 386 follow-ups, drawn
+# one per follow-up. The race of a follow-up against its previous turn's event is decided
+# by these and REDIS_EVENT_DELAY_S together.
+FLEET_TURNAROUND_S = (0.0061, 0.0075, 0.0084, 0.0091, 0.0096, 0.0104, 0.0115, 0.0130,
+                      0.0152, 0.0238)
 
 
 @dataclass(frozen=True)
@@ -100,6 +116,10 @@ class SimConfig:
     time_scale: float = 1.0  # emulated seconds per wall second (the fleet's)
     publish_at: str = "prefill"  # "prefill" | "finish" (emulate/engine.py)
     conversation_ids: bool = True  # False: turns reach the gateways without their id
+    # Wall seconds from a reply's end to the next turn of its user (follow-up or next
+    # conversation) arriving, on top of the think time: one drawn per turn, equally likely
+    # (seeded with arrival.seed); () for none (the follow-up arrives as the reply ends).
+    turnaround_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_workers < 1 or self.capacity_tokens < self.block_size or self.block_size < 1:
@@ -111,7 +131,8 @@ class SimConfig:
         if self.reply_blocks not in ("private", "recorded"):
             raise ValueError(f"reply_blocks must be private or recorded, not {self.reply_blocks!r}")
         if self.num_gateways < 1 or self.time_scale <= 0 or self.status_interval_s < 0 \
-                or self.event_delay_s < 0 or self.max_output_tokens < 0:
+                or self.event_delay_s < 0 or self.max_output_tokens < 0 \
+                or any(t < 0 for t in self.turnaround_s):
             raise ValueError("need num_gateways >= 1, time_scale > 0 and non-negative "
                              "intervals, delays and caps")
 
@@ -327,6 +348,8 @@ class _Sim:
         self._next_of: dict[int, tuple | None] = {}
         self._users: deque | None = None  # closed loop: conversations not started yet
         self.event_delay = 0.0 if ideal else cfg.event_delay_s * cfg.time_scale
+        self.turnaround = tuple(t * cfg.time_scale for t in cfg.turnaround_s)
+        self._rng = random.Random(cfg.arrival.seed)
         self.status_interval = 0.0 if ideal else cfg.status_interval_s * cfg.time_scale
 
     def at(self, t: float, fn, *args) -> None:
@@ -478,15 +501,20 @@ class _Sim:
             best_predicted_cached_tokens=req.best_predicted))
         nxt = self._next_of.pop(id(req))
         if nxt is not None:
-            self.at(self.now + cfg.arrival.think_time_s, self.arrive, nxt[0], nxt[1], True)
+            self.at(self.now + cfg.arrival.think_time_s + self._turnaround(), self.arrive,
+                    nxt[0], nxt[1], True)
         elif self._users is not None and self._users:
-            self._start_user_conversation()
+            self._start_user_conversation(self._turnaround())
 
     # -- arrivals ----------------------------------------------------------------------
 
-    def _start_user_conversation(self) -> None:
+    def _turnaround(self) -> float:
+        """Emulated seconds from a reply's end to its user's next turn arriving."""
+        return self._rng.choice(self.turnaround) if self.turnaround else 0.0
+
+    def _start_user_conversation(self, delay: float = 0.0) -> None:
         conv = self._users.popleft()
-        self.at(self.now, self.arrive, conv, 0, True)
+        self.at(self.now + delay, self.arrive, conv, 0, True)
 
     def run(self) -> SimResult:
         a = self.cfg.arrival
@@ -503,8 +531,6 @@ class _Sim:
             for _ in range(min(a.concurrency, len(convs))):
                 self._start_user_conversation()
         else:
-            import random
-
             rng, t = random.Random(a.seed), 0.0
             for c in convs:
                 t += rng.expovariate(a.rate_per_s)
@@ -590,6 +616,9 @@ def run_simulations(trace: Trace, args: argparse.Namespace, arrival: ArrivalConf
         convs = prepare_turns(trace, hasher=hasher, vocab_size=args.vocab_size,
                               max_prompt_tokens=args.max_prompt_tokens)
     gateway_counts = list(getattr(args, "gateways", None) or []) or [1]
+    turnaround_ms = getattr(args, "sim_turnaround_ms", None)
+    turnaround = (tuple(t / 1e3 for t in turnaround_ms) if turnaround_ms
+                  else FLEET_TURNAROUND_S)
     runs = []
     bar = tqdm(total=len(counts) * (len(policies) * len(gateway_counts) + 1), desc="simulating",
                unit="run", file=sys.stderr, disable=not progress)
@@ -605,7 +634,8 @@ def run_simulations(trace: Trace, args: argparse.Namespace, arrival: ArrivalConf
                          status_interval_s=status_interval_ms(
                              getattr(args, "time_scale", 1.0)) / 1e3,
                          publish_at=getattr(args, "publish_at", "prefill"),
-                         conversation_ids=not getattr(args, "no_conversation_ids", False))
+                         conversation_ids=not getattr(args, "no_conversation_ids", False),
+                         turnaround_s=turnaround)
         bnd = bounds(convs, base)
         bar.update(1)
         for policy, gateways in itertools.product(policies, gateway_counts):

@@ -20,7 +20,7 @@ from prefixgate.radix import BlockHasher
 from prefixgate.replay.loadgen import ArrivalConfig, Limits, build_request, run_load
 from prefixgate.replay.metrics import percentile, summarize
 from prefixgate.replay.report import write_report
-from prefixgate.replay.simulate import SimConfig, bounds, prepare_turns, simulate
+from prefixgate.replay.simulate import SimConfig, SimTurn, bounds, prepare_turns, simulate
 from prefixgate.replay.targets import OpenAITarget, Target, TurnRecord, TurnRequest
 from prefixgate.replay.traces import (
     Conversation,
@@ -504,11 +504,55 @@ def test_block_cache_counts_blocks_reserved_by_requests_ahead() -> None:
 
 
 def test_simulated_redis_event_delay_is_the_publishers_batching() -> None:
-    """--simulate --fleet-redis delays events by the worker's Redis batching interval."""
+    """--simulate --fleet-redis delays events by at least the worker's Redis batching
+    interval (the measured delay adds the round trips on the fleet's host)."""
     import inspect
 
     from prefixgate.replay.simulate import REDIS_EVENT_DELAY_S
     from prefixgate.worker.events import RedisPublisher
 
     flush = inspect.signature(RedisPublisher.__init__).parameters["flush_interval_s"].default
-    assert REDIS_EVENT_DELAY_S == flush
+    assert flush <= REDIS_EVENT_DELAY_S < 10 * flush
+
+
+def _two_turns(num_conversations: int = 1) -> list[list[SimTurn]]:
+    """Conversations of two turns: 64 prompt tokens, then 128 starting with those 64."""
+    out = []
+    for c in range(num_conversations):
+        blocks = tuple(1000 * c + i for i in range(1, 9))
+        out.append([SimTurn(f"c{c}", 0, 64, 4, blocks[:4], blocks[:4]),
+                    SimTurn(f"c{c}", 1, 128, 4, blocks, blocks)])
+    return out
+
+
+def test_simulated_turnaround_delays_each_follow_up_and_decides_the_race() -> None:
+    """A follow-up arrives think time + a turnaround (wall seconds x time scale, one of
+    turnaround_s per turn) after its reply ends; with events 5 ms late and no predictions,
+    it is routed knowing its previous turn's blocks only when its turnaround is longer."""
+    base = dict(num_workers=2, capacity_tokens=10_000, block_size=16, time_scale=20.0,
+                arrival=ArrivalConfig("closed", concurrency=1, think_time_s=0.1),
+                publish_at="finish", conversation_ids=False, event_delay_s=0.005,
+                routing=RoutingConfig(policy="prefix", prediction_ttl_s=0))
+
+    def gaps(res) -> list[float]:
+        by = {(r.conversation_id, r.turn_index): r for r in res.records}
+        return [round(r.start_s - (p.start_s + p.e2e_s), 9) for (c, i), r in by.items()
+                if (p := by.get((c, i - 1)))]
+
+    def known(res) -> list[int]:
+        return [r.best_predicted_cached_tokens for r in res.records if r.turn_index == 1]
+
+    convs = _two_turns(40)
+    fixed = simulate(convs, SimConfig(**base, turnaround_s=(0.002,)))
+    assert gaps(fixed) == [0.14] * 40  # 0.1 s think + 2 ms x 20
+    drawn = simulate(convs, SimConfig(**base, turnaround_s=(0.002, 0.010)))
+    assert set(gaps(drawn)) == {0.14, 0.3}
+    again = simulate(convs, SimConfig(**base, turnaround_s=(0.002, 0.010)))
+    assert gaps(again) == gaps(drawn)  # seeded: deterministic
+    # The race: events reach the gateways 100 ms (emulated) after the reply ends.
+    assert known(simulate(convs, SimConfig(**{**base, "arrival": ArrivalConfig(
+        "closed", concurrency=1)}, turnaround_s=(0.002,)))) == [0] * 40
+    assert known(simulate(convs, SimConfig(**{**base, "arrival": ArrivalConfig(
+        "closed", concurrency=1)}, turnaround_s=(0.010,)))) == [64] * 40
+    assert known(simulate(convs, SimConfig(**{**base, "arrival": ArrivalConfig(
+        "closed", concurrency=1)}))) == [0] * 40  # no turnaround: always blind
