@@ -87,15 +87,15 @@ from prefixgate.replay.traces import Trace, synth_prompt_array
 # Redis and on to the gateways on the fleet's host. Measured (docs/traces.md, "Turnaround
 # and event delay"): the turnaround that best separates the follow-ups a gateway routed
 # knowing their previous turn's stored event from those it routed blind, 12 ms (243 ms
-# emulated at time scale 20). WatchEvents streams each batch at once (0 here).
+# emulated at time scale 20, in each of two runs). WatchEvents streams each batch at once (0 here).
 REDIS_EVENT_DELAY_S = 0.012
 # Wall seconds from a reply's end at its worker to the follow-up's arrival at a worker
 # (the client reads the reply and sends the next turn; a gateway tokenizes and routes it),
-# as measured in the emulated fleet (docs/traces.md): the deciles of 386 follow-ups, drawn
-# one per follow-up. The race of a follow-up against its previous turn's event is decided
-# by these and REDIS_EVENT_DELAY_S together.
-FLEET_TURNAROUND_S = (0.0061, 0.0075, 0.0084, 0.0091, 0.0096, 0.0104, 0.0115, 0.0130,
-                      0.0152, 0.0238)
+# as measured in the emulated fleet (docs/traces.md): the deciles of 772 follow-ups (two
+# runs), drawn one per follow-up. The race of a follow-up against its previous turn's
+# event is decided by these and REDIS_EVENT_DELAY_S together.
+FLEET_TURNAROUND_S = (0.0068, 0.0082, 0.0089, 0.0095, 0.0103, 0.0113, 0.0127, 0.0141,
+                      0.0171, 0.0266)
 
 
 @dataclass(frozen=True)
