@@ -49,7 +49,10 @@ if [[ $WHAT == sharegpt || $WHAT == all ]]; then
   # agents and OpenAI-style clients do: a follow-up is found by its cached prefix alone);
   # workers publish when a request finishes (the widest window for the race: engines that
   # publish with the reply; prefixgate's publishes at prefill end since abee3f4); with and
-  # without routing predictions, 1 and 2 gateways over WatchEvents, 2 over Redis.
+  # without routing predictions, 1 and 2 gateways over WatchEvents, 2 over Redis. The
+  # simulator's follow-ups arrive the turnaround measured in this fleet after their reply
+  # and its Redis events 12 ms late (docs/traces.md, "Turnaround and event delay"); each
+  # fleet run's summary.turnaround re-measures the former.
   C=(--trace "$TRACES/sharegpt_multiturn_dev.jsonl.gz" --max-conversations "$N_CHAT"
      --arrival closed --concurrency 8 --think-time 0 --publish-at finish --no-conversation-ids
      --time-scale "$S")
