@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -267,7 +268,8 @@ class QuantLinear(torch.nn.Module):
             fn = cpu_quant.q8_0_linear if self.kind == "q8_0" else cpu_quant.q4_1_linear
             y = fn(rows, self.packed, self.out_features)
         else:
-            y = torch.nn.functional.linear(rows.float(), self.dequantized())
+            y = torch.nn.functional.linear(rows.float(), self.dequantized(_scratch(
+                self.out_features * self.in_features)))
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     @staticmethod
@@ -281,12 +283,31 @@ class QuantLinear(torch.nn.Module):
         fused.max_abs_error = max(m.max_abs_error for m in mods)
         return fused
 
-    def dequantized(self) -> torch.Tensor:
-        """The float32 weight [out, in] (a fresh tensor)."""
+    def dequantized(self, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 weight [out, in]: a fresh tensor, or a view of `buffer` (at least
+        out * in float32 elements) holding it."""
         from prefixgate.worker.kernels import cpu_quant
 
         fn = cpu_quant.dequantize_q8_0 if self.kind == "q8_0" else cpu_quant.dequantize_q4_1
-        return fn(self.packed, self.in_features)
+        out = None if buffer is None else \
+            buffer[:self.out_features * self.in_features].view(self.out_features, -1)
+        return fn(self.packed, self.in_features, out)
+
+
+_scratch_local = threading.local()
+
+
+def _scratch(num_elements: int) -> torch.Tensor:
+    """A float32 buffer of at least `num_elements`, one per thread, reused by every
+    QuantLinear's prefill product: one buffer of the largest layer (7 MB for SmolLM2's
+    gate|up) stays in cache between layers instead of a fresh allocation per layer.
+    Measured (SmolLM2, a 256-token chunk after 100 tokens, same run, load 1.5): two
+    threads 515 ms with it, 586 ms without, float32 weights 477 ms; one thread 839 ms
+    either way (float32 814)."""
+    buf = getattr(_scratch_local, "buf", None)
+    if buf is None or buf.numel() < num_elements:
+        buf = _scratch_local.buf = torch.empty(num_elements, dtype=torch.float32)
+    return buf
 
 
 def quantize_q4_1(model: torch.nn.Module) -> torch.nn.Module:

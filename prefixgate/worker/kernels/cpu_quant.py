@@ -384,20 +384,26 @@ def q8_0_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     return _gemm("pg_q8_0_gemm", x, packed, n)
 
 
-def _dequantize(packed: torch.Tensor, k: int, q8: bool) -> torch.Tensor:
+def _dequantize(packed: torch.Tensor, k: int, q8: bool, out: torch.Tensor | None
+                ) -> torch.Tensor:
     lib = _lib_or_raise()
     n = packed.shape[0]
-    out = torch.empty((n, k), dtype=torch.float32)
+    if out is None:
+        out = torch.empty((n, k), dtype=torch.float32)
+    assert out.shape == (n, k) and out.dtype == torch.float32 and out.is_contiguous()
     lib.pg_dequantize(packed.data_ptr(), out.data_ptr(), k, n, int(q8), torch.get_num_threads())
     return out
 
 
-def dequantize_q4_1(packed: torch.Tensor, k: int) -> torch.Tensor:
-    return _dequantize(packed, k, False)
+def dequantize_q4_1(packed: torch.Tensor, k: int, out: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """The float32 weight [N, K], into `out` when given (a reused buffer)."""
+    return _dequantize(packed, k, False, out)
 
 
-def dequantize_q8_0(packed: torch.Tensor, k: int) -> torch.Tensor:
-    return _dequantize(packed, k, True)
+def dequantize_q8_0(packed: torch.Tensor, k: int, out: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    return _dequantize(packed, k, True, out)
 
 
 # --- packing (torch only) -------------------------------------------------------------
