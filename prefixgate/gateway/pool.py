@@ -13,6 +13,10 @@ Health comes from probes and transport errors only, never from one request's out
 a worker is down when its probe (GetInfo, then the grpc.health.v1 check of the worker
 service, NOT_SERVING while it drains) fails, or when the gateway's call to it fails at the
 transport (`mark_down`, for UNAVAILABLE); the next successful probe brings it back. A
+probe that only times out (DEADLINE_EXCEEDED) does not take down a worker that pushed its
+status within the probe timeout: it is alive and busy (a host saturated by a burst answers
+probes late), and taking it down would send its conversations elsewhere to recompute. A
+worker that neither answers nor pushes is down. A
 worker missing from the registry is dropped once it is down or has been missing for
 `absent_grace_s`: a registry that comes back empty (Redis restarted) never drops live
 workers before they register again.
@@ -58,6 +62,7 @@ class WorkerHandle:
     prefilled_since_status: int = 0
     in_flight_prompt_tokens_at_status: int = 0  # in_flight_prompt_tokens when it was set
     absent_since: float | None = None  # monotonic time it was first missing from the registry
+    heard_at: float = 0.0  # monotonic time of its last pushed status (0: never)
 
     @property
     def worker_id(self) -> str:
@@ -66,6 +71,8 @@ class WorkerHandle:
 
     def set_status(self, status: worker_pb2.WorkerStatus | None) -> None:
         self.status = status
+        if status is not None:
+            self.heard_at = time.monotonic()
         self.finished_since_status = self.prefilled_since_status = 0
         # No status (the stream failed): the own count alone stands for the load.
         self.in_flight_prompt_tokens_at_status = (self.in_flight_prompt_tokens
@@ -194,6 +201,12 @@ class WorkerPool:
                                         timeout=self.connect_timeout_s)
             serving = await self._serving(w)
         except grpc.aio.AioRpcError as exc:
+            if (exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and w.up
+                    and time.monotonic() - w.heard_at < self.connect_timeout_s):
+                log.info("worker %s answered no probe within %.1f s but pushed its status "
+                         "%.2f s ago: busy, kept up", w.worker_id, self.connect_timeout_s,
+                         time.monotonic() - w.heard_at)
+                return
             self.mark_down(w, f"{exc.code().name}: {exc.details()}")
             return
         if not serving:

@@ -160,3 +160,62 @@ def test_registry_changes_do_not_cut_streaming_turns(loop_thread, tiny_spec, fak
                 assert [t for e in events for t in e.delta.token_ids] == [11, 12]
     finally:
         loop_thread.loop.call_soon_threadsafe(stop.set)
+
+
+class BusyWorker(FakeWorker):
+    """Answers probes late (a saturated host) while its status stream keeps pushing as long
+    as `pushing` is set: alive and busy, then silent."""
+
+    def __init__(self, *args, probe_delay_s: float) -> None:
+        super().__init__(*args)
+        self.probe_delay_s = 0.0
+        self.late_delay_s = probe_delay_s
+        self.pushing = asyncio.Event()
+
+    async def GetInfo(self, request, context):
+        await asyncio.sleep(self.probe_delay_s)
+        return await super().GetInfo(request, context)
+
+    async def WatchStatus(self, request, context):
+        while True:
+            await self.pushing.wait()
+            yield await self.GetStatus(request, context)
+            await asyncio.sleep(0.02)
+
+
+def test_a_busy_worker_that_pushes_status_is_not_marked_down(loop_thread, tiny_spec) -> None:
+    """A probe that times out takes a worker down only when it pushed no status within the
+    probe timeout either: late probes from a saturated host are not a death."""
+    from prefixgate.gateway.pool import WorkerPool
+    from prefixgate.gateway.status import StatusFollower
+    from prefixgate.registry import EmbeddedRegistry, WorkerRecord
+
+    busy = BusyWorker("busy", tiny_spec.fingerprint, "ok", probe_delay_s=0.5)
+    address, server = start_fake(loop_thread, busy)
+
+    async def scenario() -> list[bool]:
+        registry = EmbeddedRegistry()
+        await registry.register(WorkerRecord("busy", address, tiny_spec.fingerprint), 60_000)
+        pool = WorkerPool(registry, tiny_spec.fingerprint, connect_timeout_s=0.2)
+        follower = StatusFollower(interval_ms=20)
+        seen = []
+        await pool.refresh()  # answers at once: up
+        seen.append(pool.workers["busy"].up)
+        busy.probe_delay_s = busy.late_delay_s
+        busy.pushing.set()
+        follower.sync(pool.workers.values())
+        await asyncio.sleep(0.1)
+        await pool.refresh()  # probe times out, status pushed 20 ms ago: kept up
+        seen.append(pool.workers["busy"].up)
+        busy.pushing.clear()
+        await asyncio.sleep(0.3)
+        await pool.refresh()  # probe times out and nothing pushed for 0.3 s: down
+        seen.append(pool.workers["busy"].up)
+        await follower.close()
+        await pool.close()
+        return seen
+
+    try:
+        assert loop_thread.run(scenario()) == [True, True, False]
+    finally:
+        loop_thread.run(server.stop(0))
