@@ -27,6 +27,8 @@ if [[ $WHAT == mooncake || $WHAT == all ]]; then
      --time-scale "$S")
   "${PG[@]}" "${M[@]}" --simulate --sim-workers 8 --sim-policies prefix --gateways 1,2,4 \
     --out "$OUT" --name mooncake-sim > /dev/null
+  "${PG[@]}" "${M[@]}" --simulate --sim-workers 8 --sim-policies prefix --gateways 2,4 \
+    --fleet-redis --out "$OUT" --name mooncake-sim-redis > /dev/null
   uptime | tee -a "$OUT/uptime.txt"
   "${PG[@]}" "${M[@]}" --fleet 8 --gateways 1,2,4 --out "$OUT" --name mooncake-gateways \
     > /dev/null
