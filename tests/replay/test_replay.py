@@ -556,3 +556,29 @@ def test_simulated_turnaround_delays_each_follow_up_and_decides_the_race() -> No
         "closed", concurrency=1)}, turnaround_s=(0.010,)))) == [64] * 40
     assert known(simulate(convs, SimConfig(**{**base, "arrival": ArrivalConfig(
         "closed", concurrency=1)}))) == [0] * 40  # no turnaround: always blind
+
+
+def test_fleet_turnaround_joins_client_and_worker_records() -> None:
+    """summary.turnaround: a turn's end at its worker to the next turn's send and arrival
+    there (emulated), client and worker records joined by worker, prompt and nearest time."""
+    from prefixgate.replay.fleet import turnaround_summary, worker_times
+
+    scale, t0 = 20.0, 1000.0
+    recs = [TurnRecord("a", 0, start_s=0.0, e2e_s=1.0, prompt_tokens=100, worker="worker-0"),
+            TurnRecord("a", 1, start_s=1.2, e2e_s=1.0, prompt_tokens=200, worker="worker-1"),
+            TurnRecord("b", 0, start_s=0.1, e2e_s=0.5, prompt_tokens=100, worker="worker-0")]
+    # Worker arrivals in wall unix time; b's turn shares a's prompt length and worker.
+    served = [{"worker": "worker-0", "prompt_tokens": 100, "arrival_unix_s": t0 + 0.05 / scale,
+               "total_s": 0.9},
+              {"worker": "worker-0", "prompt_tokens": 100, "arrival_unix_s": t0 + 0.12 / scale,
+               "total_s": 0.4},
+              {"worker": "worker-1", "prompt_tokens": 200, "arrival_unix_s": t0 + 1.4 / scale,
+               "total_s": 0.8}]
+    at = worker_times(recs, served, t0, scale)
+    assert at[("a", 0)] == pytest.approx((0.05, 0.95)) and at[("b", 0)] == pytest.approx(
+        (0.12, 0.52))
+    s = turnaround_summary(recs, at)
+    assert s["to_send_s"]["count"] == 1
+    assert s["to_send_s"]["p50"] == pytest.approx(1.2 - 0.95)
+    assert s["to_worker_s"]["p50"] == pytest.approx(1.4 - 0.95)
+    assert s["client_s"]["p50"] == pytest.approx(1.2 - 1.0)
