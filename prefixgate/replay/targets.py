@@ -4,7 +4,11 @@ Contract: `await target.send(request)` sends one turn and returns a `TurnRecord`
 client-side timings (seconds, from just before the request is sent): `ttft_s` to the first
 content chunk, `itl_s` the gaps between successive content chunks, `e2e_s` to the end of
 the reply. It never raises for a failed turn: the record's `status` is "ok" or the failure
-("UNAVAILABLE", "HTTP 503", "timeout", "connect error", ...) with `error` saying more.
+("UNAVAILABLE", "HTTP 503", "timeout", "connect error", "incomplete", ...) with `error`
+saying more. An HTTP stream is complete only when it ends with `data: [DONE]` or a choice
+carrying a finish reason: a server that drops a stream mid-reply (llama-cpp-python's
+server interrupts a running request when another arrives) leaves neither, and such a turn
+is a failure, not a short reply.
 
 Targets:
   GatewayTarget   a prefixgate gateway over gRPC (prefixgate.client.ChatClient); reports
@@ -172,6 +176,7 @@ class OpenAITarget(Target):
         clock = _Clock()
         usage: dict = {}
         chunks = 0
+        complete = False
         try:
             async with next(self._next_pool).stream("POST", self.base_url + path,
                                                     json=body) as resp:
@@ -185,6 +190,7 @@ class OpenAITarget(Target):
                         continue
                     data = line[5:].strip()
                     if data == "[DONE]":
+                        complete = True
                         break
                     event = json.loads(data)
                     if event.get("usage"):
@@ -194,6 +200,11 @@ class OpenAITarget(Target):
                         if piece:
                             clock.chunk()
                             chunks += 1
+                        complete = complete or bool(choice.get("finish_reason"))
+                if not complete:
+                    rec.status = "incomplete"
+                    rec.error = (f"the stream ended after {chunks} content chunks without "
+                                 "[DONE] or a finish reason")
         except httpx.TimeoutException as exc:
             rec.status, rec.error = "timeout", str(exc) or type(exc).__name__
         except httpx.HTTPError as exc:

@@ -279,7 +279,8 @@ def test_report_writes_json_markdown_and_plots(tmp_path) -> None:
 
 
 class _FakeOpenAI(BaseHTTPRequestHandler):
-    """Streams three chunks in OpenAI's SSE format; model "down" answers 503."""
+    """Streams three chunks in OpenAI's SSE format; model "down" answers 503, model "cut"
+    ends the stream after one chunk with neither a finish reason nor [DONE]."""
 
     protocol_version = "HTTP/1.0"
     seen: list[tuple[str, dict]] = []
@@ -303,6 +304,8 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
             choice = {"delta": {"content": piece}} if chat else {"text": piece}
             self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
             self.wfile.flush()
+            if body.get("model") == "cut":
+                return
             time.sleep(0.02)
         usage = {"prompt_tokens": 40, "completion_tokens": 3,
                  "prompt_tokens_details": {"cached_tokens": 32}}
@@ -330,15 +333,19 @@ def test_openai_target_streams_chat_and_token_prompts(fake_openai) -> None:
         down = OpenAITarget(fake_openai, model="down")
         failed = await down.send(TurnRequest("c", 2, 8, messages=[("user", "hi")]))
         await down.close()
-        return chat, toks, failed
+        cut = OpenAITarget(fake_openai, model="cut")
+        dropped = await cut.send(TurnRequest("c", 3, 8, messages=[("user", "hi")]))
+        await cut.close()
+        return chat, toks, failed, dropped
 
-    chat, toks, failed = asyncio.run(go())
+    chat, toks, failed, dropped = asyncio.run(go())
+    assert dropped.status == "incomplete" and "after 1 content chunks" in dropped.error
     for rec in (chat, toks):
         assert rec.ok and rec.completion_tokens == 3 and rec.cached_tokens == 32
         assert len(rec.itl_s) == 2 and all(g > 0.01 for g in rec.itl_s)
         assert 0 < rec.ttft_s < rec.e2e_s
     assert failed.status == "HTTP 503" and "overloaded" in failed.error
-    (p1, b1), (p2, b2), _ = _FakeOpenAI.seen
+    (p1, b1), (p2, b2), _, _ = _FakeOpenAI.seen
     assert p1 == "/v1/chat/completions" and b1["messages"] == [{"role": "user", "content": "hi"}]
     assert b1["stream"] is True and b1["max_tokens"] == 8
     assert p2 == "/v1/completions" and b2["prompt"] == [5, 6, 7]
