@@ -15,13 +15,20 @@ from prefixgate.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.helpers import start_emulated_worker, start_worker
 
 
+PROMPT_320 = [3 + i % 250 for i in range(320)]  # 20 full blocks of 16
+
+
+def _request(ids: list[int], max_tokens: int = 1, namespace: str = ""):
+    req = worker_pb2.GenerateRequest(request_id="", namespace=namespace,
+                                     sampling=common_pb2.SamplingParams(max_tokens=max_tokens))
+    req.prompt_token_ids.extend(ids)
+    return req
+
+
 def _generate(address: str, ids: list[int], max_tokens: int = 1, namespace: str = ""):
     with grpc.insecure_channel(address) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
-        req = worker_pb2.GenerateRequest(request_id="", namespace=namespace,
-                                         sampling=common_pb2.SamplingParams(max_tokens=max_tokens))
-        req.prompt_token_ids.extend(ids)
-        events = list(stub.Generate(req, timeout=60))
+        events = list(stub.Generate(_request(ids, max_tokens, namespace), timeout=60))
     return events[-1].final
 
 
@@ -71,13 +78,13 @@ def test_emulated_final_reports_worker_side_timings(loop_thread, tiny_spec) -> N
         loop_thread, tiny_spec, "timed", prefill_tokens_per_s=2000.0, decode_s_per_token=0.01,
         time_scale=10.0)
     try:
-        final = _generate(address, [3 + i % 250 for i in range(320)], max_tokens=4)
+        final = _generate(address, PROMPT_320, max_tokens=4)
         assert final.usage.cached_tokens == 0 and final.usage.completion_tokens == 4
         # The schedule is computed from the arrival, so the figures are exact (emulated ms):
         # 320 tokens at 2,000/s, then 3 more tokens 10 ms apart.
         assert final.timings.ttft_ms == pytest.approx(160.0, abs=0.01)
         assert final.timings.total_ms == pytest.approx(190.0, abs=0.01)
-        again = _generate(address, [3 + i % 250 for i in range(320)], max_tokens=4)
+        again = _generate(address, PROMPT_320, max_tokens=4)
         assert again.usage.cached_tokens == 304  # 19 full blocks; the last token is computed
         assert again.timings.ttft_ms == pytest.approx(16 / 2000 * 1e3, abs=0.01)
         assert [r.cached_tokens for r in engine.records] == [0, 304]
@@ -96,9 +103,7 @@ def test_blocks_are_published_when_the_prefill_completes(loop_thread, tiny_spec)
     try:
         with grpc.insecure_channel(address) as channel:
             stub = worker_pb2_grpc.WorkerServiceStub(channel)
-            req = worker_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(max_tokens=1))
-            req.prompt_token_ids.extend(3 + i % 250 for i in range(320))
-            call = stub.Generate(req, timeout=30)
+            call = stub.Generate(_request(PROMPT_320, max_tokens=1), timeout=30)
             time.sleep(0.5)
             status = stub.GetStatus(worker_pb2.GetStatusRequest())
             time.sleep(0.3)
@@ -124,9 +129,7 @@ def test_publish_at_finish_holds_the_blocks_back_until_the_reply_ends(loop_threa
     try:
         with grpc.insecure_channel(address) as channel:
             stub = worker_pb2_grpc.WorkerServiceStub(channel)
-            req = worker_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(max_tokens=10))
-            req.prompt_token_ids.extend(3 + i % 250 for i in range(320))
-            call = stub.Generate(req, timeout=30)
+            call = stub.Generate(_request(PROMPT_320, max_tokens=10), timeout=30)
             first = next(call)
             assert first.HasField("chunk") and log.num_blocks == 0  # decoding: not yet
             list(call)
