@@ -60,7 +60,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, repeat
+from itertools import repeat
 
 from prefixgate.radix import OwnerIndex
 from prefixgate.radix.owners import owner_runs
@@ -142,22 +142,7 @@ class _Tree(OwnerIndex):
         key = node.key
         end = len(key) if key[-1] == path[-1] else key.index(path[-1]) + 1
         gone = frozenset((old,))
-        changed: dict[frozenset, frozenset] = {}
-        hit: list[int] = []
-        root = self._root
-        while num_blocks > 0 and node is not root:
-            start = max(0, end - num_blocks)
-            part = node.values[start:end]
-            listed = {s: old in s for s in dict.fromkeys(part)}
-            if any(listed.values()):
-                hit.extend(compress(node.key[start:end], map(listed.__getitem__, part)))
-                for s, has in listed.items():
-                    listed[s] = (changed.get(s) or changed.setdefault(
-                        s, self._intern(s - gone))) if has else s
-                node.values[start:end] = map(listed.__getitem__, part)
-            num_blocks -= end - start
-            node = node.parent
-            end = len(node.values)
+        hit = self._change_path(node, end, num_blocks, lambda s: old in s, lambda s: s - gone)
         held = self._by_owner.get(old)
         if hit and held is not None:
             held.difference_update(hit)
