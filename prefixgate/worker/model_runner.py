@@ -29,8 +29,6 @@ against transformers, tests/worker/test_quant.py for q4_1).
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from prefixgate.worker.kv_pool import KVPool, KVPoolConfig
@@ -58,8 +56,6 @@ class ModelRunner:
         # Every attention layer now calls paged_attention_forward (no mask is built:
         # transformers skips mask creation for attention functions it does not know).
         model.config._attn_implementation = ATTN_IMPLEMENTATION
-        if pool.k.device.type == "cuda":
-            _register_triton_backend()
         self.fast = LlamaStep(model) if LlamaStep.supports(model) else None
 
     @torch.inference_mode()
@@ -78,16 +74,6 @@ class ModelRunner:
         )
         # Sampling runs on the CPU with per-request generators: hand it fp32 CPU logits.
         return out.logits[0, :, :self.num_token_ids].float().cpu()
-
-
-def _register_triton_backend() -> None:
-    """GPU dispatch: importing the Triton kernels registers the "triton" attention
-    backend, which `paged_attention.resolve_backend("auto")` then picks on CUDA."""
-    try:
-        import prefixgate.worker.kernels.paged_attention_triton  # noqa: F401
-    except ImportError as exc:  # no triton: the torch backend serves, slower
-        logging.getLogger(__name__).warning("Triton attention unavailable (%s); "
-                                            "using the torch backend", exc)
 
 
 class LlamaStep:

@@ -258,16 +258,18 @@ BACKENDS: dict[str, AttentionFn] = {"torch": torch_attention, "cpu": cpu_attenti
 
 def resolve_backend(name: str, pool: KVPool, num_heads: int) -> str:
     """The backend `name` stands for: "auto" picks the fastest one that runs here (a
-    registered "triton" on CUDA; the CPU kernel when it builds and fits; else "torch")."""
+    registered "triton" on CUDA; the CPU kernel when it builds and fits; else "torch").
+    On CUDA this imports the Triton kernels first, which registers "triton"."""
+    if pool.k.device.type == "cuda" and "triton" not in BACKENDS:
+        try:  # registers "triton" on import
+            import prefixgate.worker.kernels.paged_attention_triton  # noqa: F401
+        except ImportError as e:
+            log.warning("Triton paged attention unavailable (%s); using the torch path", e)
     if name != "auto":
         if name not in BACKENDS:
             raise ValueError(f"unknown attention backend {name!r} (have {sorted(BACKENDS)})")
         return name
     if pool.k.device.type == "cuda":
-        try:  # registers "triton" on import
-            import prefixgate.worker.kernels.paged_attention_triton  # noqa: F401
-        except ImportError as e:
-            log.warning("Triton paged attention unavailable (%s); using the torch path", e)
         return "triton" if "triton" in BACKENDS else "torch"
     from prefixgate.worker.kernels import cpu_decode
 

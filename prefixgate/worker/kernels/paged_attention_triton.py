@@ -21,7 +21,7 @@ so no per-step gather or padded copy is ever made. Two kernels share that loop:
            tile's last query are never loaded.
 Runs on CUDA devices, or on CPU tensors when TRITON_INTERPRET=1 was set before triton was
 imported (the tests do; slow, for correctness only). The worker dispatches here only on
-CUDA (`resolve_backend("auto")` picks "triton" there once model_runner has imported it).
+CUDA (`resolve_backend` imports this module for a CUDA pool; "auto" then picks "triton").
 """
 
 from __future__ import annotations
