@@ -312,6 +312,7 @@ class _Req:
     ttft: float = 0.0
     prefill_start: float = 0.0
     prefill_end: float = 0.0
+    routed: Turn | None = None  # the turn as the gateway routed it (Router.record's too)
 
 
 def _reply_hashes(last: int, n: int) -> list[int]:
@@ -426,6 +427,7 @@ class _Sim:
             out = min(out, cfg.max_output_tokens)
         req = _Req(t, self.now, g, w, t.block_hashes[:(t.num_prompt_tokens - 1) // cfg.block_size],
                    max(1, out), decision.cached_tokens_of(wid), decision.best_cached_tokens)
+        req.routed = turn
         req.pending = max(0, t.num_prompt_tokens - req.predicted)
         g.in_flight[wid] = g.in_flight.get(wid, 0) + 1
         g.in_flight_tokens[wid] = g.in_flight_tokens.get(wid, 0) + req.pending
@@ -490,9 +492,7 @@ class _Sim:
             w.prefill_rate = cfg.prefill_tokens_per_s
         if req.num_output_tokens > 1 and cfg.decode_s_per_token:
             w.decode_step_s = cfg.decode_s_per_token
-        g.router.record(Turn(t.num_prompt_tokens,
-                             t.conversation_id if cfg.conversation_ids else "", t.block_hashes,
-                             cfg.block_size), w.wid)
+        g.router.record(req.routed, w.wid)
         self.records.append(TurnRecord(
             t.conversation_id, t.turn_index, start_s=req.arrival, ttft_s=req.ttft,
             e2e_s=self.now - req.arrival, prompt_tokens=t.num_prompt_tokens,
