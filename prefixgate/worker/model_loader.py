@@ -51,6 +51,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from prefixgate.models import TINY_RANDOM_SEED, ModelSpec, locked
+from prefixgate.worker.kernels import cpu_quant
 
 log = logging.getLogger(__name__)
 
@@ -133,11 +134,9 @@ def default_weights(device: str, spec: ModelSpec | None = None) -> str:
     mode; int8 misses it, top-1 agreement 0.956 < 0.97). bfloat16 on GPUs."""
     if torch.device(device).type != "cpu":
         return "bfloat16"
-    if spec is not None and spec.gguf_path is not None and _gguf_is_q4_1(str(spec.gguf_path)):
-        from prefixgate.worker.kernels import cpu_quant
-
-        if cpu_quant.available():
-            return "q4_1"
+    if spec is not None and spec.gguf_path is not None \
+            and _gguf_is_q4_1(str(spec.gguf_path)) and cpu_quant.available():
+        return "q4_1"
     return "float32"
 
 
@@ -246,8 +245,6 @@ class QuantLinear(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Linear, kind: str) -> None:
         super().__init__()
-        from prefixgate.worker.kernels import cpu_quant
-
         if linear.bias is not None:
             raise ValueError("quantized linears take no bias (Llama's have none)")
         self.kind = kind
@@ -261,8 +258,6 @@ class QuantLinear(torch.nn.Module):
         self.max_abs_error = float((deq - w).abs().max())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from prefixgate.worker.kernels import cpu_quant
-
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] <= QUANT_KERNEL_MAX_ROWS:
             fn = cpu_quant.q8_0_linear if self.kind == "q8_0" else cpu_quant.q4_1_linear
@@ -286,8 +281,6 @@ class QuantLinear(torch.nn.Module):
     def dequantized(self, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 weight [out, in]: a fresh tensor, or a view of `buffer` (at least
         out * in float32 elements) holding it."""
-        from prefixgate.worker.kernels import cpu_quant
-
         fn = cpu_quant.dequantize_q8_0 if self.kind == "q8_0" else cpu_quant.dequantize_q4_1
         out = None if buffer is None else \
             buffer[:self.out_features * self.in_features].view(self.out_features, -1)
@@ -315,8 +308,6 @@ def quantize_q4_1(model: torch.nn.Module) -> torch.nn.Module:
     the rest Q4_1 (the formats of llama.cpp's Q4_1 GGUFs, SmolLM2's included: there the
     result is lossless against the float32 reference). Sets `model.quantization_error`
     (the largest |dequantized - float32| of any weight); returns the model."""
-    from prefixgate.worker.kernels import cpu_quant
-
     if next(model.parameters()).device.type != "cpu":
         raise ValueError("q4_1 weights run on the CPU only; use --weights bfloat16 on a GPU")
     if not cpu_quant.available():

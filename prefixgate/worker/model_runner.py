@@ -30,9 +30,12 @@ against transformers, tests/worker/test_quant.py for q4_1).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from prefixgate.worker.kernels.cpu_llama import LayerPlan, decode_layers
 from prefixgate.worker.kv_pool import KVPool, KVPoolConfig
-from prefixgate.worker.paged_attention import ATTN_IMPLEMENTATION, StepMetadata
+from prefixgate.worker.model_loader import QuantLinear
+from prefixgate.worker.paged_attention import ATTN_IMPLEMENTATION, BACKENDS, StepMetadata
 
 
 def pool_config_for(model: torch.nn.Module, block_size: int, num_blocks: int) -> KVPoolConfig:
@@ -86,8 +89,6 @@ class LlamaStep:
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
-        from prefixgate.worker.model_loader import QuantLinear
-
         c = model.config
         rope = (getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None)
                 or {})
@@ -131,8 +132,6 @@ class LlamaStep:
                 float(a.scaling)))
         # Decode-only steps on q4_1 weights run all layers in one C call (no torch
         # operator per layer); the torch loop below computes the same.
-        from prefixgate.worker.kernels.cpu_llama import LayerPlan
-
         in_order = [layer[6] for layer in self.layers] == list(range(len(self.layers)))
         self.plan = LayerPlan.build(self.layers, self.hidden, self.num_heads,
                                     self.num_kv_heads, self.head_dim, self.eps) \
@@ -149,23 +148,23 @@ class LlamaStep:
 
     def forward(self, input_ids: list[int], positions: list[int], step: StepMetadata,
                 sample_indices: list[int]) -> torch.Tensor:
-        import torch.nn.functional as F
-
-        from prefixgate.worker.paged_attention import BACKENDS
-
         m = self.model.model
-        num_tokens, hd = len(input_ids), self.head_dim
-        nh, nkv = self.num_heads, self.num_kv_heads
         cos, sin = self._rope(torch.tensor(positions))
         x = m.embed_tokens(torch.tensor(input_ids)).float()
-        pool = step.pool
-        if self.plan is not None and self.plan.runs(step, pool):
-            from prefixgate.worker.kernels.cpu_llama import decode_layers
-
+        if self.plan is not None and self.plan.runs(step, step.pool):
             x = x.contiguous()
             decode_layers(self.plan, x, cos[:, 0].contiguous(), sin[:, 0].contiguous(), step)
-            return self.model.lm_head(m.norm(x[torch.tensor(sample_indices, dtype=torch.long)])
-                                      ).float()
+        else:
+            x = self._layers(x, cos, sin, step)
+        rows = x[torch.tensor(sample_indices, dtype=torch.long)]
+        return self.model.lm_head(m.norm(rows)).float()
+
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                step: StepMetadata) -> torch.Tensor:
+        """Every decoder layer in torch operators: x [T, hidden] -> the last layer's output."""
+        num_tokens, hd = x.shape[0], self.head_dim
+        nh, nkv = self.num_heads, self.num_kv_heads
+        pool = step.pool
         attend = BACKENDS[step.backend]
         width = (nh + nkv) * hd
         for ln1, qkv_proj, o_proj, ln2, gate_up, down, layer_idx, scale in self.layers:
@@ -182,15 +181,12 @@ class LlamaStep:
             gu = gate_up(F.rms_norm(x, (self.hidden,), ln2, self.eps))
             half = gu.shape[-1] // 2
             x = x + down(F.silu(gu[:, :half]) * gu[:, half:])
-        rows = x[torch.tensor(sample_indices, dtype=torch.long)]
-        return self.model.lm_head(m.norm(rows)).float()
+        return x
 
 
 def _fuse(parent: torch.nn.Module, names: tuple[str, ...]) -> torch.nn.Module:
     """One module computing the named linears of `parent` side by side (their outputs
     concatenated); the named modules then hold views of its weight (no copy kept)."""
-    from prefixgate.worker.model_loader import QuantLinear
-
     mods = [getattr(parent, n) for n in names]
     if isinstance(mods[0], QuantLinear):
         fused = QuantLinear.concat(mods)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from prefixgate.worker.kernels import cpu_quant
+from prefixgate.worker.model_loader import QUANT_KERNEL_MAX_ROWS, QuantLinear
 
 SOURCE = r"""
 #ifdef __AVX512F__
@@ -102,8 +103,6 @@ class LayerPlan:
               ) -> LayerPlan | None:
         """From LlamaStep's layer tuples; None unless every projection is Q4_1, the
         scaling is shared, and the kernels run here."""
-        from prefixgate.worker.model_loader import QuantLinear
-
         if not cpu_quant.available() or hd > 256:
             return None
         layers, scales = [], set()
@@ -122,8 +121,6 @@ class LayerPlan:
     def runs(self, step, pool) -> bool:
         """Whether `decode_layers` takes this step: decodes only, on the CPU backend, a
         float32 pool with contiguous layers, at most QUANT_KERNEL_MAX_ROWS rows."""
-        from prefixgate.worker.model_loader import QUANT_KERNEL_MAX_ROWS
-
         return (step.num_decodes == step.num_seqs and step.backend == "cpu"
                 and step.num_seqs <= QUANT_KERNEL_MAX_ROWS and pool.k.dtype == torch.float32
                 and pool.k.is_contiguous() and pool.v.is_contiguous())
