@@ -34,6 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prefixgate import identity, rpc
 from prefixgate.auth import InternalCredential
+from prefixgate.gateway.routing import queued_prefill_tokens
 from prefixgate.registry import Registry, WorkerRecord
 from prefixgate.v1 import worker_pb2, worker_pb2_grpc
 
@@ -91,10 +92,9 @@ class WorkerHandle:
     @property
     def num_queued_prefill_tokens(self) -> int:
         polled = self.status.num_queued_prefill_tokens if self.status is not None else 0
-        before = self.in_flight_prompt_tokens_at_status
-        ended = min(self.prefilled_since_status, before)  # of the turns in the status
-        return (max(0, polled - ended)
-                + max(0, self.in_flight_prompt_tokens - before + ended))
+        return queued_prefill_tokens(polled, self.prefilled_since_status,
+                                     self.in_flight_prompt_tokens,
+                                     self.in_flight_prompt_tokens_at_status)
 
     @property
     def num_running_requests(self) -> int:

@@ -90,7 +90,7 @@ from prefixgate.gateway.index import PrefixIndex, PrefixMatch
 from prefixgate.radix import BlockHasher
 
 __all__ = ["POLICIES", "Decision", "LoadSnapshot", "Router", "RoutingConfig", "Turn",
-           "WorkerLoad", "make_turn"]
+           "WorkerLoad", "make_turn", "queued_prefill_tokens"]
 
 POLICIES = ("prefix", "session", "least-loaded", "round-robin", "random")
 
@@ -106,6 +106,17 @@ class WorkerLoad(Protocol):
 
     @property
     def num_running_requests(self) -> int: ...
+
+
+def queued_prefill_tokens(polled: int, prefilled_since: int, own: int,
+                          own_at_status: int) -> int:
+    """A worker's queued prefill tokens as one gateway sees them (gateway/pool.py
+    WorkerHandle; the replay simulator): its last status `polled`, less this gateway's
+    prefill in it that ended since (`prefilled_since`, of the `own_at_status` prompt
+    tokens it had waiting there when the status came), plus its prompt tokens sent since
+    and still waiting for their first token (`own` waiting now)."""
+    ended = min(prefilled_since, own_at_status)  # of the turns in the status
+    return max(0, polled - ended) + max(0, own - own_at_status + ended)
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,14 @@ import xxhash
 from prefixgate.emulate.cache import BlockCache
 from prefixgate.events import KVEventSink
 from prefixgate.gateway.index import PrefixIndex
-from prefixgate.gateway.routing import POLICIES, LoadSnapshot, Router, RoutingConfig, Turn
+from prefixgate.gateway.routing import (
+    POLICIES,
+    LoadSnapshot,
+    Router,
+    RoutingConfig,
+    Turn,
+    queued_prefill_tokens,
+)
 from prefixgate.radix import BlockHasher, packed
 from prefixgate.replay.loadgen import ArrivalConfig
 from prefixgate.replay.metrics import summarize
@@ -394,9 +401,8 @@ class _Sim:
             own = g.in_flight_tokens.get(w.wid, 0)
             if self.status_interval:  # as gateway/pool.py WorkerHandle combines them
                 queued, running, fill, rate, step_s = w.status
-                before = g.tokens_at_status.get(w.wid, 0)
-                ended = min(g.prefilled_since.get(w.wid, 0), before)
-                queued = max(0, queued - ended) + max(0, own - before + ended)
+                queued = queued_prefill_tokens(queued, g.prefilled_since.get(w.wid, 0), own,
+                                               g.tokens_at_status.get(w.wid, 0))
                 running -= g.finished_since.get(w.wid, 0)
             else:
                 queued, running, fill, rate, step_s = self._live_status(w)
