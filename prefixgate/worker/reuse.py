@@ -235,11 +235,10 @@ class ReusePlanner:
             reindex_slots(self.pool, src, dst, shift, self.rope, self.config.reindex_backend)
         except Exception:  # the engine fails this request: give back what it holds only here
             self.pool.release(new_blocks)
+            raise
+        finally:
             self.cache.unlock(handle)
             self.pool.release(found)
-            raise
-        self.cache.unlock(handle)
-        self.pool.release(found)
         self.pool.release(seq.block_table[gap_block:])
         seq.block_table = seq.block_table[:gap_block] + new_blocks
         seq.block_hashes = self._layout_hashes(seq.tokens, len(seq.tokens) // bs,
