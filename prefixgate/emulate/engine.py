@@ -68,9 +68,20 @@ from prefixgate.worker.api import (
     TokenEvent,
 )
 
-__all__ = ["EmulatedEngine", "EmulationConfig", "ServedRecord", "reply_token_ids"]
+__all__ = ["PUBLISH_AT", "EmulatedEngine", "EmulationConfig", "ServedRecord",
+           "prefill_computed", "reply_token_ids"]
 
 PUBLISH_AT = ("prefill", "finish")
+
+
+def prefill_computed(uncached: int, start: float, end: float, now: float) -> int:
+    """Tokens computed by `now` of a prefill of `uncached` tokens that runs from `start` to
+    `end` at an even rate (what a worker's status no longer counts as queued)."""
+    if end <= start:
+        return 0
+    return int(uncached * min(1.0, max(0.0, (now - start) / (end - start))))
+
+
 # Reply token ids avoid the lowest ids, where tokenizers keep their special tokens.
 _FIRST_REPLY_TOKEN_ID = 256
 
@@ -185,10 +196,10 @@ class EmulatedEngine(Engine):
         # tokens shrink chunk by chunk (worker/scheduler.py): a gateway must not see a long
         # prefill that is nearly done as a whole one ahead of the next turn.
         status, req, loop = self._status, self._prefilling, self._loop
-        if req is None or loop is None or req.first_token <= req.started:
+        if req is None or loop is None:
             return status
-        share = (loop.time() - req.started) / (req.first_token - req.started)
-        computed = int(req.expected_uncached * min(1.0, max(0.0, share)))
+        computed = prefill_computed(req.expected_uncached, req.started, req.first_token,
+                                    loop.time())
         if not computed:
             return status
         return dataclasses.replace(status, num_queued_prefill_tokens=max(

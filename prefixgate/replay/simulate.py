@@ -72,6 +72,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from prefixgate.emulate.cache import BlockCache
+from prefixgate.emulate.engine import PUBLISH_AT, prefill_computed
 from prefixgate.events import KVEventSink
 from prefixgate.gateway.index import PrefixIndex
 from prefixgate.gateway.routing import (
@@ -133,7 +134,7 @@ class SimConfig:
             raise ValueError("need num_workers >= 1 and capacity_tokens >= block_size >= 1")
         if self.prefill_tokens_per_s <= 0 or self.decode_s_per_token < 0:
             raise ValueError("prefill_tokens_per_s must be > 0 and decode_s_per_token >= 0")
-        if self.publish_at not in ("prefill", "finish"):
+        if self.publish_at not in PUBLISH_AT:
             raise ValueError(f"publish_at must be prefill or finish, not {self.publish_at!r}")
         if self.reply_blocks not in ("private", "recorded"):
             raise ValueError(f"reply_blocks must be private or recorded, not {self.reply_blocks!r}")
@@ -377,9 +378,9 @@ class _Sim:
 
     def _live_status(self, w: _Worker) -> tuple:
         queued, req = w.queued_tokens, w.prefilling
-        if req is not None and req.prefill_end > req.prefill_start:  # the part computed
-            share = (self.now - req.prefill_start) / (req.prefill_end - req.prefill_start)
-            queued -= int(req.expected_uncached * min(1.0, max(0.0, share)))
+        if req is not None:  # less the part computed
+            queued -= prefill_computed(req.expected_uncached, req.prefill_start,
+                                       req.prefill_end, self.now)
         return (queued, w.running,
                 min(1.0, w.cache.num_blocks / w.cache.capacity_blocks), w.prefill_rate,
                 w.decode_step_s)
