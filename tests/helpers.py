@@ -194,3 +194,19 @@ def start_emulated_worker(loop_thread: LoopThread, spec: ModelSpec, worker_id: s
 
     port, stop = loop_thread.run(start())
     return f"127.0.0.1:{port}", stop, engine
+
+
+def shifting_engine(spec: ModelSpec, model, system_tokens: int, turns: int):
+    """An engine that keeps the system prompt, drops the oldest turns and moves cached
+    K/V (shifted_reuse "shift"), and a prompt for it: `system_tokens` system tokens, then
+    `turns` distinct 3-token user turns. Returns (engine, user turn prefix, prompt)."""
+    from prefixgate.overflow import user_turn_prefix
+    from prefixgate.tokenizer import ChatTokenizer
+
+    prefix = user_turn_prefix(ChatTokenizer(spec))
+    engine = make_engine(spec, model, num_blocks=512, turn_prefix=prefix,
+                         context_overflow="keep-system-drop-oldest", shifted_reuse="shift")
+    prompt = [90] * system_tokens
+    for i in range(turns):
+        prompt += [*prefix, 100 + i % 50, 150 + i // 50 % 50, 200]
+    return engine, prefix, prompt

@@ -8,7 +8,7 @@ import torch
 from prefixgate.worker import engine as engine_module
 from prefixgate.worker.engine import FinishReason
 from prefixgate.worker.sampling import Sampler
-from tests.helpers import make_engine
+from tests.helpers import make_engine, shifting_engine
 from tests.worker.test_engine import assert_no_leak, collect, prompts, run, submit
 
 POISON = 7  # the poison prompt is a run of it (a valid reply may contain one 7)
@@ -107,18 +107,11 @@ def test_admission_error_fails_only_its_request(tiny_spec, tiny_model) -> None:
 def test_shifted_reuse_error_leaks_nothing(tiny_spec, tiny_model, monkeypatch) -> None:
     """A failure while moving cached K/V (after fresh blocks were taken) fails that
     request only and gives every block back."""
-    from prefixgate.overflow import user_turn_prefix
     from prefixgate.protocol import SamplingConfig
-    from prefixgate.tokenizer import ChatTokenizer
     from prefixgate.worker import reuse
     from prefixgate.worker.api import Request
 
-    prefix = user_turn_prefix(ChatTokenizer(tiny_spec))
-    engine = make_engine(tiny_spec, tiny_model, num_blocks=512, turn_prefix=prefix,
-                         context_overflow="keep-system-drop-oldest", shifted_reuse="shift")
-    prompt = [90] * 40
-    for i in range(400):
-        prompt += [*prefix, 100 + i % 50, 150 + i // 50 % 50, 200]
+    engine, _, prompt = shifting_engine(tiny_spec, tiny_model, 40, 400)
     sampling = SamplingConfig(max_tokens=1, context_overflow="keep-system-drop-oldest")
     try:
         engine.run_to_completion(Request("prev", tuple(prompt[:-64]), sampling))

@@ -3,23 +3,16 @@ with thousands of turn starts stalled its worker for seconds)."""
 
 from __future__ import annotations
 
-from prefixgate.overflow import user_turn_prefix
 from prefixgate.protocol import SamplingConfig
 from prefixgate.radix import BlockHasher
-from prefixgate.tokenizer import ChatTokenizer
 from prefixgate.worker.api import FinishReason, Request
-from tests.helpers import make_engine
+from tests.helpers import shifting_engine
 
 
 def test_many_turn_starts_hash_linearly(tiny_spec, tiny_model, monkeypatch) -> None:
-    prefix = user_turn_prefix(ChatTokenizer(tiny_spec))
-    engine = make_engine(tiny_spec, tiny_model, num_blocks=512, turn_prefix=prefix,
-                         context_overflow="keep-system-drop-oldest", shifted_reuse="shift")
     # 32,100 tokens, 4,000 turn starts; turns differ (identical turns would make every
     # layout the same cached run: then the bound is MAX_LAYOUTS x the context instead).
-    prompt = [90] * 100
-    for i in range(4000):
-        prompt += [*prefix, 100 + i % 50, 150 + i // 50 % 50, 200]
+    engine, prefix, prompt = shifting_engine(tiny_spec, tiny_model, 100, 4000)
     turn = prompt[100:100 + len(prefix) + 3]
     sampling = SamplingConfig(max_tokens=1, context_overflow="keep-system-drop-oldest")
     try:
