@@ -51,19 +51,20 @@ from prefixgate.replay.targets import (
 from prefixgate.replay.traces import Trace
 
 CHAT_BLOCK_SIZE = 16
-# The gateways' status push interval a deployment runs with (GatewayConfig), and the
-# workers' floor (prefixgate/status.py MIN_INTERVAL_S), in wall milliseconds.
-DEPLOYED_STATUS_INTERVAL_MS = 50
-MIN_STATUS_INTERVAL_MS = 10
 
 
 def status_interval_ms(time_scale: float) -> int:
     """The status interval gateways get in a fleet running `time_scale` times faster: the
-    deployed interval in emulated time, as far as the workers' floor allows (at 20x, 10 ms
-    of wall time: 200 ms emulated instead of the 1 s the unscaled 50 ms would be). A
-    wall-clock constant left unscaled would make load look 20 times staler than in the
-    deployment the fleet stands for; `--gateway-args='--status-interval-ms N'` overrides."""
-    return max(MIN_STATUS_INTERVAL_MS, round(DEPLOYED_STATUS_INTERVAL_MS / time_scale))
+    deployed interval (GatewayConfig's) in emulated time, as far as the workers' floor
+    (prefixgate/status.py MIN_INTERVAL_S) allows (at 20x, 10 ms of wall time: 200 ms
+    emulated instead of the 1 s the unscaled 50 ms would be). A wall-clock constant left
+    unscaled would make load look 20 times staler than in the deployment the fleet stands
+    for; `--gateway-args='--status-interval-ms N'` overrides."""
+    from prefixgate.gateway.server import GatewayConfig
+    from prefixgate.status import MIN_INTERVAL_S
+
+    return max(round(MIN_INTERVAL_S * 1e3),
+               round(GatewayConfig.status_interval_ms / time_scale))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
