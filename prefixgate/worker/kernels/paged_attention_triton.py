@@ -45,6 +45,19 @@ def _tile_slots(bt_row, start, ctx, BS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _kv_tile(k_ptr, v_ptr, bt_row, start, ctx, kvh, d, dmask, slot_stride,
+             D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K and V [BLOCK_N, BLOCK_D] (float32, 0 where absent) of keys start.. of one
+    sequence's KV head `kvh`, their positions j, and which exist."""
+    slot, j, valid = _tile_slots(bt_row, start, ctx, BS, BLOCK_N)
+    kv_off = slot[:, None] * slot_stride + kvh * D + d[None, :]
+    kv_mask = valid[:, None] & dmask[None, :]
+    k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+    return k, v, j, valid
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, ctx_ptr,
                    q_st, q_sh, o_st, o_sh, slot_stride, bt_stride, qk_scale,
                    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -64,11 +77,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, ctx_ptr,
     s = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for start in range(0, ctx, BLOCK_N):
-        slot, j, valid = _tile_slots(bt_row, start, ctx, BS, BLOCK_N)
-        kv_off = slot[:, None] * slot_stride + kvh * D + d[None, :]
-        kv_mask = valid[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        k, v, _, valid = _kv_tile(k_ptr, v_ptr, bt_row, start, ctx, kvh, d, dmask,
+                                  slot_stride, D, BS, BLOCK_N)
         scores = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
@@ -110,11 +120,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, ctx_ptr, cu_ptr, first_s
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     hi = tl.minimum(ctx, ctx - q_len + tile * BLOCK_M + BLOCK_M)  # past the last query
     for start in range(0, hi, BLOCK_N):
-        slot, j, valid = _tile_slots(bt_row, start, ctx, BS, BLOCK_N)
-        kv_off = slot[:, None] * slot_stride + kvh * D + d[None, :]
-        kv_mask = valid[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        k, v, j, valid = _kv_tile(k_ptr, v_ptr, bt_row, start, ctx, kvh, d, dmask,
+                                  slot_stride, D, BS, BLOCK_N)
         scores = tl.dot(q, tl.trans(k)) * qk_scale
         visible = valid[None, :] & (j[None, :] <= q_pos[:, None])
         scores = tl.where(visible, scores, float("-inf"))
