@@ -171,7 +171,6 @@ int pg_has_avx512(void) { return 1; }
 typedef struct {
     const float *x; int64_t xs; int M, K, N;
     const uint8_t *w; float *out; int64_t os;
-    _Atomic int next;
 } gemm_t;
 
 static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
@@ -267,29 +266,27 @@ static void deq_item(void *arg, int item) {
     const deq_t *j = (const deq_t *)arg;
     int nb = j->K / 32;
     const __m512i mask = _mm512_set1_epi32(15);
-    {
-        int n0 = item * ROWS_PER_TASK;
-        int n1 = n0 + ROWS_PER_TASK < j->N ? n0 + ROWS_PER_TASK : j->N;
-        for (int n = n0; n < n1; n++) for (int b = 0; b < nb; b++) {
-            float *o = j->out + (int64_t)n * j->K + b * 32;
-            if (j->q8) {
-                const uint8_t *blk = j->w + ((int64_t)n * nb + b) * 36;
-                float d; memcpy(&d, blk, 4);
-                __m512 dv = _mm512_set1_ps(d);
-                _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                    _mm_loadu_si128((const __m128i *)(blk + 4)))), dv));
-                _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                    _mm_loadu_si128((const __m128i *)(blk + 20)))), dv));
-            } else {
-                const uint8_t *blk = j->w + ((int64_t)n * nb + b) * 24;
-                float d, m; memcpy(&d, blk, 4); memcpy(&m, blk + 4, 4);
-                __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 8)));
-                __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
-                _mm512_storeu_ps(o, _mm512_fmadd_ps(
-                    _mm512_cvtepi32_ps(_mm512_and_si512(v, mask)), dv, mv));
-                _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(
-                    _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), dv, mv));
-            }
+    int n0 = item * ROWS_PER_TASK;
+    int n1 = n0 + ROWS_PER_TASK < j->N ? n0 + ROWS_PER_TASK : j->N;
+    for (int n = n0; n < n1; n++) for (int b = 0; b < nb; b++) {
+        float *o = j->out + (int64_t)n * j->K + b * 32;
+        if (j->q8) {
+            const uint8_t *blk = j->w + ((int64_t)n * nb + b) * 36;
+            float d; memcpy(&d, blk, 4);
+            __m512 dv = _mm512_set1_ps(d);
+            _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i *)(blk + 4)))), dv));
+            _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i *)(blk + 20)))), dv));
+        } else {
+            const uint8_t *blk = j->w + ((int64_t)n * nb + b) * 24;
+            float d, m; memcpy(&d, blk, 4); memcpy(&m, blk + 4, 4);
+            __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 8)));
+            __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(_mm512_and_si512(v, mask)), dv, mv));
+            _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), dv, mv));
         }
     }
 }
