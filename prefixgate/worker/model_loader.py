@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from prefixgate.models import TINY_RANDOM_SEED, ModelSpec, locked
+from prefixgate.models import KV_DTYPES, TINY_RANDOM_SEED, WEIGHT_FORMATS, ModelSpec, locked
 from prefixgate.worker.kernels import cpu_quant
 
 log = logging.getLogger(__name__)
@@ -81,10 +81,6 @@ def materialize_weights(spec: ModelSpec) -> None:
         save_model(model, str(tmp))
         tmp.replace(spec.weights_path)
         log.info("materialised %s weights in %.1f s", spec.name, time.monotonic() - start)
-
-
-WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "q4_1")
-KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
