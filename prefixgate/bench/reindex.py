@@ -238,8 +238,10 @@ def _kernel(args, model) -> dict:
                            backend="torch")
         t_copy = _best_time(args.kernel_repeats, _copy_slots, pool, src, dst)
         name = str(dtype).removeprefix("torch.")
-        out[name] = {"torch_gb_s": round(moved / t_rot / 1e9, 2),
-                     "plain_copy_gb_s": round(moved / t_copy / 1e9, 2),
+        # Three significant figures, not two decimals: a small model's pool moves few
+        # bytes per call, and a rate of 0.004 GB/s must not print as 0.0.
+        out[name] = {"torch_gb_s": float(f"{moved / t_rot / 1e9:.3g}"),
+                     "plain_copy_gb_s": float(f"{moved / t_copy / 1e9:.3g}"),
                      "torch_vs_copy": round(t_copy / t_rot, 2),
                      "ms_per_call": round(t_rot * 1e3, 2)}
     if triton_available():
