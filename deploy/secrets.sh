@@ -62,7 +62,7 @@ digest="$(printf '%s' "$token" | openssl dgst -sha256 -r | cut -d' ' -f1)"
 printf '# sha256:<hash of the token> <namespace> [<label>]; `prefixgate token` adds more\nsha256:%s %s\n' \
     "$digest" "$tenant" > tokens
 printf 'pg_%s\n' "$(hex 32)" > internal-token
-printf '# * <master key>: each worker id gets HMAC(master, id) (prefixgate/identity.py)\n* %s\n' \
+printf '# * <master key>: each worker id gets HMAC(master, id) (prefixgate/security/identity.py)\n* %s\n' \
     "$(hex 32)" > worker-keyring
 hex 24 > redis-password
 hex 24 > redis-gateway-password

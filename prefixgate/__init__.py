@@ -1,11 +1,20 @@
 """prefixgate: a conversational prefix-cache gateway for LLM serving.
 
-Packages, one job each (see docs/architecture in ARCHITECTURE.md):
-  radix/    block hashing and the radix tree; pure Python, no torch, no I/O
-  gateway/  Chat gRPC service, tokenizer/template, routing; never imports torch
-  worker/   model runner and Worker gRPC service (torch)
-  bench/    `prefixgate bench ...` commands
-  v1/       generated gRPC stubs of proto/prefixgate/v1 (do not edit)
+Packages, one job each (the README's layout section draws them and their imports):
+  wire/       the wire contract: message validation, packed token ids, gRPC plumbing,
+              KV events, pushed status, the Chat client
+  security/   bearer tokens and tenants (auth), worker keyrings and signatures (identity)
+  model/      model catalogue, chat tokenizer, context-overflow policy (torch-free)
+  telemetry/  logging, Prometheus exposition, trace recording
+  radix/      block hashing and the radix tree; pure Python, no torch, no I/O
+  registry/   worker leases, block ownership and events: embedded or Redis
+  gateway/    Chat gRPC service and OpenAI HTTP front, routing; never imports torch
+  worker/     model runner and Worker gRPC service (torch)
+  emulate/    a worker with no model (LRU blocks + a service-time model) for fleet tests
+  replay/     traces, load generation, the routing simulator, reports
+  bench/      `prefixgate bench ...` commands
+  cli/        the command line: parses flags into configuration, calls the libraries
+  v1/         generated gRPC stubs of proto/prefixgate/v1 (do not edit)
 """
 
 __version__ = "0.1.0"

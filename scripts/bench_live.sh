@@ -54,7 +54,7 @@ up() {  # workers http-port
 echo "start $(date -u +%T), load $(cut -d' ' -f1-3 /proc/loadavg)" > "$OUT/load.txt"
 RUNS=()
 if [[ -x $LLAMA_PYTHON ]]; then
-  LP=$($PY -c "from prefixgate.rpc import free_port; print(free_port())")
+  LP=$($PY -c "from prefixgate.wire.rpc import free_port; print(free_port())")
   nice -n 10 "$LLAMA_PYTHON" -m llama_cpp.server --model "$GGUF" --n_threads 2 --n_threads_batch 2 \
     --n_ctx 8192 --port "$LP" --interrupt_requests False > "$OUT/llama-server.log" 2>&1 &
   PIDS+=($!)
@@ -63,11 +63,11 @@ if [[ -x $LLAMA_PYTHON ]]; then
   replay llama-c4 "llama.cpp c4" "http://127.0.0.1:$LP" 4
   RUNS+=(llama-c1 llama-c4)
 fi
-HP=$($PY -c "from prefixgate.rpc import free_port; print(free_port())")
+HP=$($PY -c "from prefixgate.wire.rpc import free_port; print(free_port())")
 up 1 "$HP"
 replay pg-c1 "prefixgate 1 worker c1" "http://127.0.0.1:$HP" 1
 kill "${PIDS[-1]}"; wait "${PIDS[-1]}" 2>/dev/null || true; unset 'PIDS[-1]'
-HP=$($PY -c "from prefixgate.rpc import free_port; print(free_port())")
+HP=$($PY -c "from prefixgate.wire.rpc import free_port; print(free_port())")
 up 2 "$HP"
 replay pg-c4 "prefixgate 2 workers c4" "http://127.0.0.1:$HP" 4
 RUNS+=(pg-c1 pg-c4)

@@ -24,7 +24,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 from prefixgate.bench.redis_server import RedisServer  # noqa: E402
-from prefixgate.models import ModelSpec, resolve_model  # noqa: E402
+from prefixgate.model.catalog import ModelSpec, resolve_model  # noqa: E402
 from tests.helpers import ENGINES, LoopThread  # noqa: E402
 
 _SLOW_FIXTURES = {"smollm2_spec", "smollm2_model"}
@@ -62,11 +62,11 @@ def engine_integrity() -> Iterator[None]:
 @pytest.fixture(autouse=True)
 def command_logging_undone() -> Iterator[None]:
     """A command run in-process (prefixgate.cli.main) installs prefixgate's stderr log
-    handler (prefixgate/logs.py); remove it after the test, so that background threads of
+    handler (prefixgate/telemetry/logs.py); remove it after the test, so that background threads of
     session fixtures do not log to the terminal between tests."""
     import logging
 
-    from prefixgate.logs import StderrHandler
+    from prefixgate.telemetry.logs import StderrHandler
 
     root = logging.getLogger()
     before, level = list(root.handlers), root.level

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from prefixgate.models import ModelSpec
+from prefixgate.model.catalog import ModelSpec
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -56,7 +56,7 @@ def track(engine):
 def make_engine(spec: ModelSpec, model, event_sink=None, **config):
     """A PagedEngine for `spec` (EngineConfig fields as keyword arguments) reporting its
     KV events to `event_sink`, checked for integrity when the test ends."""
-    from prefixgate.tokenizer import ChatTokenizer
+    from prefixgate.model.tokenizer import ChatTokenizer
     from prefixgate.worker.engine import EngineConfig, PagedEngine
 
     tokenizer = ChatTokenizer(spec)
@@ -171,7 +171,7 @@ def start_emulated_worker(loop_thread: LoopThread, spec: ModelSpec, worker_id: s
     WorkerService on a free loopback port; returns (address, stop event, its engine).
     `emulation`: EmulationConfig fields (block size 16 and 512 blocks unless given)."""
     from prefixgate.emulate.engine import EmulatedEngine, EmulationConfig
-    from prefixgate.tokenizer import ChatTokenizer
+    from prefixgate.model.tokenizer import ChatTokenizer
     from prefixgate.worker.events import EventLog
     from prefixgate.worker.server import WorkerConfig, WorkerService, serve
 
@@ -200,8 +200,8 @@ def shifting_engine(spec: ModelSpec, model, system_tokens: int, turns: int):
     """An engine that keeps the system prompt, drops the oldest turns and moves cached
     K/V (shifted_reuse "shift"), and a prompt for it: `system_tokens` system tokens, then
     `turns` distinct 3-token user turns. Returns (engine, user turn prefix, prompt)."""
-    from prefixgate.overflow import user_turn_prefix
-    from prefixgate.tokenizer import ChatTokenizer
+    from prefixgate.model.overflow import user_turn_prefix
+    from prefixgate.model.tokenizer import ChatTokenizer
 
     prefix = user_turn_prefix(ChatTokenizer(spec))
     engine = make_engine(spec, model, num_blocks=512, turn_prefix=prefix,

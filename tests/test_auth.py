@@ -1,10 +1,10 @@
-"""prefixgate.auth: token files, namespace binding, the internal credential."""
+"""prefixgate.security.auth: token files, namespace binding, the internal credential."""
 
 from __future__ import annotations
 
 import pytest
 
-from prefixgate.auth import (
+from prefixgate.security.auth import (
     InternalCredential,
     PermissionDenied,
     Tenant,

@@ -1,4 +1,4 @@
-"""prefixgate.identity: keyrings, signed registrations, the held-block set MAC."""
+"""prefixgate.security.identity: keyrings, signed registrations, the held-block set MAC."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixgate.events import OwnershipEvent
-from prefixgate.identity import (
+from prefixgate.registry.wire import pack_hashes, parent_bytes
+from prefixgate.security.identity import (
     Keyring,
     OwnershipSigner,
     kv_set_mac,
     sign_registration,
     verify_registration,
 )
-from prefixgate.registry.wire import pack_hashes, parent_bytes
+from prefixgate.wire.events import OwnershipEvent
 
 KEY = bytes(range(32))
 

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from prefixgate.models import ModelError, resolve_model
-from prefixgate.tokenizer import ChatTokenizer
+from prefixgate.model.catalog import ModelError, resolve_model
+from prefixgate.model.tokenizer import ChatTokenizer
 
 
 def test_tiny_random_is_deterministic(tmp_path, tiny_spec) -> None:
@@ -46,11 +46,11 @@ def test_checkpoint_dir_round_trip(tmp_path, tiny_spec, tiny_model) -> None:
 
 
 def test_gateway_side_never_imports_torch(tiny_spec) -> None:
-    code = ("import sys; from prefixgate.models import resolve_model; "
-            "from prefixgate.tokenizer import ChatTokenizer; import prefixgate.gateway.server; "
+    code = ("import sys; from prefixgate.model.catalog import resolve_model; "
+            "from prefixgate.model.tokenizer import ChatTokenizer; import prefixgate.gateway.server; "
             "import prefixgate.cli; import prefixgate.radix; "
             "import prefixgate.gateway.redis_feed, prefixgate.gateway.feeds, prefixgate.registry; "
-            "import prefixgate.worker.events; import prefixgate.overflow; "
+            "import prefixgate.worker.events; import prefixgate.model.overflow; "
             "import prefixgate.replay.simulate, prefixgate.replay.targets, prefixgate.replay.report; "
             f"ChatTokenizer(resolve_model('tiny-random', __import__('pathlib').Path({str(tiny_spec.model_dir.parent.parent)!r})))"
             ".encode_messages([('user', 'hi')]); "

@@ -2,14 +2,14 @@
 
 import pytest
 
-from prefixgate.protocol import (
+from prefixgate.v1 import common_pb2
+from prefixgate.wire.protocol import (
     DEFAULT_MAX_TOKENS,
     InvalidRequest,
     check_messages,
     check_token_ids,
     sampling_from_proto,
 )
-from prefixgate.v1 import common_pb2
 
 
 def test_defaults_fit_the_context() -> None:

@@ -2,7 +2,8 @@
 
 import pytest
 
-from prefixgate.protocol import (
+from prefixgate.v1 import chat_pb2, worker_pb2
+from prefixgate.wire.protocol import (
     InvalidRequest,
     RequestLimits,
     check_chat_fields,
@@ -10,7 +11,6 @@ from prefixgate.protocol import (
     check_prompt_tokens,
     clip,
 )
-from prefixgate.v1 import chat_pb2, worker_pb2
 
 LIMITS = RequestLimits(max_id_chars=8, max_messages=2, max_stop=2, max_stop_chars=4,
                        max_stop_token_ids=3, max_prompt_tokens=10)

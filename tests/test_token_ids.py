@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixgate.protocol import InvalidRequest
 from prefixgate.radix import BlockHasher
-from prefixgate.token_ids import pack, packed_token_ids, prompt_token_ids, repeated_token_ids
 from prefixgate.v1 import chat_pb2, worker_pb2
+from prefixgate.wire.protocol import InvalidRequest
+from prefixgate.wire.token_ids import pack, packed_token_ids, prompt_token_ids, repeated_token_ids
 
 VOCAB = 1000
 

@@ -291,9 +291,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from prefixgate.emulate.model import emulation_model_dir
     from prefixgate.gateway.processes import die_with_parent
-    from prefixgate.models import resolve_model
-    from prefixgate.rpc import free_port
-    from prefixgate.tokenizer import ChatTokenizer
+    from prefixgate.model.catalog import resolve_model
+    from prefixgate.model.tokenizer import ChatTokenizer
+    from prefixgate.wire.rpc import free_port
 
     model_dir = emulation_model_dir(args.model)
     vocab_size = ChatTokenizer(resolve_model(str(model_dir))).vocab_size

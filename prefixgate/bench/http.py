@@ -3,7 +3,7 @@
 One emulated worker (no model, torch-free) behind one real gateway process (`prefixgate
 gateway --http-port`), both started like users start them (prefixgate/emulate/fleet.py).
 For each prompt size, the same chat turn (one user message of about that many tokens,
-streamed, `--max-tokens` tokens) is sent alternately over gRPC (prefixgate.client) and
+streamed, `--max-tokens` tokens) is sent alternately over gRPC (prefixgate.wire.client) and
 over HTTP (`POST /v1/chat/completions`, SSE, aiohttp client), one at a time, after
 `--warmup` turns of each; the prompt is the same every time, so after the first turn the
 worker serves it from its prefix cache and the difference between the two fronts is the
@@ -83,12 +83,12 @@ async def _http_ttft(session, url: str, model: str, text: str, max_tokens: int) 
 async def _run(args: argparse.Namespace) -> dict:
     import aiohttp
 
-    from prefixgate.client import ChatClient
     from prefixgate.emulate.fleet import Fleet, FleetConfig
     from prefixgate.emulate.model import emulation_model_dir
-    from prefixgate.models import resolve_model
-    from prefixgate.rpc import free_port
-    from prefixgate.tokenizer import ChatTokenizer
+    from prefixgate.model.catalog import resolve_model
+    from prefixgate.model.tokenizer import ChatTokenizer
+    from prefixgate.wire.client import ChatClient
+    from prefixgate.wire.rpc import free_port
 
     sizes = [int(s) for s in args.prompt_tokens.split(",") if s]
     http_port = free_port()

@@ -2,7 +2,7 @@
 
 A client may set `context_overflow = keep-system-drop-oldest` per request and send a
 prompt far longer than the context, with as many turn starts as it likes. The worker then
-plans which turns to drop (prefixgate/overflow.py) and looks for the kept turns' KV under
+plans which turns to drop (prefixgate/model/overflow.py) and looks for the kept turns' KV under
 every earlier layout of the conversation (worker/reuse.py) on its engine thread, where
 every other request waits. For each prompt size this measures, in one run:
 
@@ -36,10 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from prefixgate.models import resolve_model
-    from prefixgate.overflow import user_turn_prefix
-    from prefixgate.protocol import SamplingConfig
-    from prefixgate.tokenizer import ChatTokenizer
+    from prefixgate.model.catalog import resolve_model
+    from prefixgate.model.overflow import user_turn_prefix
+    from prefixgate.model.tokenizer import ChatTokenizer
+    from prefixgate.wire.protocol import SamplingConfig
     from prefixgate.worker.api import EngineConfig, Request
     from prefixgate.worker.engine import PagedEngine
     from prefixgate.worker.model_loader import load_model

@@ -18,7 +18,7 @@ from pathlib import Path
 
 class RedisServer:
     def __init__(self, workdir: Path | None = None, timeout_s: float = 10.0) -> None:
-        from prefixgate.rpc import free_port
+        from prefixgate.wire.rpc import free_port
 
         self.binary = shutil.which("redis-server")
         self.port = free_port()

@@ -61,8 +61,8 @@ def run(args: argparse.Namespace) -> dict:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU: the interpreter (before triton loads)
     import torch
 
-    from prefixgate.models import resolve_model
-    from prefixgate.tokenizer import ChatTokenizer
+    from prefixgate.model.catalog import resolve_model
+    from prefixgate.model.tokenizer import ChatTokenizer
     from prefixgate.worker.model_loader import load_model
 
     spec = resolve_model(args.model)
@@ -98,7 +98,7 @@ def _pick_turns(args, tok, context: int, turn_prefix) -> list[tuple[str, list[in
     of each conversation that keeps more than 64 tokens of the turns before it. The cached
     prefix is that prompt up to its last user message: the previous turn's prompt and
     reply, as the worker that generated the reply holds them (it fits the context)."""
-    from prefixgate.overflow import find_turn_starts, plan_overflow
+    from prefixgate.model.overflow import find_turn_starts, plan_overflow
     from prefixgate.replay.traces import read_trace
 
     picked = []
@@ -122,8 +122,8 @@ def _quality(args, spec, tok, model, context: int) -> dict:
     import torch
     from tqdm import tqdm
 
-    from prefixgate.overflow import user_turn_prefix
-    from prefixgate.protocol import SamplingConfig
+    from prefixgate.model.overflow import user_turn_prefix
+    from prefixgate.wire.protocol import SamplingConfig
     from prefixgate.worker.engine import EngineConfig, PagedEngine
 
     turn_prefix = user_turn_prefix(tok)

@@ -213,12 +213,12 @@ class _Redis:
 async def _round_trips_and_ingestion(url: str, seed: int, quick: bool) -> dict:
     import redis.asyncio as aioredis
 
-    from prefixgate.events import OwnershipEvent
     from prefixgate.gateway.index import PrefixIndex
     from prefixgate.gateway.redis_feed import RedisStreamFeed
     from prefixgate.gateway.routing import LoadSnapshot, Router, RoutingConfig, make_turn
     from prefixgate.radix import BlockHasher
     from prefixgate.registry import RedisRegistry, WorkerRecord
+    from prefixgate.wire.events import OwnershipEvent
 
     raw = aioredis.Redis.from_url(url)
     await raw.flushall()
@@ -332,10 +332,10 @@ def _synthetic_conversations(n_convs: int, seed: int) -> list[list[_SimTurn]]:
 
 def _trace_conversations(path: str, model: str, limit: int) -> list[list[Any]]:
     """A recorded trace's conversations, prepared by the replay tooling."""
-    from prefixgate.models import resolve_model
+    from prefixgate.model.catalog import resolve_model
+    from prefixgate.model.tokenizer import ChatTokenizer
     from prefixgate.replay.simulate import prepare_turns
     from prefixgate.replay.traces import read_trace
-    from prefixgate.tokenizer import ChatTokenizer
 
     trace = read_trace(path)
     if limit:
@@ -348,12 +348,12 @@ async def _two_gateways(url: str, convs: list[list[Any]], seed: int, progress: A
     """Cached prompt tokens with one gateway, two sharing Redis, two learning alone."""
     import redis.asyncio as aioredis
 
-    from prefixgate.events import OwnershipEvent
     from prefixgate.gateway.index import PrefixIndex
     from prefixgate.gateway.redis_feed import RedisStreamFeed
     from prefixgate.gateway.routing import LoadSnapshot, Router, RoutingConfig, Turn
     from prefixgate.radix import RadixTree
     from prefixgate.registry import RedisRegistry, WorkerRecord
+    from prefixgate.wire.events import OwnershipEvent
 
     num_workers, active = 8, 32
     n_convs = len(convs)

@@ -112,7 +112,7 @@ def default_over_llama_cpp(result: dict) -> float:
 
 def _decode_rates(model, spec, tok, prompts: dict[int, list[list[int]]], num_tokens: int
                   ) -> dict:
-    from prefixgate.protocol import SamplingConfig
+    from prefixgate.wire.protocol import SamplingConfig
     from prefixgate.worker.engine import EngineConfig, PagedEngine, Request
 
     longest = max(prompts)

@@ -80,9 +80,9 @@ def run(args: argparse.Namespace) -> dict:
     passive_omp_wait()  # measure the threads as the worker runs them
     import torch
 
-    from prefixgate.models import resolve_model
-    from prefixgate.protocol import SamplingConfig
-    from prefixgate.tokenizer import ChatTokenizer
+    from prefixgate.model.catalog import resolve_model
+    from prefixgate.model.tokenizer import ChatTokenizer
+    from prefixgate.wire.protocol import SamplingConfig
     from prefixgate.worker.engine import EngineConfig, FinalEvent, PagedEngine, Request
     from prefixgate.worker.model_loader import WeightsConfig, load_model
 

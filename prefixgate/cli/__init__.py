@@ -14,10 +14,11 @@ import argparse
 import importlib
 from collections.abc import Sequence
 
-from prefixgate import __version__, logs
+from prefixgate import __version__
 from prefixgate.cli.flags import Parser
-from prefixgate.models import ModelError
-from prefixgate.rpc import BindError
+from prefixgate.model.catalog import ModelError
+from prefixgate.telemetry import logs
+from prefixgate.wire.rpc import BindError
 
 # command -> module in this package, in --help order.
 COMMANDS = ("worker", "gateway", "up", "chat", "bench", "replay", "token")

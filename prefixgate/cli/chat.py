@@ -33,7 +33,7 @@ def add_arguments(c: argparse.ArgumentParser) -> None:
     flag(c, "--top-p", type=float, default=0.0, help="nucleus sampling mass (0: off)")
     flag(c, "--top-k", type=int, default=0, help="top-k sampling (0: off)")
     flag(c, "--seed", type=int, default=None, help="sampling seed")
-    from prefixgate.protocol import OVERFLOW_FROM_PROTO, SHIFTED_REUSE_FROM_PROTO
+    from prefixgate.wire.protocol import OVERFLOW_FROM_PROTO, SHIFTED_REUSE_FROM_PROTO
 
     flag(c, "--context-overflow", default="", choices=list(OVERFLOW_FROM_PROTO.values()),
          help="when the conversation outgrows the context: fail, or drop its oldest turns "
@@ -106,7 +106,7 @@ async def converse(client, messages: Sequence[str] | None, conversation_id: str,
 
 def overflow_params(args: argparse.Namespace) -> dict:
     """SamplingParams fields for --context-overflow / --shifted-reuse (enum values)."""
-    from prefixgate.protocol import OVERFLOW_FROM_PROTO, SHIFTED_REUSE_FROM_PROTO
+    from prefixgate.wire.protocol import OVERFLOW_FROM_PROTO, SHIFTED_REUSE_FROM_PROTO
 
     by_name = lambda table, name: next(k for k, v in table.items() if v == name)  # noqa: E731
     return {"context_overflow": by_name(OVERFLOW_FROM_PROTO, args.context_overflow),
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _chat(args: argparse.Namespace) -> None:
-    from prefixgate.client import ChatClient
+    from prefixgate.wire.client import ChatClient
 
     client = ChatClient(args.address, **security.client_security(args))
     try:

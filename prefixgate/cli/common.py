@@ -46,8 +46,8 @@ def drain_flag(p: argparse.ArgumentParser) -> None:
 
 
 def overflow_flag(p: argparse.ArgumentParser) -> None:
-    """--context-overflow, whose choices are the protocol's (prefixgate/protocol.py)."""
-    from prefixgate.protocol import OVERFLOW_FROM_PROTO
+    """--context-overflow, whose choices are the protocol's (prefixgate/wire/protocol.py)."""
+    from prefixgate.wire.protocol import OVERFLOW_FROM_PROTO
 
     flag(p, "--context-overflow", default="fail", choices=[n for n in
                                                            OVERFLOW_FROM_PROTO.values() if n],
@@ -89,9 +89,8 @@ async def start_server(serve: Callable[[asyncio.Future[int]], Awaitable[None]]
 def start_metrics(port: int, model_name: str, host: str) -> None:
     """Serve Prometheus metrics on host:`port` at /metrics (0: off; `host` is the
     command's --host, so a loopback server keeps its metrics on loopback too), every
-    prefixgate series labelled `model_name` (prefixgate/metrics_export.py)."""
+    prefixgate series labelled `model_name` (prefixgate/telemetry/metrics_export.py)."""
     if port:
-        from prefixgate import metrics_export
-
+        from prefixgate.telemetry import metrics_export
         metrics_export.serve(port, model_name, host)
         log.info("Prometheus metrics on %s:%d/metrics", host, port)

@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(_serve(args))
         return 0
     from prefixgate.gateway import processes
-    from prefixgate.rpc import free_port
+    from prefixgate.wire.rpc import free_port
 
     args.port = args.port or free_port(args.host)  # one port for all of them
     if args.http_port == 0:
@@ -159,8 +159,7 @@ def run(args: argparse.Namespace) -> int:
 
 def serve_process(args: argparse.Namespace, on_listening: Callable[[], None]) -> None:
     """One of `--processes` gateway processes (prefixgate/gateway/processes.py)."""
-    from prefixgate import logs
-
+    from prefixgate.telemetry import logs
     logs.configure(args.log_level, args.log_format)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C reaches every process
         asyncio.run(_serve(args, on_listening))
@@ -169,7 +168,7 @@ def serve_process(args: argparse.Namespace, on_listening: Callable[[], None]) ->
 async def _serve(args: argparse.Namespace, on_listening: Callable[[], None] | None = None
                  ) -> None:
     from prefixgate.gateway.server import serve
-    from prefixgate.models import resolve_model
+    from prefixgate.model.catalog import resolve_model
     from prefixgate.registry import make_registry
 
     if not args.worker and not args.redis_url:

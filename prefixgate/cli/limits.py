@@ -1,5 +1,5 @@
 """Request-limit flags shared by `prefixgate gateway`, `worker` and `up`
-(prefixgate.protocol.RequestLimits; docs/reliability.md says what each bounds)."""
+(prefixgate.wire.protocol.RequestLimits; docs/reliability.md says what each bounds)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from prefixgate.cli.flags import flag
 
 
 def limit_flags(p: argparse.ArgumentParser) -> None:
-    from prefixgate.protocol import RequestLimits
+    from prefixgate.wire.protocol import RequestLimits
 
     d = RequestLimits()
     g = p.add_argument_group("request limits (refused with INVALID_ARGUMENT or "
@@ -33,7 +33,7 @@ def limit_flags(p: argparse.ArgumentParser) -> None:
 
 def request_limits(args: argparse.Namespace):
     """The RequestLimits the parsed limit flags stand for (defaults where absent)."""
-    from prefixgate.protocol import RequestLimits
+    from prefixgate.wire.protocol import RequestLimits
 
     d = RequestLimits()
     return RequestLimits(**{name: getattr(args, name, getattr(d, name))

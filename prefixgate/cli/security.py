@@ -32,7 +32,7 @@ def _internal_flag(p: argparse.ArgumentParser) -> None:
 def _keyring_flag(p: argparse.ArgumentParser, who: str) -> None:
     flag(p, "--worker-keyring", default="",
          help=f"'<worker id> <hex key>' lines; {who} (Redis registry only; see "
-              "prefixgate/identity.py)")
+              "prefixgate/security/identity.py)")
 
 
 def gateway_flags(g: argparse.ArgumentParser) -> None:
@@ -64,8 +64,8 @@ def client_flags(c: argparse.ArgumentParser) -> None:
 def gateway_security(args: argparse.Namespace) -> dict:
     """GatewayConfig fields from the gateway's security flags ({} for `prefixgate up`,
     which serves on loopback and has none)."""
-    from prefixgate.auth import AuthConfig
-    from prefixgate.rpc import TLSConfig
+    from prefixgate.security.auth import AuthConfig
+    from prefixgate.wire.rpc import TLSConfig
 
     if not hasattr(args, "tokens_file"):
         return {}
@@ -80,8 +80,8 @@ def gateway_security(args: argparse.Namespace) -> dict:
 
 def worker_security(args: argparse.Namespace) -> dict:
     """WorkerConfig fields from the worker's security flags."""
-    from prefixgate.auth import AuthConfig
-    from prefixgate.rpc import TLSConfig
+    from prefixgate.security.auth import AuthConfig
+    from prefixgate.wire.rpc import TLSConfig
 
     return dict(tls=TLSConfig(args.tls_cert, args.tls_key, args.tls_client_ca),
                 health_port=args.health_port,
@@ -90,9 +90,9 @@ def worker_security(args: argparse.Namespace) -> dict:
 
 
 def worker_keyring(args: argparse.Namespace, worker_id: str):
-    """The worker's keyring (prefixgate.identity.Keyring), or None; it must hold a key for
+    """The worker's keyring (prefixgate.security.identity.Keyring), or None; it must hold a key for
     `worker_id` (checked here, at start, rather than at each registration attempt)."""
-    from prefixgate.identity import Keyring
+    from prefixgate.security.identity import Keyring
 
     if not args.worker_keyring:
         return None
@@ -107,7 +107,7 @@ def client_security(args: argparse.Namespace) -> dict:
     """ChatClient keyword arguments from the client flags."""
     from pathlib import Path
 
-    from prefixgate.rpc import TLSConfig
+    from prefixgate.wire.rpc import TLSConfig
 
     return dict(tls=TLSConfig(ca_file=args.tls_ca) if args.tls_ca else None,
                 token=Path(args.token_file).read_text().strip() if args.token_file else "")

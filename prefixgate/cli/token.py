@@ -1,5 +1,5 @@
-"""`prefixgate token`: new credentials for the trust model (prefixgate/auth.py,
-prefixgate/identity.py)."""
+"""`prefixgate token`: new credentials for the trust model (prefixgate/security/auth.py,
+prefixgate/security/identity.py)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import secrets
 
-    from prefixgate.auth import hash_token, new_token
+    from prefixgate.security.auth import hash_token, new_token
 
     if any(c.isspace() or c == "#"
            for v in (args.namespace, args.label, args.worker_key) for c in v):

@@ -96,7 +96,7 @@ async def _wait_healthy(address: str, deadline: float, procs: list[subprocess.Po
 
 
 async def _up(args: argparse.Namespace) -> int:
-    from prefixgate.rpc import free_port
+    from prefixgate.wire.rpc import free_port
 
     n = args.workers
     if n < 1:
@@ -126,7 +126,7 @@ async def _up(args: argparse.Namespace) -> int:
         for address in addresses:
             await _wait_healthy(address, deadline, procs)
         from prefixgate.gateway.server import serve
-        from prefixgate.models import resolve_model
+        from prefixgate.model.catalog import resolve_model
         from prefixgate.registry import make_registry
 
         spec = resolve_model(args.model, cache_dir(args))
@@ -180,7 +180,7 @@ async def _up(args: argparse.Namespace) -> int:
 
 async def _demo(address: str, num_workers: int) -> int:
     from prefixgate.cli.chat import converse
-    from prefixgate.client import ChatClient
+    from prefixgate.wire.client import ChatClient
 
     client = ChatClient(address)
     await client.wait_ready(30)

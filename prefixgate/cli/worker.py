@@ -26,7 +26,7 @@ DESCRIPTION = "Run one model worker serving prefixgate.v1.WorkerService."
 
 
 def add_arguments(w: argparse.ArgumentParser) -> None:
-    from prefixgate.protocol import SHIFTED_REUSE_FROM_PROTO
+    from prefixgate.wire.protocol import SHIFTED_REUSE_FROM_PROTO
 
     log_flags(w)
     model_flags(w)
@@ -68,8 +68,8 @@ def add_arguments(w: argparse.ArgumentParser) -> None:
 
 def weights_flags(parser: argparse.ArgumentParser) -> None:
     """--weights and --kv-dtype (worker and up): worker/model_loader.WeightsConfig, with
-    the choices of prefixgate.models (building the parser imports no torch)."""
-    from prefixgate.models import KV_DTYPES, WEIGHT_FORMATS
+    the choices of prefixgate.model.catalog (building the parser imports no torch)."""
+    from prefixgate.model.catalog import KV_DTYPES, WEIGHT_FORMATS
 
     flag(parser, "--weights", default="auto", choices=("auto", *WEIGHT_FORMATS),
          help="weight format: float32 (the reference), bfloat16, float16, int8 "
@@ -119,9 +119,9 @@ async def _serve(args: argparse.Namespace) -> None:
             "A gateway-only install runs `prefixgate gateway` and emulated workers "
             "(prefixgate worker --emulate).") from None
 
-    from prefixgate.models import resolve_model
-    from prefixgate.overflow import user_turn_prefix
-    from prefixgate.tokenizer import ChatTokenizer
+    from prefixgate.model.catalog import resolve_model
+    from prefixgate.model.overflow import user_turn_prefix
+    from prefixgate.model.tokenizer import ChatTokenizer
     from prefixgate.worker.engine import EngineConfig, PagedEngine
     from prefixgate.worker.events import EventLog
     from prefixgate.worker.kv_pool import num_blocks_for_memory

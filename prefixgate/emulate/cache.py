@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from prefixgate.events import KVEventSink, NullSink
 from prefixgate.radix import Node, RadixTree
+from prefixgate.wire.events import KVEventSink, NullSink
 
 __all__ = ["BlockCache"]
 

@@ -56,8 +56,8 @@ from dataclasses import dataclass, field
 import xxhash
 
 from prefixgate.emulate.cache import BlockCache
-from prefixgate.events import KVEventSink
 from prefixgate.radix import BlockHasher, Hashers, Node
+from prefixgate.wire.events import KVEventSink
 from prefixgate.worker.api import (
     EmitFn,
     Engine,

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prefixgate.gateway.processes import die_with_parent
-from prefixgate.rpc import free_port
+from prefixgate.wire.rpc import free_port
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ class Fleet:
 
     async def _wait_routing(self) -> None:
         """Until every gateway lists every worker as routable."""
-        from prefixgate.client import ChatClient
+        from prefixgate.wire.client import ChatClient
 
         deadline = time.monotonic() + self.config.startup_timeout_s
         for address in self.gateways:

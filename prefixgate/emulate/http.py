@@ -28,7 +28,7 @@ import uuid
 
 import h11
 
-from prefixgate.protocol import SamplingConfig
+from prefixgate.wire.protocol import SamplingConfig
 from prefixgate.worker.api import Engine, FinalEvent, Request, TokenEvent
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ import json
 import shutil
 from pathlib import Path
 
-from prefixgate.models import default_cache_dir, locked, resolve_model, write_atomic
+from prefixgate.model.catalog import default_cache_dir, locked, resolve_model, write_atomic
 
 # An empty safetensors file: an 8-byte little-endian header length, then the JSON header.
 _EMPTY_SAFETENSORS = (2).to_bytes(8, "little") + b"{}"

@@ -51,8 +51,8 @@ def add_arguments(w: argparse.ArgumentParser) -> None:
 async def serve_emulated(args: argparse.Namespace, stop: asyncio.Event) -> None:
     from prefixgate.cli.worker import serve_worker, worker_config
     from prefixgate.emulate.engine import EmulatedEngine, EmulationConfig
-    from prefixgate.models import resolve_model
-    from prefixgate.tokenizer import ChatTokenizer
+    from prefixgate.model.catalog import resolve_model
+    from prefixgate.model.tokenizer import ChatTokenizer
     from prefixgate.worker.events import EventLog
     from prefixgate.worker.server import WorkerService
 

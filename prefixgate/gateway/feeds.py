@@ -57,7 +57,7 @@ class EventFeed:
 
 def apply_event(index: PrefixIndex, worker_id: str, epoch: int, kind: str,
                 parent_hash: int | None, block_hashes: Sequence[int], source: str) -> int:
-    """Apply one KV event (prefixgate.events.OwnershipEvent's kinds: "store", "remove",
+    """Apply one KV event (prefixgate.wire.events.OwnershipEvent's kinds: "store", "remove",
     "clear"; any other changes nothing) of `worker_id` under `epoch`, counted under
     `source`; returns the blocks it names."""
     if kind == "store":

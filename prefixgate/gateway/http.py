@@ -28,7 +28,7 @@ with --tokens-file the token's own), `top_k`, `context_overflow`, `shifted_reuse
 the gRPC SamplingParams names them: "keep-system-drop-oldest", "blend", ...).
 
 Authentication: with --tokens-file, `Authorization: Bearer <token>` as on gRPC (the
-same tokens, the same namespace binding, prefixgate/auth.py); /health and /metrics stay
+same tokens, the same namespace binding, prefixgate/security/auth.py); /health and /metrics stay
 open (probes, scrapers). TLS: the gateway's --tls-cert/--tls-key (and --tls-client-ca)
 serve HTTPS here too.
 
@@ -56,16 +56,17 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from aiohttp import web
 
-from prefixgate import metrics_export, rpc
 from prefixgate.gateway import metrics
-from prefixgate.protocol import (
+from prefixgate.telemetry import metrics_export
+from prefixgate.v1 import chat_pb2, common_pb2
+from prefixgate.wire import rpc
+from prefixgate.wire.protocol import (
     OVERFLOW_FROM_PROTO,
     SHIFTED_REUSE_FROM_PROTO,
     InvalidRequest,
     check_id,
 )
-from prefixgate.token_ids import pack, repeated_token_ids
-from prefixgate.v1 import chat_pb2, common_pb2
+from prefixgate.wire.token_ids import pack, repeated_token_ids
 
 if TYPE_CHECKING:
     from prefixgate.gateway.server import ChatService
@@ -395,8 +396,7 @@ class HTTPFront:
     async def _authenticate(self, request: web.Request) -> None:
         """The turn path's check (a token from --tokens-file), for the routes off it."""
         if self.service.tokens is not None:
-            from prefixgate import auth
-
+            from prefixgate.security import auth
             try:
                 self.service.tokens.authenticate(request.headers.get("Authorization"))
             except auth.AuthError as exc:  # the status the gRPC calls give (rpc.py)

@@ -45,7 +45,7 @@ Requests (every front: route is "grpc:Chat", "grpc:ListModels" or the HTTP path)
           prefixgate:gateway_completion_tokens_total{route}      generated tokens
 Expected hit rate = expected_cached_tokens_total / prompt_tokens_total; the actual one uses
 cached_tokens_total (a gap between them means the index is stale or lagging). Exposed with a
-`model_name` label on every series (prefixgate/metrics_export.py).
+`model_name` label on every series (prefixgate/telemetry/metrics_export.py).
 
 `observe_turn(route, events, ...)` wraps one turn's ChatEvent stream (gRPC or HTTP): it
 keeps the request metrics above and logs one structured line per finished or failed turn
@@ -63,8 +63,8 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
-from prefixgate.protocol import clip  # client strings are logged cut (docs/reliability.md)
 from prefixgate.v1 import chat_pb2, common_pb2
+from prefixgate.wire.protocol import clip  # client strings are logged cut (docs/reliability.md)
 
 TURNS = Counter("prefixgate:router_turns", "Turns routed, by first-choice worker and policy.",
                 ["worker", "policy"])
@@ -199,7 +199,7 @@ async def observe_turn(route: str, events: AsyncIterator[chat_pb2.ChatEvent], *,
 
 
 def _log_turn(level: int, event: str, fields: dict) -> None:
-    """One line: `event key=value ...` in text; in JSON (prefixgate/logs.py) the message is
+    """One line: `event key=value ...` in text; in JSON (prefixgate/telemetry/logs.py) the message is
     `event` and the fields are keys."""
     if turn_log.isEnabledFor(level):
         text = " ".join(f"{k}={v!r}" if isinstance(v, str) and (not v or " " in v) else f"{k}={v}"

@@ -32,11 +32,12 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from prefixgate import identity, rpc
-from prefixgate.auth import InternalCredential
 from prefixgate.gateway.routing import queued_prefill_tokens
 from prefixgate.registry import Registry, WorkerRecord
+from prefixgate.security import identity
+from prefixgate.security.auth import InternalCredential
 from prefixgate.v1 import worker_pb2, worker_pb2_grpc
+from prefixgate.wire import rpc
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ class WorkerPool:
     tls: rpc.TLSConfig | None = None  # worker channels over TLS (rpc.channel)
     credential: InternalCredential | None = None  # sent on every worker call
     # Registered workers must have signed their registration with their key from this
-    # keyring (prefixgate.identity); others are refused before any connection is made.
+    # keyring (prefixgate.security.identity); others are refused before any connection is made.
     keyring: identity.Keyring | None = None
     _closing: set[asyncio.Task] = field(default_factory=set, repr=False)
 

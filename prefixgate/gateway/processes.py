@@ -49,7 +49,7 @@ from multiprocessing.connection import wait as wait_any
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event
 
-from prefixgate.rpc import BindError
+from prefixgate.wire.rpc import BindError
 
 log = logging.getLogger(__name__)
 

@@ -34,12 +34,12 @@ import uuid
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from prefixgate.events import chains
 from prefixgate.gateway import metrics
 from prefixgate.gateway.feeds import EventFeed, apply_event
 from prefixgate.gateway.index import PrefixIndex
 from prefixgate.gateway.pool import WorkerHandle
 from prefixgate.registry import RedisRegistry, StreamEntry, WorkerRecord, stream_id_newer
+from prefixgate.wire.events import chains
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ Contract
 Chat turns a ChatRequest into token ids (chat template, or raw ids; text longer than
 `INLINE_TOKENIZE_CHARS` is tokenized on a thread pool, so that a long prompt does not stall
 the event loop that relays every other turn), validates it with
-prefixgate.protocol (INVALID_ARGUMENT, before any worker is called), ranks the healthy
+prefixgate.wire.protocol (INVALID_ARGUMENT, before any worker is called), ranks the healthy
 workers with the Router (prefix policy: the prompt's block hashes, hashed like the workers
 hash them, matched against the event-fed PrefixIndex: no Redis call per turn) and streams
 the first one's reply as ChatDelta events, then one ChatFinal with usage, finish reason,
@@ -56,15 +56,21 @@ from typing import TypeVar
 import grpc
 from grpc_health.v1 import health_pb2
 
-from prefixgate import auth, identity, rpc
 from prefixgate.gateway import metrics
 from prefixgate.gateway.feeds import EventFeed, WorkerStreamFeed
 from prefixgate.gateway.index import PrefixIndex
 from prefixgate.gateway.pool import WorkerPool
 from prefixgate.gateway.routing import Router, RoutingConfig, Turn
 from prefixgate.gateway.status import StatusFollower
-from prefixgate.models import ModelSpec
-from prefixgate.protocol import (
+from prefixgate.model.catalog import ModelSpec
+from prefixgate.model.tokenizer import ChatTokenizer
+from prefixgate.radix import Hashers, HashMemo
+from prefixgate.registry import Registry, WorkerRecord
+from prefixgate.security import auth, identity
+from prefixgate.telemetry.trace_recorder import TraceRecorder
+from prefixgate.v1 import chat_pb2, common_pb2, worker_pb2
+from prefixgate.wire import rpc
+from prefixgate.wire.protocol import (
     ERROR_SCOPE_KEY,
     ERROR_SCOPE_REQUEST,
     OVERFLOW_FROM_PROTO,
@@ -74,12 +80,7 @@ from prefixgate.protocol import (
     check_prompt_tokens,
     sampling_from_proto,
 )
-from prefixgate.radix import Hashers, HashMemo
-from prefixgate.registry import Registry, WorkerRecord
-from prefixgate.token_ids import pack, packed_token_ids, repeated_token_ids
-from prefixgate.tokenizer import ChatTokenizer
-from prefixgate.trace_recorder import TraceRecorder
-from prefixgate.v1 import chat_pb2, common_pb2, worker_pb2
+from prefixgate.wire.token_ids import pack, packed_token_ids, repeated_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ class GatewayConfig:
     # Recent prompts kept so that a turn hashes only its new blocks (radix.HashMemo).
     hash_memo_bytes: int = 64 << 20
     drain_seconds: float = 30.0
-    record_trace: str = ""  # append one line per finished turn here (prefixgate.trace_recorder)
+    record_trace: str = ""  # append one line per finished turn here (prefixgate.telemetry.trace_recorder)
     index_max_blocks: int = 0  # hard cap on the routing index (0: bounded by the workers)
     # Overflow policy for requests that do not choose one: "fail" or
     # "keep-system-drop-oldest". It is made explicit on the way to the worker, so every
@@ -179,7 +180,7 @@ class ChatService:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _prompt(self, request: chat_pb2.ChatRequest) -> memoryview:
-        """The prompt as packed token ids (prefixgate/token_ids.py): hashed and forwarded
+        """The prompt as packed token ids (prefixgate/wire/token_ids.py): hashed and forwarded
         to the worker as these bytes, never as a list."""
         if request.model and request.model != self.spec.name:
             raise InvalidRequest(f"model {request.model!r} is not served here: this gateway "

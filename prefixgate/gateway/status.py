@@ -1,7 +1,7 @@
 """Fresh worker load for routing: each healthy worker's status, pushed.
 
 Contract: `StatusFollower.sync(workers)` keeps one task per given worker handle that sets
-`handle.status` (`set_status`) from the worker's WatchStatus stream (prefixgate/status.py: the current
+`handle.status` (`set_status`) from the worker's WatchStatus stream (prefixgate/wire/status.py: the current
 status at once, then each change, at most one message per `interval_ms`), so the load a
 turn is routed on is at most about `interval_ms` plus one hop old; it cancels the tasks of
 handles no longer given. A worker without WatchStatus (UNIMPLEMENTED) is polled with

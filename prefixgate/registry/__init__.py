@@ -9,13 +9,11 @@ gateways list the workers whose lease is current. Backends:
                     the record of which worker owns which block (scripts in lua.py, wire
                     format in wire.py).
 `make_registry(url)` picks one. The ownership event record itself is
-`prefixgate.events.OwnershipEvent` (re-exported here).
+`prefixgate.wire.events.OwnershipEvent` (re-exported here).
 """
 
 from __future__ import annotations
 
-from prefixgate.events import OwnershipEvent
-from prefixgate.identity import Keyring
 from prefixgate.registry.base import Registry, WorkerRecord
 from prefixgate.registry.embedded import EmbeddedRegistry
 from prefixgate.registry.redis_registry import RedisRegistry, redact_url
@@ -25,6 +23,8 @@ from prefixgate.registry.wire import (
     stream_id_newer,
     unpack_hashes,
 )
+from prefixgate.security.identity import Keyring
+from prefixgate.wire.events import OwnershipEvent
 
 __all__ = ["EmbeddedRegistry", "OwnershipEvent", "RedisRegistry", "Registry", "StreamEntry",
            "WorkerRecord", "make_registry", "pack_hashes", "redact_url", "stream_id_newer",

@@ -27,7 +27,7 @@ class WorkerRecord:
     model_fingerprint: str = ""
     epoch: int = 0
     capacity_blocks: int = 0  # KV blocks the worker can hold (0: unknown)
-    signature: str = ""  # the worker's signed registration (prefixgate.identity), if any
+    signature: str = ""  # the worker's signed registration (prefixgate.security.identity), if any
 
 
 class Registry(ABC):

@@ -41,7 +41,7 @@ return 1
 """
 # Apply one batch of ownership events, fenced by the lease's epoch, and append it to the
 # stream as one entry. ARGV: id, epoch, maxlen, batch MAC, held-set MAC (in hex), the
-# batch's sequence number (the last three "" when unsigned; prefixgate.identity), then
+# batch's sequence number (the last three "" when unsigned; prefixgate.security.identity), then
 # (kind, parent, hashes) per event. KEYS[4]: the worker's record, which keeps the
 # held-set MAC and sequence number beside pg:kv.
 PUBLISH = """

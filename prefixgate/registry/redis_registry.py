@@ -30,7 +30,7 @@ in-memory index and never query Redis to route.
                            number of gateways may reap the same dead worker.
 The scripts are in registry/lua.py.
 
-With a `keyring` (prefixgate.identity) the registry signs what a worker writes with that
+With a `keyring` (prefixgate.security.identity) the registry signs what a worker writes with that
 worker's key (registration, each batch, the held-block set) and, for gateways, reads only
 ownership that verifies: a batch entry whose MAC fails, or whose (epoch, sequence number)
 is not after the last one this registry accepted for the worker (a replayed copy; the
@@ -50,8 +50,6 @@ import logging
 from collections.abc import Sequence
 from dataclasses import replace
 
-from prefixgate import identity
-from prefixgate.events import OwnershipEvent
 from prefixgate.registry import lua
 from prefixgate.registry.base import Registry, WorkerRecord
 from prefixgate.registry.wire import (
@@ -62,6 +60,8 @@ from prefixgate.registry.wire import (
     stream_position,
     unpack_hashes,
 )
+from prefixgate.security import identity
+from prefixgate.wire.events import OwnershipEvent
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ a parent hash as 8 such bytes, or "" for the root. One pg:events stream entry ha
   w  worker id          e  epoch          k  join | leave | reap | batch | predict
 and for a batch  n (number of events), then per event i: k{i} (store, remove, clear),
 p{i} (parent, 8 bytes or ""), h{i} (block hashes, 8 bytes each), and when the worker
-signs (prefixgate.identity) s (the batch MAC) and q (its sequence number in the epoch);
+signs (prefixgate.security.identity) s (the batch MAC) and q (its sequence number in the epoch);
 for a predict entry (a gateway routed a turn to w: its prompt's blocks are expected
 there, gateway/index.py) g (the publishing gateway's id) and h (the prompt's chained
 block hashes from the root), decoded as one "store" event. `StreamEntry` is one entry decoded. Stream ids are "ms-seq";
@@ -21,7 +21,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prefixgate.events import OwnershipEvent
+from prefixgate.wire.events import OwnershipEvent
 
 _BIG_ENDIAN = sys.byteorder == "big"
 

@@ -56,12 +56,12 @@ CHAT_BLOCK_SIZE = 16
 def status_interval_ms(time_scale: float) -> int:
     """The status interval gateways get in a fleet running `time_scale` times faster: the
     deployed interval (GatewayConfig's) in emulated time, as far as the workers' floor
-    (prefixgate/status.py MIN_INTERVAL_S) allows (at 20x, 10 ms of wall time: 200 ms
+    (prefixgate/wire/status.py MIN_INTERVAL_S) allows (at 20x, 10 ms of wall time: 200 ms
     emulated instead of the 1 s the unscaled 50 ms would be). A wall-clock constant left
     unscaled would make load look 20 times staler than in the deployment the fleet stands
     for; `--gateway-args='--status-interval-ms N'` overrides."""
     from prefixgate.gateway.server import GatewayConfig
-    from prefixgate.status import MIN_INTERVAL_S
+    from prefixgate.wire.status import MIN_INTERVAL_S
 
     return max(round(MIN_INTERVAL_S * 1e3),
                round(GatewayConfig.status_interval_ms / time_scale))
@@ -305,7 +305,7 @@ def fleet_model(trace: Trace, args: argparse.Namespace):
     """(ModelSpec, block size) of the fleet `run_fleet` brings up for `trace`: the
     --tokenizer-model's tokenizer with a context for the trace (emulate/model.py)."""
     from prefixgate.emulate.model import emulation_model_dir
-    from prefixgate.models import resolve_model
+    from prefixgate.model.catalog import resolve_model
 
     block_size = args.sim_block_size or trace.block_size or CHAT_BLOCK_SIZE
     if trace.block_size and block_size != trace.block_size:

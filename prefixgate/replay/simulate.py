@@ -73,7 +73,6 @@ import xxhash
 
 from prefixgate.emulate.cache import BlockCache
 from prefixgate.emulate.engine import PUBLISH_AT, prefill_computed
-from prefixgate.events import KVEventSink
 from prefixgate.gateway.index import PrefixIndex
 from prefixgate.gateway.routing import (
     POLICIES,
@@ -88,6 +87,7 @@ from prefixgate.replay.loadgen import ArrivalConfig
 from prefixgate.replay.metrics import summarize
 from prefixgate.replay.targets import TurnRecord
 from prefixgate.replay.traces import Trace, synth_prompt_array
+from prefixgate.wire.events import KVEventSink
 
 # Wall seconds a worker's events take to reach the gateways through Redis in the emulated
 # fleet: its publisher sends a batch 5 ms after the batch's first event (worker/events.py
@@ -614,8 +614,8 @@ def run_simulations(trace: Trace, args: argparse.Namespace, arrival: ArrivalConf
     spec, block_size = fleet_model(trace, args)
     hasher = BlockHasher(block_size, spec.fingerprint)
     if trace.is_chat:
-        from prefixgate.models import resolve_model
-        from prefixgate.tokenizer import ChatTokenizer
+        from prefixgate.model.catalog import resolve_model
+        from prefixgate.model.tokenizer import ChatTokenizer
 
         tokenizer = ChatTokenizer(resolve_model(args.tokenizer_model))
         convs = prepare_turns(trace, block_size, tokenizer, progress, hasher=hasher)

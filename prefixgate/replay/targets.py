@@ -11,7 +11,7 @@ server interrupts a running request when another arrives) leaves neither, and su
 is a failure, not a short reply.
 
 Targets:
-  GatewayTarget   a prefixgate gateway over gRPC (prefixgate.client.ChatClient); reports
+  GatewayTarget   a prefixgate gateway over gRPC (prefixgate.wire.client.ChatClient); reports
                   the serving worker and its cached tokens.
   OpenAITarget    any OpenAI-compatible HTTP server (vLLM, SGLang, llama.cpp, ...):
                   chat turns to /v1/chat/completions, token turns to /v1/completions with
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import grpc
 import httpx
 
-from prefixgate.client import ChatClient
 from prefixgate.v1 import common_pb2
+from prefixgate.wire.client import ChatClient
 
 
 @dataclass(frozen=True)

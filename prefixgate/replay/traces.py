@@ -11,7 +11,7 @@ Contract: `read_trace(path, fmt="auto", skip_malformed=False)` returns a `Trace`
   mooncake   JSONL: {"timestamp" (ms), "input_length", "output_length", "hash_ids"}: one
              single-turn conversation per line; each hash id names a block of
              `block_size` (512) tokens, synthesised by `synth_block_tokens`.
-  prefixgate JSONL written by the gateway's `--record-trace` (prefixgate.trace_recorder):
+  prefixgate JSONL written by the gateway's `--record-trace` (prefixgate.telemetry.trace_recorder):
              token turns like Mooncake, grouped by conversation id, in file order.
 
 A malformed line raises `TraceError` naming the file and line; with `skip_malformed` it is
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import xxhash
 
-from prefixgate.trace_recorder import RECORD_VERSION
+from prefixgate.telemetry.trace_recorder import RECORD_VERSION
 
 FORMATS = ("auto", "sharegpt", "mooncake", "prefixgate")
 MOONCAKE_BLOCK_SIZE = 512

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from prefixgate.protocol import SamplingConfig
+from prefixgate.wire.protocol import SamplingConfig
 
 
 class FinishReason(Enum):
@@ -86,7 +86,7 @@ class EngineConfig:
     model_fingerprint: str = ""
     # Context overflow (requests that leave it unset): "fail" or "keep-system-drop-oldest".
     context_overflow: str = "fail"
-    # Token ids opening a user turn in the chat template (prefixgate.overflow.user_turn_prefix);
+    # Token ids opening a user turn in the chat template (prefixgate.model.overflow.user_turn_prefix);
     # empty: no turn can be dropped.
     turn_prefix: tuple[int, ...] = ()
     # How an overflowing turn reuses its kept turns' KV: "recompute", "shift" or "blend".
@@ -122,7 +122,7 @@ class Engine(ABC):
 
     @property
     def context_overflow(self) -> str:
-        """Overflow policy for requests that leave it unset (prefixgate.overflow.POLICIES)."""
+        """Overflow policy for requests that leave it unset (prefixgate.model.overflow.POLICIES)."""
         return "fail"
 
     @abstractmethod

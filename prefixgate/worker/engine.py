@@ -38,7 +38,7 @@ request marker, so the gateway retries it once.
 A request with `sampling.n > 1` computes its prompt once: sample 0 forks the others when
 its prompt is done (they share its full blocks and copy its partial one).
 
-Context overflow (prefixgate.overflow, docs/reindex.md): a request whose prompt and
+Context overflow (prefixgate.model.overflow, docs/reindex.md): a request whose prompt and
 max_tokens exceed the context under "keep-system-drop-oldest" has its oldest turns
 dropped at submission; the reuse planner may then reuse its kept turns from where an
 earlier turn left them.
@@ -57,9 +57,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from prefixgate.events import KVEventSink
-from prefixgate.overflow import plan_overflow
-from prefixgate.protocol import clip
+from prefixgate.model.overflow import plan_overflow
+from prefixgate.wire.events import KVEventSink
+from prefixgate.wire.protocol import clip
 from prefixgate.worker.api import (
     EmitFn,
     Engine,

@@ -32,8 +32,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from prefixgate.events import KVEventSink, OwnershipEvent, chains
 from prefixgate.registry import RedisRegistry, WorkerRecord
+from prefixgate.wire.events import KVEventSink, OwnershipEvent, chains
 
 log = logging.getLogger(__name__)
 

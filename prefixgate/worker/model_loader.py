@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from prefixgate.models import KV_DTYPES, TINY_RANDOM_SEED, WEIGHT_FORMATS, ModelSpec, locked
+from prefixgate.model.catalog import KV_DTYPES, TINY_RANDOM_SEED, WEIGHT_FORMATS, ModelSpec, locked
 from prefixgate.worker.kernels import cpu_quant
 
 log = logging.getLogger(__name__)

@@ -32,8 +32,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from prefixgate.events import KVEventSink, NullSink
 from prefixgate.radix import Node, RadixTree
+from prefixgate.wire.events import KVEventSink, NullSink
 from prefixgate.worker.kv_pool import KVPool
 
 

@@ -54,7 +54,7 @@ from collections.abc import Sequence as Seq
 import torch
 import xxhash
 
-from prefixgate.overflow import OverflowPlan
+from prefixgate.model.overflow import OverflowPlan
 from prefixgate.radix import BlockHasher, Hashers
 from prefixgate.worker.api import EngineConfig
 from prefixgate.worker.blocks import BlockManager

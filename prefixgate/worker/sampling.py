@@ -6,7 +6,7 @@ Contract: `Sampler(params).sample(logits)` takes the next-token logits of one se
 (a private torch.Generator per request), so the same seed gives the same output whatever
 else the worker runs. Filters apply in the order temperature, top-k, top-p.
 
-It never raises for parameters `prefixgate.protocol` accepts, whatever the logits hold:
+It never raises for parameters `prefixgate.wire.protocol` accepts, whatever the logits hold:
 NaN counts as -inf, +inf as the largest float32; the largest logit is subtracted before
 dividing by the temperature (>= protocol.MIN_TEMPERATURE, a normal float32), so scaled
 logits are <= 0 with the largest exactly 0, softmax never sees inf - inf, and the kept
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixgate.protocol import SamplingConfig
+from prefixgate.wire.protocol import SamplingConfig
 
 
 class Sampler:

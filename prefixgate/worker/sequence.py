@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from prefixgate.overflow import OverflowPlan
+from prefixgate.model.overflow import OverflowPlan
 from prefixgate.radix import Node
 from prefixgate.worker.api import EmitFn, Request
 from prefixgate.worker.detokenizer import StreamDecoder

@@ -2,14 +2,14 @@
 
 Contract
 --------
-- Generate validates the request with `prefixgate.protocol` (INVALID_ARGUMENT on bad
+- Generate validates the request with `prefixgate.wire.protocol` (INVALID_ARGUMENT on bad
   input), submits it to the engine and streams one GenerateChunk per engine TokenEvent,
   then one GenerateFinal. A client that goes away (or whose deadline passes) cancels the
   request in the engine, which frees its resources.
 - GetInfo/GetStatus/FlushCache answer from the engine without waiting for it; WatchStatus
-  pushes the status on change (prefixgate/status.py). The status carries the service
+  pushes the status on change (prefixgate/wire/status.py). The status carries the service
   rates measured on finished requests (worker/rates.py) for routing by cost.
-- The prompt comes repeated or packed (prefixgate/token_ids.py).
+- The prompt comes repeated or packed (prefixgate/wire/token_ids.py).
 - WatchEvents streams the worker's KV events from its `EventLog` (worker/events.py, the
   sink the engine reports to): a snapshot of the cached blocks first unless the caller
   resumes a cursor of this incarnation the log still holds, then live batches; the
@@ -27,10 +27,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from prefixgate import auth, rpc
-from prefixgate.events import OwnershipEvent
-from prefixgate.models import ModelSpec
-from prefixgate.protocol import (
+from prefixgate.model.catalog import ModelSpec
+from prefixgate.security import auth
+from prefixgate.v1 import common_pb2, worker_pb2
+from prefixgate.wire import rpc
+from prefixgate.wire.events import OwnershipEvent
+from prefixgate.wire.protocol import (
     REQUEST_SCOPED,
     InvalidRequest,
     RequestLimits,
@@ -39,9 +41,8 @@ from prefixgate.protocol import (
     clip,
     sampling_from_proto,
 )
-from prefixgate.status import watch_status
-from prefixgate.token_ids import prompt_token_ids
-from prefixgate.v1 import common_pb2, worker_pb2
+from prefixgate.wire.status import watch_status
+from prefixgate.wire.token_ids import prompt_token_ids
 from prefixgate.worker.api import Engine, FinalEvent, FinishReason, Request, TokenEvent
 from prefixgate.worker.events import EventLog
 from prefixgate.worker.rates import ServiceRates
@@ -171,7 +172,7 @@ class WorkerService:
         return self._status()
 
     async def WatchStatus(self, request: worker_pb2.WatchStatusRequest, context):
-        """Push the load: now, then on change (prefixgate/status.py)."""
+        """Push the load: now, then on change (prefixgate/wire/status.py)."""
         async for status in watch_status(self._status, request.min_interval_ms,
                                          lambda: self._closing):
             yield status

@@ -567,10 +567,10 @@ def test_redis_acl_users_have_the_least_rights(rendered, tmp_path: Path) -> None
 
     import redis
 
-    from prefixgate.events import OwnershipEvent
-    from prefixgate.identity import Keyring
     from prefixgate.registry import RedisRegistry, WorkerRecord
-    from prefixgate.rpc import free_port
+    from prefixgate.security.identity import Keyring
+    from prefixgate.wire.events import OwnershipEvent
+    from prefixgate.wire.rpc import free_port
 
     binary = shutil.which("redis-server")
     if binary is None:

@@ -13,9 +13,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from prefixgate import rpc
-from prefixgate.auth import InternalCredential, TokenStore
-from prefixgate.identity import Keyring
+from prefixgate.security.auth import InternalCredential, TokenStore
+from prefixgate.security.identity import Keyring
+from prefixgate.wire import rpc
 from tests.helpers import REPO
 
 NAMESPACE = "pg-test"

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from prefixgate.rpc import free_port
+from prefixgate.wire.rpc import free_port
 from tests.helpers import cli_env, start_up
 
 PG = [sys.executable, "-m", "prefixgate"]
@@ -122,8 +122,7 @@ def test_log_setup_outlives_the_stderr_it_was_called_under(monkeypatch, capsys) 
     import io
     import logging
 
-    from prefixgate import logs
-
+    from prefixgate.telemetry import logs
     gone = io.StringIO()
     monkeypatch.setattr(sys, "stderr", gone)
     logs.configure("INFO", "text")

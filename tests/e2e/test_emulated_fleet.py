@@ -14,7 +14,6 @@ import pytest
 from prefixgate.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.helpers import start_emulated_worker, start_worker
 
-
 PROMPT_320 = [3 + i % 250 for i in range(320)]  # 20 full blocks of 16
 
 

@@ -12,8 +12,8 @@ import sys
 
 import redis
 
-from prefixgate.rpc import free_port
 from prefixgate.v1 import common_pb2
+from prefixgate.wire.rpc import free_port
 from tests.helpers import REPO, cli_env, wait_for
 
 PG = [sys.executable, "-m", "prefixgate"]
@@ -21,7 +21,7 @@ FOUR = common_pb2.SamplingParams(max_tokens=4)
 
 
 def test_workers_and_gateway_on_redis(tmp_path, redis_flush) -> None:
-    from prefixgate.client import ChatClient
+    from prefixgate.wire.client import ChatClient
 
     env = cli_env(PREFIXGATE_CACHE_DIR=str(tmp_path), PREFIXGATE_MODEL="tiny-random",
                   PREFIXGATE_REDIS_URL=redis_flush, PREFIXGATE_LOG_LEVEL="WARNING")

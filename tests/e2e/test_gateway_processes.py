@@ -13,8 +13,8 @@ import urllib.request
 import grpc
 import pytest
 
-from prefixgate.rpc import free_port
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2
+from prefixgate.wire.rpc import free_port
 from tests.helpers import REPO, cli_env, start_worker, wait_for
 
 CONNECTIONS = 16  # all on one of two processes: chance 2**-15

@@ -56,7 +56,7 @@ def test_second_turn_hits_the_cache_on_the_same_worker(cluster) -> None:
 
 
 def test_raw_token_ids_match_messages(cluster, tiny_spec) -> None:
-    from prefixgate.tokenizer import ChatTokenizer
+    from prefixgate.model.tokenizer import ChatTokenizer
 
     ids = ChatTokenizer(tiny_spec).encode_messages([("user", "same prompt")])
     sampling = common_pb2.SamplingParams(max_tokens=10)
@@ -123,7 +123,7 @@ def test_worker_status_and_flush(cluster) -> None:
 
 
 def test_failover_before_first_token_and_unavailable(loop_thread, tiny_spec, tiny_model) -> None:
-    from prefixgate.rpc import free_port
+    from prefixgate.wire.rpc import free_port
 
     live, live_stop = start_worker(loop_thread, tiny_spec, tiny_model, "live")
     dead = f"127.0.0.1:{free_port()}"  # nothing listens here

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from prefixgate.rpc import free_port
+from prefixgate.wire.rpc import free_port
 from tests.helpers import start_gateway, start_worker, wait_for
 
 USER = "tell me about the weather on a long walk in the hills " * 4
@@ -228,7 +228,7 @@ def test_bearer_tokens_bind_namespaces_as_on_grpc(loop_thread, tiny_spec, tiny_m
                                                   tmp_path) -> None:
     """--tokens-file: the SDK's api_key is the bearer token; the same tokens, statuses and
     namespace binding as the gRPC front; /health and /metrics stay open."""
-    from prefixgate.auth import AuthConfig, hash_token, new_token
+    from prefixgate.security.auth import AuthConfig, hash_token, new_token
 
     acme, globex = new_token(), new_token()
     tokens = tmp_path / "tokens"
@@ -270,7 +270,7 @@ def test_bearer_tokens_bind_namespaces_as_on_grpc(loop_thread, tiny_spec, tiny_m
 def test_one_structured_log_line_per_turn_with_its_request_id(front, caplog) -> None:
     import logging
 
-    from prefixgate.logs import JsonFormatter
+    from prefixgate.telemetry.logs import JsonFormatter
 
     caplog.set_level(logging.INFO, logger="prefixgate.turns")
     ok = httpx.post(front["base"] + "/v1/chat/completions", timeout=60,
@@ -338,7 +338,7 @@ def test_https_with_the_gateways_certificate_and_mutual_tls(loop_thread, tiny_sp
     """--tls-cert/--tls-key (and --tls-client-ca) serve HTTPS on the HTTP front too."""
     import ssl
 
-    from prefixgate.rpc import TLSConfig
+    from prefixgate.wire.rpc import TLSConfig
     from tests.e2e.test_security import make_pki
 
     pki = make_pki(tmp_path, "http")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from prefixgate.overflow import user_turn_prefix
-from prefixgate.tokenizer import ChatTokenizer
+from prefixgate.model.overflow import user_turn_prefix
+from prefixgate.model.tokenizer import ChatTokenizer
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from tests.helpers import start_gateway, start_worker, wait_for
 
@@ -101,7 +101,7 @@ def test_worker_default_policy_serves_direct_clients(cluster, tiny_spec) -> None
 def test_chat_client_and_cli_show_dropped_tokens(cluster, loop_thread, tiny_spec) -> None:
     from prefixgate.cli import build_parser
     from prefixgate.cli.chat import figures, overflow_params
-    from prefixgate.client import ChatClient
+    from prefixgate.wire.client import ChatClient
 
     args = build_parser().parse_args(["chat", "--context-overflow", "keep-system-drop-oldest",
                                       "--shifted-reuse", "blend"])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixgate.rpc import free_port
+from prefixgate.wire.rpc import free_port
 from tests.helpers import REPO, cli_env, start_up
 
 PG = [sys.executable, "-m", "prefixgate"]
@@ -96,7 +96,7 @@ def test_failed_turns_are_counted_by_status(gateway, tmp_path) -> None:
 
 def test_replay_recorded_trace_reuses_the_conversation_prefix(gateway, tmp_path) -> None:
     from prefixgate.radix import BlockHasher
-    from prefixgate.trace_recorder import TraceRecorder
+    from prefixgate.telemetry.trace_recorder import TraceRecorder
 
     hasher = BlockHasher(16)
     rec = TraceRecorder(tmp_path / "rec.jsonl", 16)

@@ -11,9 +11,9 @@ import sys
 import grpc
 import redis
 
-from prefixgate.auth import hash_token, new_token
-from prefixgate.client import ChatClient
-from prefixgate.rpc import TLSConfig, free_port
+from prefixgate.security.auth import hash_token, new_token
+from prefixgate.wire.client import ChatClient
+from prefixgate.wire.rpc import TLSConfig, free_port
 from tests.e2e.test_security import make_pki
 from tests.helpers import REPO, cli_env, wait_for
 

@@ -12,9 +12,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from prefixgate.auth import AuthConfig, hash_token, new_token
-from prefixgate.rpc import TLSConfig, free_port
+from prefixgate.security.auth import AuthConfig, hash_token, new_token
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
+from prefixgate.wire.rpc import TLSConfig, free_port
 from tests.helpers import start_gateway, start_worker, wait_for
 
 x509 = pytest.importorskip("cryptography.x509")
@@ -197,7 +197,7 @@ def test_plain_text_clients_cannot_talk_to_a_tls_gateway(secure) -> None:
 
 
 def test_chat_client_speaks_tls_with_a_token(secure, loop_thread) -> None:
-    from prefixgate.client import ChatClient
+    from prefixgate.wire.client import ChatClient
 
     async def turn() -> tuple[str, int]:
         client = ChatClient(secure["gateway"], TLSConfig(ca_file=secure["public"]["ca"]),

@@ -23,8 +23,8 @@ from pathlib import Path
 import grpc
 
 from prefixgate.bench.redis_server import RedisServer
-from prefixgate.rpc import free_port
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2
+from prefixgate.wire.rpc import free_port
 from tests.helpers import REPO, cli_env, wait_for
 
 PG = [sys.executable, "-m", "prefixgate"]

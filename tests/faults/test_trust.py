@@ -17,13 +17,13 @@ import grpc
 import pytest
 import redis
 
-from prefixgate.auth import AuthConfig
-from prefixgate.events import OwnershipEvent
 from prefixgate.gateway.index import PrefixIndex
-from prefixgate.identity import Keyring
 from prefixgate.radix import BlockHasher
 from prefixgate.registry import RedisRegistry, WorkerRecord
+from prefixgate.security.auth import AuthConfig
+from prefixgate.security.identity import Keyring
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
+from prefixgate.wire.events import OwnershipEvent
 from tests.helpers import start_worker, wait_for
 
 BLOCK = 16

@@ -11,9 +11,9 @@ import grpc
 import pytest
 
 from prefixgate.gateway.pool import WorkerPool
-from prefixgate.protocol import REQUEST_SCOPED
 from prefixgate.registry import EmbeddedRegistry, WorkerRecord
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc
+from prefixgate.wire.protocol import REQUEST_SCOPED
 from tests.gateway.test_gateway_failover import FakeWorker, start_fake
 from tests.helpers import start_gateway, wait_for
 

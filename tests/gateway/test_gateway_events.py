@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixgate.events import chains
 from prefixgate.gateway.feeds import WorkerStreamFeed
 from prefixgate.gateway.index import PrefixIndex
 from prefixgate.registry import WorkerRecord
 from prefixgate.v1 import worker_pb2, worker_pb2_grpc
+from prefixgate.wire.events import chains
 from prefixgate.worker.events import EventLog
 from tests.helpers import wait_for
 

@@ -10,9 +10,9 @@ import asyncio
 import grpc
 import pytest
 
-from prefixgate import rpc
 from prefixgate.gateway.routing import RoutingConfig
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2, worker_pb2
+from prefixgate.wire import rpc
 from tests.helpers import start_gateway, wait_for
 
 SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"]

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from prefixgate.gateway import processes
-from prefixgate.rpc import BindError
+from prefixgate.wire.rpc import BindError
 
 
 def listen_reuseport() -> socket.socket:

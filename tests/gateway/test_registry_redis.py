@@ -266,7 +266,7 @@ def test_a_replayed_signed_batch_is_refused(redis_flush) -> None:
     XADD can do it) is not applied again, by a gateway following the stream from its start
     nor by one that rebuilt from pg:kv before the copy: a replayed "store" would list
     blocks the worker has since evicted and steer turns there."""
-    from prefixgate.identity import Keyring
+    from prefixgate.security.identity import Keyring
 
     keyring = Keyring({"w": bytes(range(32))})
 
@@ -325,7 +325,7 @@ def test_with_a_keyring_only_signed_predictions_count(redis_flush) -> None:
     """Routing predictions are signed by the gateway that made them (with the key of the
     worker they are for): a forged "predict" entry, or a genuine one copied back onto the
     stream, steers nothing; another gateway's genuine one is applied."""
-    from prefixgate.identity import Keyring
+    from prefixgate.security.identity import Keyring
 
     keyring = Keyring({"w": bytes(range(32))})
 

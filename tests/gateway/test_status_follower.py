@@ -12,8 +12,8 @@ import grpc
 from prefixgate.gateway.pool import WorkerHandle
 from prefixgate.gateway.status import StatusFollower
 from prefixgate.registry import WorkerRecord
-from prefixgate.status import watch_status
 from prefixgate.v1 import worker_pb2, worker_pb2_grpc
+from prefixgate.wire.status import watch_status
 
 SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"]
 

@@ -8,9 +8,9 @@ import asyncio
 
 from prefixgate.gateway.pool import WorkerPool
 from prefixgate.gateway.server import INLINE_TOKENIZE_CHARS, ChatService, GatewayConfig
-from prefixgate.models import ModelSpec
+from prefixgate.model.catalog import ModelSpec
+from prefixgate.model.tokenizer import ChatTokenizer
 from prefixgate.registry import make_registry
-from prefixgate.tokenizer import ChatTokenizer
 
 
 def _loop_ticks_while(service: ChatService, num_chars: int, messages: list) -> tuple[list, int]:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import threading
 
-from prefixgate.trace_recorder import TraceRecorder
+from prefixgate.telemetry.trace_recorder import TraceRecorder
 
 
 def test_gateway_imports_no_replay() -> None:

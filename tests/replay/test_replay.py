@@ -31,7 +31,7 @@ from prefixgate.replay.traces import (
     synth_block_tokens,
     synth_prompt,
 )
-from prefixgate.trace_recorder import TraceRecorder
+from prefixgate.telemetry.trace_recorder import TraceRecorder
 
 SHAREGPT = [
     {"id": "a", "conversations": [
@@ -352,7 +352,7 @@ def test_openai_target_streams_chat_and_token_prompts(fake_openai) -> None:
 
 
 def test_openai_target_unreachable_is_a_status() -> None:
-    from prefixgate.rpc import free_port
+    from prefixgate.wire.rpc import free_port
 
     async def go():
         target = OpenAITarget(f"http://127.0.0.1:{free_port()}")
@@ -399,7 +399,7 @@ def test_simulator_prefix_beats_round_robin_and_bounds_hold() -> None:
 
 
 def test_simulator_is_deterministic_and_caches_chat_replies(tiny_spec) -> None:
-    from prefixgate.tokenizer import ChatTokenizer
+    from prefixgate.model.tokenizer import ChatTokenizer
 
     trace = _chat_trace(4, 3)
     convs = prepare_turns(trace, 4, ChatTokenizer(tiny_spec))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from prefixgate.protocol import SamplingConfig
+from prefixgate.wire.protocol import SamplingConfig
 from prefixgate.worker.blocks import BlockManager
 from prefixgate.worker.engine import Request
 from prefixgate.worker.kv_pool import KVPool, KVPoolConfig

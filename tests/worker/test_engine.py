@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
-from prefixgate.protocol import SamplingConfig
-from prefixgate.tokenizer import ChatTokenizer
+from prefixgate.model.tokenizer import ChatTokenizer
+from prefixgate.wire.protocol import SamplingConfig
 from prefixgate.worker.engine import FinalEvent, FinishReason, PagedEngine, Request, TokenEvent
 from tests.helpers import make_engine, track
 
@@ -128,8 +128,8 @@ def test_namespaces_never_share_blocks(tiny_spec, tiny_model) -> None:
 
 
 def test_events_report_every_stored_and_removed_block(tiny_spec, tiny_model) -> None:
-    from prefixgate.events import KVEventSink
     from prefixgate.radix import BlockHasher
+    from prefixgate.wire.events import KVEventSink
 
     class Mirror(KVEventSink):
         def __init__(self) -> None:
@@ -266,8 +266,8 @@ def test_prompt_blocks_are_cached_and_published_when_prefill_ends(tiny_spec, tin
     """A prompt's full blocks are `stored` before its first token is streamed (not when the
     reply ends), and a request with the same prefix arriving while the first one is still
     decoding reuses them; outputs equal the uncached engine's."""
-    from prefixgate.events import KVEventSink
     from prefixgate.radix import BlockHasher
+    from prefixgate.wire.events import KVEventSink
 
     class Stored(KVEventSink):
         def __init__(self) -> None:

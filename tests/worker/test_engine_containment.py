@@ -107,7 +107,7 @@ def test_admission_error_fails_only_its_request(tiny_spec, tiny_model) -> None:
 def test_shifted_reuse_error_leaks_nothing(tiny_spec, tiny_model, monkeypatch) -> None:
     """A failure while moving cached K/V (after fresh blocks were taken) fails that
     request only and gives every block back."""
-    from prefixgate.protocol import SamplingConfig
+    from prefixgate.wire.protocol import SamplingConfig
     from prefixgate.worker import reuse
     from prefixgate.worker.api import Request
 

@@ -3,8 +3,8 @@ with thousands of turn starts stalled its worker for seconds)."""
 
 from __future__ import annotations
 
-from prefixgate.protocol import SamplingConfig
 from prefixgate.radix import BlockHasher
+from prefixgate.wire.protocol import SamplingConfig
 from prefixgate.worker.api import FinishReason, Request
 from tests.helpers import shifting_engine
 

@@ -130,7 +130,7 @@ def test_smollm2_q4_1_is_lossless_and_matches_float32(smollm2_spec, smollm2_mode
     """SmolLM2's GGUF is Q4_1 (layers) + Q8_0 (tied head): q4_1 recovers those blocks
     exactly, is the CPU default, and its paged logits equal the float32 paged path's up
     to float32 summation order (tolerance 1e-3 absolute on logits of magnitude ~30)."""
-    from prefixgate.tokenizer import ChatTokenizer
+    from prefixgate.model.tokenizer import ChatTokenizer
     from tests.worker.test_weights import _paged_logits
 
     assert default_weights("cpu", smollm2_spec) == "q4_1"

@@ -206,7 +206,7 @@ def test_bench_smoke(tiny_spec, tiny_model, tmp_path) -> None:
     import json
 
     from prefixgate.bench import reindex as bench
-    from prefixgate.tokenizer import ChatTokenizer
+    from prefixgate.model.tokenizer import ChatTokenizer
 
     conv = [{"from": "human" if i % 2 == 0 else "gpt",
              "value": f"message {i}: " + "words about the sea " * 4} for i in range(10)]

@@ -11,10 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixgate.overflow import find_turn_starts, plan_overflow, user_turn_prefix
-from prefixgate.protocol import InvalidRequest, SamplingConfig, sampling_from_proto
-from prefixgate.tokenizer import ChatTokenizer
+from prefixgate.model.overflow import find_turn_starts, plan_overflow, user_turn_prefix
+from prefixgate.model.tokenizer import ChatTokenizer
 from prefixgate.v1 import common_pb2
+from prefixgate.wire.protocol import InvalidRequest, SamplingConfig, sampling_from_proto
 from prefixgate.worker.engine import (
     EngineConfig,
     FinalEvent,

@@ -1,6 +1,6 @@
 """Sampling cannot fail on any accepted input (issue 13: the query of death).
 
-Property: for every SamplingParams that prefixgate.protocol accepts and any logits
+Property: for every SamplingParams that prefixgate.wire.protocol accepts and any logits
 (NaN, +-inf, huge, tiny), `Sampler.sample` returns a token id in range without raising.
 """
 
@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixgate.protocol import MIN_TEMPERATURE, InvalidRequest, sampling_from_proto
 from prefixgate.v1 import common_pb2
+from prefixgate.wire.protocol import MIN_TEMPERATURE, InvalidRequest, sampling_from_proto
 from prefixgate.worker.sampling import Sampler
 
 _float32 = st.floats(width=32, allow_nan=True, allow_infinity=True)

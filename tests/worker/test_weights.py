@@ -78,7 +78,7 @@ def _paged_logits(model, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
 def test_paged_logits_within_tolerance_of_float32(fmt, smollm2_spec, smollm2_model) -> None:
-    from prefixgate.tokenizer import ChatTokenizer
+    from prefixgate.model.tokenizer import ChatTokenizer
 
     tok = ChatTokenizer(smollm2_spec)
     ids = tok.encode_messages([

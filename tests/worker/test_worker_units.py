@@ -2,8 +2,8 @@
 
 import torch
 
-from prefixgate.protocol import SamplingConfig
-from prefixgate.tokenizer import ChatTokenizer
+from prefixgate.model.tokenizer import ChatTokenizer
+from prefixgate.wire.protocol import SamplingConfig
 from prefixgate.worker.detokenizer import StreamDecoder
 from prefixgate.worker.sampling import Sampler
 

@@ -29,7 +29,7 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
 
 
 def _cache_dir() -> Path:
-    from prefixgate.models import default_cache_dir
+    from prefixgate.model.catalog import default_cache_dir
 
     return default_cache_dir() / "kernels"
 

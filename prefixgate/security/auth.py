@@ -74,7 +74,7 @@ class AuthConfig:
 
     tokens_file: str = ""  # gateway: public API tokens (TokenStore)
     internal_token_file: str = ""  # gateway sends, worker requires (InternalCredential)
-    worker_keyring_file: str = ""  # worker identity keys (prefixgate.identity)
+    worker_keyring_file: str = ""  # worker identity keys (prefixgate.security.identity)
 
 
 def new_token() -> str:

@@ -1,7 +1,7 @@
 """Chat tokenization shared by gateway and worker: tokenizer.json + chat template.
 
 Contract: `ChatTokenizer(spec).encode_messages(messages)` renders `messages` (role,
-content pairs, validated by prefixgate.protocol.check_messages) with the model's chat
+content pairs, validated by prefixgate.wire.protocol.check_messages) with the model's chat
 template plus the assistant generation prompt and returns the token ids exactly as
 transformers' `apply_chat_template(..., tokenize=True)` would (a test compares them on
 SmolLM2). Encoding is thread-safe and releases the GIL (`encode_text`): the gateway runs
@@ -19,8 +19,8 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from prefixgate.models import ModelSpec
-from prefixgate.protocol import check_messages
+from prefixgate.model.catalog import ModelSpec
+from prefixgate.wire.protocol import check_messages
 
 
 def _raise_exception(message: str) -> None:

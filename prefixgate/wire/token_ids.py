@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from prefixgate.protocol import InvalidRequest
 from prefixgate.radix import packed, tokens_to_bytes
+from prefixgate.wire.protocol import InvalidRequest
 
 __all__ = ["pack", "packed_token_ids", "prompt_token_ids", "repeated_token_ids"]
 

@@ -115,7 +115,7 @@ class SamplingConfig:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1  # samples sharing the prompt
-    # Context overflow (prefixgate.overflow.POLICIES): "fail" is validated away here;
+    # Context overflow (prefixgate.model.overflow.POLICIES): "fail" is validated away here;
     # "keep-system-drop-oldest" lets the worker drop the oldest turns. "" = engine default.
     context_overflow: str = ""
     shifted_reuse: str = ""  # "recompute" | "shift" | "blend"; "" = engine default

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prefixgate.tokenizer import ChatTokenizer
+from prefixgate.model.tokenizer import ChatTokenizer
 
 POLICIES = ("fail", "keep-system-drop-oldest")
 

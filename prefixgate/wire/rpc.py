@@ -5,7 +5,7 @@
   example a string field that is not UTF-8) is answered with INVALID_ARGUMENT and a
   message, not with gRPC's INTERNAL "Exception deserializing request!".
   With a `guard`, every call is first checked with `guard(method_name, metadata)`
-  (prefixgate.auth): `auth.Unauthenticated` is answered UNAUTHENTICATED and
+  (prefixgate.security.auth): `auth.Unauthenticated` is answered UNAUTHENTICATED and
   `auth.PermissionDenied` PERMISSION_DENIED, with the guard's message.
 - `add_health_and_reflection` adds the standard health service (grpc.health.v1) and
   server reflection; the returned servicer's statuses are the server's readiness.
@@ -34,7 +34,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from prefixgate.auth import AuthError, PermissionDenied
+from prefixgate.security.auth import AuthError, PermissionDenied
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from prefixgate import rpc
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2
+from prefixgate.wire import rpc
 
 FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
                 common_pb2.FINISH_REASON_CANCELLED: "cancelled"}

@@ -54,8 +54,8 @@ import hmac
 from collections.abc import Sequence
 from pathlib import Path
 
-from prefixgate.auth import credential_lines
-from prefixgate.events import OwnershipEvent
+from prefixgate.security.auth import credential_lines
+from prefixgate.wire.events import OwnershipEvent
 
 _MIN_KEY_HEX = 32
 

@@ -1,0 +1,5 @@
+"""Who may do what (torch-free).
+
+  auth      bearer tokens, tenants and namespaces, the internal credential
+  identity  worker keyrings: signed registrations, signed ownership batches
+"""
