@@ -74,6 +74,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CHAT_ROUTE = "/v1/chat/completions"
+# After the drain, what handlers still running (streams) get to end once cancelled. Not 0:
+# aiohttp reads a shutdown timeout of 0 as "no timeout" and would wait for every stream.
+CANCEL_GRACE_S = 1.0
 COMPLETIONS_ROUTE = "/v1/completions"
 
 HTTP_STATUS = {
@@ -340,7 +343,7 @@ class HTTPFront:
         other gateway processes listen on the same port (SO_REUSEPORT)."""
         # handler_cancellation: a client that disconnects cancels its turn at once.
         self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                    shutdown_timeout=0)
+                                    shutdown_timeout=CANCEL_GRACE_S)
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port, ssl_context=_ssl_context(tls),
                            reuse_port=share_port)
@@ -354,7 +357,9 @@ class HTTPFront:
         return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
     async def stop(self, drain_seconds: float) -> None:
-        """Stop accepting; let turns in flight finish for up to `drain_seconds`."""
+        """Stop accepting; let turns in flight finish for up to `drain_seconds`, then cancel
+        the rest (their streams end, their worker requests are cancelled): returns within
+        `drain_seconds` + CANCEL_GRACE_S."""
         if self.runner is None:
             return
         for site in list(self.runner.sites):

@@ -423,9 +423,9 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
         await rpc.set_serving(health, [SERVICE.full_name], False)
         await feed.close()
         await status.close()
-        if http is not None:
-            await http.stop(config.drain_seconds)
-        await server.stop(config.drain_seconds)
+        # One drain for both fronts, at once: turns on either get the same drain_seconds.
+        await asyncio.gather(server.stop(config.drain_seconds),
+                             *([http.stop(config.drain_seconds)] if http is not None else []))
         if health_server is not None:
             await health_server.stop(0)
         if service.recorder is not None:
