@@ -1,5 +1,6 @@
 from prefixgate.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -7,19 +8,112 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class KVLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_LAYOUT_UNSPECIFIED: _ClassVar[KVLayout]
+    KV_LAYOUT_LAYER_TOKEN_HEAD_DIM: _ClassVar[KVLayout]
+KV_LAYOUT_UNSPECIFIED: KVLayout
+KV_LAYOUT_LAYER_TOKEN_HEAD_DIM: KVLayout
+
+class PullSpec(_message.Message):
+    __slots__ = ("peer_address", "peer_worker_id", "num_blocks")
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PEER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    peer_address: str
+    peer_worker_id: str
+    num_blocks: int
+    def __init__(self, peer_address: _Optional[str] = ..., peer_worker_id: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class ExportBlocksRequest(_message.Message):
+    __slots__ = ("block_hashes", "from_block")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    FROM_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    from_block: int
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., from_block: _Optional[int] = ...) -> None: ...
+
+class KVBlocksHeader(_message.Message):
+    __slots__ = ("worker_id", "model_fingerprint", "block_size", "dtype", "layout", "num_layers", "num_kv_heads", "head_dim", "bytes_per_token", "num_blocks")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    model_fingerprint: str
+    block_size: int
+    dtype: str
+    layout: KVLayout
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    bytes_per_token: int
+    num_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, str]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., bytes_per_token: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class KVBlocksChunk(_message.Message):
+    __slots__ = ("first_block", "num_blocks", "k", "v")
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    first_block: int
+    num_blocks: int
+    k: bytes
+    v: bytes
+    def __init__(self, first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ...) -> None: ...
+
+class ExportBlocksEvent(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: KVBlocksHeader
+    chunk: KVBlocksChunk
+    def __init__(self, header: _Optional[_Union[KVBlocksHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVBlocksChunk, _Mapping]] = ...) -> None: ...
+
+class PullBlocksRequest(_message.Message):
+    __slots__ = ("peer_address", "peer_worker_id", "block_hashes")
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PEER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    peer_address: str
+    peer_worker_id: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, peer_address: _Optional[str] = ..., peer_worker_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PullBlocksResponse(_message.Message):
+    __slots__ = ("num_cached_blocks", "num_pulled_blocks", "num_bytes", "seconds")
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PULLED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    num_cached_blocks: int
+    num_pulled_blocks: int
+    num_bytes: int
+    seconds: float
+    def __init__(self, num_cached_blocks: _Optional[int] = ..., num_pulled_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "packed_prompt_token_ids", "sampling", "namespace")
+    __slots__ = ("request_id", "prompt_token_ids", "packed_prompt_token_ids", "sampling", "namespace", "pull")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PACKED_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     packed_prompt_token_ids: bytes
     sampling: _common_pb2.SamplingParams
     namespace: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., packed_prompt_token_ids: _Optional[bytes] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., namespace: _Optional[str] = ...) -> None: ...
+    pull: PullSpec
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., packed_prompt_token_ids: _Optional[bytes] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., namespace: _Optional[str] = ..., pull: _Optional[_Union[PullSpec, _Mapping]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("token_ids", "text", "index")
@@ -76,7 +170,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("num_running_requests", "num_waiting_requests", "num_queued_prefill_tokens", "kv_used_tokens", "kv_capacity_tokens", "prefill_tokens_per_s", "decode_step_s", "prefill_chunk_tokens")
+    __slots__ = ("num_running_requests", "num_waiting_requests", "num_queued_prefill_tokens", "kv_used_tokens", "kv_capacity_tokens", "prefill_tokens_per_s", "decode_step_s", "prefill_chunk_tokens", "kv_bytes_per_token", "transfer_bytes_per_s")
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +179,8 @@ class WorkerStatus(_message.Message):
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     num_running_requests: int
     num_waiting_requests: int
     num_queued_prefill_tokens: int
@@ -93,7 +189,9 @@ class WorkerStatus(_message.Message):
     prefill_tokens_per_s: float
     decode_step_s: float
     prefill_chunk_tokens: int
-    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ...) -> None: ...
+    kv_bytes_per_token: int
+    transfer_bytes_per_s: float
+    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., transfer_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class WatchStatusRequest(_message.Message):
     __slots__ = ("min_interval_ms",)

@@ -64,6 +64,16 @@ class WorkerServiceStub:
                 request_serializer=prefixgate_dot_v1_dot_worker__pb2.WatchStatusRequest.SerializeToString,
                 response_deserializer=prefixgate_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
                 _registered_method=True)
+        self.ExportBlocks = channel.unary_stream(
+                '/prefixgate.v1.WorkerService/ExportBlocks',
+                request_serializer=prefixgate_dot_v1_dot_worker__pb2.ExportBlocksRequest.SerializeToString,
+                response_deserializer=prefixgate_dot_v1_dot_worker__pb2.ExportBlocksEvent.FromString,
+                _registered_method=True)
+        self.PullBlocks = channel.unary_unary(
+                '/prefixgate.v1.WorkerService/PullBlocks',
+                request_serializer=prefixgate_dot_v1_dot_worker__pb2.PullBlocksRequest.SerializeToString,
+                response_deserializer=prefixgate_dot_v1_dot_worker__pb2.PullBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -116,6 +126,38 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportBlocks(self, request, context):
+        """Block transfer: move KV instead of work (docs/transfer.md).
+
+        ExportBlocks streams the KV pages of the longest prefix of a chain of block hashes
+        that this worker holds, in its own dtype and layout: one ExportBlocksEvent with a
+        KVBlocksHeader, then KVBlocksChunk messages of whole blocks, in chain order. The
+        blocks are pinned (never evicted, never rewritten) for the life of the stream and
+        copied out in chunks off the engine loop; at most a few chunks are in flight (gRPC
+        flow control stops the copying when the receiver does not read), so memory is
+        bounded on both sides. NOT_FOUND when the worker holds none of
+        block_hashes[from_block:] (evicted, never cached, or another namespace); the caller
+        then computes those blocks itself. UNIMPLEMENTED from an engine that cannot export.
+        The receiver checks the header (model fingerprint, block size, dtype, layout) and
+        cancels the stream on a mismatch. Workers call it on peers with the same mTLS and
+        internal credential gateways use.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullBlocks(self, request, context):
+        """Fetch a chain of blocks from a peer (its ExportBlocks) into this worker's prefix
+        cache, without generating: the drain hand-off of a leaving worker, or a prefetch.
+        Pulled blocks are stored and published (KVStored) exactly like computed ones.
+        RESOURCE_EXHAUSTED when no block can be made free for them (all in use);
+        FAILED_PRECONDITION when the peer's header does not match this worker (model,
+        block size, dtype or layout); UNAVAILABLE / NOT_FOUND as the peer answered.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -148,6 +190,16 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.WatchStatus,
                     request_deserializer=prefixgate_dot_v1_dot_worker__pb2.WatchStatusRequest.FromString,
                     response_serializer=prefixgate_dot_v1_dot_worker__pb2.WorkerStatus.SerializeToString,
+            ),
+            'ExportBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportBlocks,
+                    request_deserializer=prefixgate_dot_v1_dot_worker__pb2.ExportBlocksRequest.FromString,
+                    response_serializer=prefixgate_dot_v1_dot_worker__pb2.ExportBlocksEvent.SerializeToString,
+            ),
+            'PullBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullBlocks,
+                    request_deserializer=prefixgate_dot_v1_dot_worker__pb2.PullBlocksRequest.FromString,
+                    response_serializer=prefixgate_dot_v1_dot_worker__pb2.PullBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -312,6 +364,60 @@ class WorkerService:
             '/prefixgate.v1.WorkerService/WatchStatus',
             prefixgate_dot_v1_dot_worker__pb2.WatchStatusRequest.SerializeToString,
             prefixgate_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/prefixgate.v1.WorkerService/ExportBlocks',
+            prefixgate_dot_v1_dot_worker__pb2.ExportBlocksRequest.SerializeToString,
+            prefixgate_dot_v1_dot_worker__pb2.ExportBlocksEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prefixgate.v1.WorkerService/PullBlocks',
+            prefixgate_dot_v1_dot_worker__pb2.PullBlocksRequest.SerializeToString,
+            prefixgate_dot_v1_dot_worker__pb2.PullBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

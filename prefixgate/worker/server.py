@@ -187,6 +187,19 @@ class WorkerService:
             prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
             decode_step_s=self.rates.decode_step_s)
 
+    async def ExportBlocks(self, request: worker_pb2.ExportBlocksRequest,
+                           context: grpc.aio.ServicerContext):
+        """Stream the KV pages of a chain of blocks (worker/transfer.py)."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            f"worker {self.config.worker_id} cannot export KV blocks")
+        yield worker_pb2.ExportBlocksEvent()  # unreachable: makes this a stream handler
+
+    async def PullBlocks(self, request: worker_pb2.PullBlocksRequest,
+                         context: grpc.aio.ServicerContext) -> worker_pb2.PullBlocksResponse:
+        """Fetch a chain of blocks from a peer into the prefix cache (worker/transfer.py)."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            f"worker {self.config.worker_id} cannot import KV blocks")
+
     async def FlushCache(self, request, context) -> worker_pb2.FlushCacheResponse:
         return worker_pb2.FlushCacheResponse(num_flushed_tokens=self.engine.flush_cache())
 
