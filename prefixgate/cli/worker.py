@@ -31,7 +31,8 @@ def add_arguments(w: argparse.ArgumentParser) -> None:
     log_flags(w)
     model_flags(w)
     listen_flags(w, 50061)
-    flag(w, "--worker-id", default="", help="stable worker id (default: worker-<port>)")
+    flag(w, "--worker-id", default="",
+         help="stable worker id (default: worker-<port>, the port it listens on)")
     flag(w, "--advertise-address", default="",
          help="host:port gateways use to reach this worker (default: host:port)")
     flag(w, "--redis-url", default="", help="register in this Redis (redis://host:port/db)")
@@ -157,7 +158,7 @@ async def _serve(args: argparse.Namespace) -> None:
         turn_prefix=user_turn_prefix(tokenizer), shifted_reuse=args.shifted_reuse,
         blend_tokens=args.blend_tokens, reindex_backend=args.reindex_backend),
         metrics=WorkerMetrics(), event_sink=events)
-    config = worker_config(args, args.worker_id or f"worker-{args.port}")
+    config = worker_config(args, args.worker_id)  # "": worker-<bound port> (server.py)
     service = WorkerService(engine, spec, config, vocab_size=tokenizer.vocab_size,
                             events=events)
     await serve_worker(service, stop, args, num_blocks)

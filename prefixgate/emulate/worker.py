@@ -66,11 +66,11 @@ async def serve_emulated(args: argparse.Namespace, stop: asyncio.Event) -> None:
         decode_s_per_token=args.decode_s_per_token, time_scale=args.time_scale,
         model_fingerprint=spec.fingerprint, vocab_size=vocab_size,
         max_context_tokens=spec.max_context_tokens, publish_at=args.publish_at), events)
-    worker_id = args.worker_id or f"worker-{args.port}"
-    config = worker_config(args, worker_id)
+    config = worker_config(args, args.worker_id)  # "": worker-<bound port> (server.py)
     service = WorkerService(engine, spec, config, vocab_size=vocab_size, events=events)
     log.info("emulated worker %s: %d blocks of %d tokens, %.0f prefill tok/s, %.3f s/token, "
-             "time x%g", worker_id, capacity, args.block_size, args.prefill_tokens_per_s,
+             "time x%g", args.worker_id or "(id from its port)", capacity, args.block_size,
+             args.prefill_tokens_per_s,
              args.decode_s_per_token, args.time_scale)
     http = None
     if args.http_port >= 0:
@@ -86,4 +86,5 @@ async def serve_emulated(args: argparse.Namespace, stop: asyncio.Event) -> None:
         if args.emulate_records:
             with open(args.emulate_records, "w") as f:
                 for r in engine.records:
-                    f.write(json.dumps({"worker": worker_id, **asdict(r)}) + "\n")
+                    f.write(json.dumps({"worker": service.config.worker_id, **asdict(r)})
+                            + "\n")

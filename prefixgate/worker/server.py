@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -60,6 +60,8 @@ FINISH_TO_PROTO = {
 
 @dataclass(frozen=True)
 class WorkerConfig:
+    # "": worker-<the port it is bound to>, set by serve() once bound (not the requested
+    # port: with port 0, every worker would be worker-0 and take the others' lease).
     worker_id: str
     host: str = "127.0.0.1"
     port: int = 0
@@ -277,12 +279,16 @@ async def serve(service: WorkerService, stop: asyncio.Event,
     # No SO_REUSEPORT (gRPC's default is on): a second worker on a busy port must fail.
     server = grpc.aio.server(options=[*limits.server_options(limits.worker_receive_bytes),
                                       ("grpc.so_reuseport", 0)])
-    internal = auth.load_internal(service.config.auth, f"worker {service.config.worker_id}")
+    internal = auth.load_internal(service.config.auth,
+                                  f"worker {service.config.worker_id or service.config.port}")
     rpc.add_service(server, SERVICE, service,
                     None if internal is None else auth.internal_guard(internal))
     health = rpc.add_health_and_reflection(server, [SERVICE.full_name])
     cfg = service.config
-    port = rpc.bind(server, cfg.host, cfg.port, cfg.tls, f"worker {cfg.worker_id}")
+    port = rpc.bind(server, cfg.host, cfg.port, cfg.tls,
+                    f"worker {cfg.worker_id or 'on port ' + str(cfg.port)}")
+    if not cfg.worker_id:
+        cfg = service.config = replace(cfg, worker_id=f"worker-{port}")
     await server.start()
     health_server = await rpc.start_health_port(health, cfg.host, cfg.health_port)
     await rpc.set_serving(health, [SERVICE.full_name], True)

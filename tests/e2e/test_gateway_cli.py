@@ -9,6 +9,7 @@ import asyncio
 import signal
 import subprocess
 import sys
+import time
 
 import redis
 
@@ -79,3 +80,25 @@ def test_workers_and_gateway_on_redis(tmp_path, redis_flush) -> None:
             if p.poll() is None:
                 p.kill()
             p.wait(10)
+
+
+def test_workers_on_port_0_take_their_ids_from_their_bound_ports(tmp_path, redis_flush) -> None:
+    """`--port 0` without --worker-id: each worker is worker-<the port it got>, so two of
+    them register as two workers (not both as worker-0, taking each other's lease)."""
+    env = cli_env(PREFIXGATE_CACHE_DIR=str(tmp_path), PREFIXGATE_MODEL="tiny-random",
+                  PREFIXGATE_REDIS_URL=redis_flush, PREFIXGATE_LOG_LEVEL="WARNING")
+    r = redis.Redis.from_url(redis_flush)
+    procs = [subprocess.Popen([*PG, "worker", "--emulate", "--port", "0", "--lease-ms", "1500"],
+                              env=env, cwd=REPO) for _ in range(2)]
+    try:
+        wait_for(lambda: r.scard("pg:workers") == 2, timeout=60, what="two workers to register")
+        ids = sorted(m.decode() for m in r.smembers("pg:workers"))
+        assert all(i.startswith("worker-") and int(i.split("-")[1]) > 0 for i in ids), ids
+        # The lease cycle (1.5 s) passes: both stay, neither displaces the other.
+        time.sleep(2)
+        assert sorted(m.decode() for m in r.smembers("pg:workers")) == ids
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(30)
