@@ -34,8 +34,11 @@ serve HTTPS here too.
 
 Errors are OpenAI's error object `{"error": {"message", "type", "param", "code"}}` with the
 HTTP status of the gRPC code the turn path chose (INVALID_ARGUMENT 400, UNAUTHENTICATED 401,
-PERMISSION_DENIED 403, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504);
-`code` is the gRPC code's name in lower case. A stream fails before its first byte with
+PERMISSION_DENIED 403, NOT_FOUND 404, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503,
+DEADLINE_EXCEEDED 504); `code` is the gRPC code's name in lower case, except an unknown
+`model`: 404 `model_not_found`, as OpenAI and vLLM answer. Messages and `param` name the
+request's own fields (`prompt_cache_key`, `stop`, `max_tokens`), not the gRPC ones the
+shared checks use (HTTP_FIELDS). A stream fails before its first byte with
 that status when it can; after it has begun, with one SSE `data: {"error": ...}` event and
 no `[DONE]`. A client that disconnects cancels its turn (and the worker's request).
 Unsupported OpenAI features (tools, logprobs, penalties, ...) are refused with 400 when
@@ -47,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import ssl
 import time
 import uuid
@@ -103,12 +107,38 @@ SHIFTED_REUSE_TO_PROTO = {name: value for value, name in SHIFTED_REUSE_FROM_PROT
                           if name}
 
 
-class TurnFailed(Exception):
-    """A turn that ends with an error the client should see (gRPC code + message)."""
+# The turn path's checks (wire/protocol.py) name the gRPC fields; an HTTP client sent
+# OpenAI's, so its error messages (and `param`) name those instead.
+HTTP_FIELDS = {"conversation_id": "prompt_cache_key", "sampling.stop": "stop",
+               "sampling.max_tokens": "max_tokens", "sampling.temperature": "temperature",
+               "sampling.top_p": "top_p", "sampling.top_k": "top_k", "sampling.n": "n",
+               "sampling.seed": "seed", "sampling.context_overflow": "context_overflow",
+               "sampling.shifted_reuse": "shifted_reuse", "prompt_token_ids": "prompt"}
+_GRPC_FIELD = re.compile(r"(?<![\w.])(" + "|".join(
+    map(re.escape, sorted(HTTP_FIELDS, key=len, reverse=True))) + r")(?!\w)")
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+
+def http_field_names(details: str) -> tuple[str, str | None]:
+    """`details` with the gRPC field names it mentions replaced by the OpenAI body's, and
+    the first such field (OpenAI's `param`), if any."""
+    named: list[str] = []
+
+    def rename(m: re.Match) -> str:
+        named.append(HTTP_FIELDS[m.group(1)])
+        return named[-1]
+
+    return _GRPC_FIELD.sub(rename, details), (named[0] if named else None)
+
+
+class TurnFailed(Exception):
+    """A turn that ends with an error the client should see (gRPC code + message; OpenAI's
+    `code` is the gRPC code's name in lower case unless `error_code` says otherwise)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, error_code: str | None = None,
+                 param: str | None = None) -> None:
         super().__init__(details)
-        self.code, self.details = code, details
+        self.code, self.details, self.param = code, details, param
+        self.error_code = error_code or code.name.lower()
 
     @property
     def http_status(self) -> int:
@@ -130,7 +160,10 @@ class _TurnContext:
         return None
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        raise TurnFailed(code, details)
+        if code == grpc.StatusCode.NOT_FOUND:  # the turn path's only: an unknown model
+            raise TurnFailed(code, details, "model_not_found", "model")
+        details, param = http_field_names(details)
+        raise TurnFailed(code, details, param=param)
 
 
 def error_body(status: int, message: str, code: str | None = None,
@@ -378,7 +411,7 @@ class HTTPFront:
         try:
             response = await handler(request)
         except TurnFailed as exc:
-            response = error_response(exc.http_status, exc.details, exc.code.name.lower())
+            response = error_response(exc.http_status, exc.details, exc.error_code, exc.param)
         except web.HTTPRequestEntityTooLarge:
             limit = self.service.config.limits.max_request_bytes
             response = error_response(413, f"the request body is over {limit} bytes: send a "
@@ -559,7 +592,7 @@ class HTTPFront:
             return response
         except Exception as exc:  # after the headers: the error is the stream's last event
             if isinstance(exc, TurnFailed):
-                body = error_body(exc.http_status, exc.details, exc.code.name.lower())
+                body = error_body(exc.http_status, exc.details, exc.error_code, exc.param)
             else:  # a bug; the middleware cannot answer a stream already begun
                 log.exception("HTTP %s stream %s failed", turn.route, turn.request_id)
                 body = error_body(500, INTERNAL_MESSAGE, "internal")

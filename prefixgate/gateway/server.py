@@ -76,6 +76,7 @@ from prefixgate.wire.protocol import (
     OVERFLOW_FROM_PROTO,
     InvalidRequest,
     RequestLimits,
+    UnknownModel,
     check_chat_fields,
     check_prompt_tokens,
     sampling_from_proto,
@@ -183,7 +184,7 @@ class ChatService:
         """The prompt as packed token ids (prefixgate/wire/token_ids.py): hashed and forwarded
         to the worker as these bytes, never as a list."""
         if request.model and request.model != self.spec.name:
-            raise InvalidRequest(f"model {request.model!r} is not served here: this gateway "
+            raise UnknownModel(f"model {request.model!r} is not served here: this gateway "
                                  f"serves {self.spec.name!r} (or leave model empty)")
         which = request.WhichOneof("input")
         if which == "messages":
@@ -219,7 +220,8 @@ class ChatService:
             sampling_from_proto(request.sampling, len(prompt), self.spec.max_context_tokens,
                                 default_overflow=self.config.context_overflow)
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.NOT_FOUND if isinstance(exc, UnknownModel)
+                                else grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         t0 = time.perf_counter()
         hasher = self.hashers.get(namespace)
         turn = Turn(len(prompt), request.conversation_id,  # make_turn, new blocks only

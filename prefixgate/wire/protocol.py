@@ -25,6 +25,11 @@ class InvalidRequest(ValueError):
     """Bad input; the message says what to change."""
 
 
+class UnknownModel(InvalidRequest):
+    """The request names a model this server does not serve (gRPC NOT_FOUND, HTTP 404
+    `model_not_found`, as OpenAI and vLLM answer)."""
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """What one request may carry, checked at the edge (gateway and worker) before any

@@ -74,13 +74,19 @@ def test_raw_token_ids_match_messages(cluster, tiny_spec) -> None:
      "max_tokens must be at least 1"),
     (dict(token_ids=[5] * 3000), "context window is 2048"),
     (dict(token_ids=[99999]), "out of range"),
-    (dict(messages=[("user", "hi")], model="llama-9000"), "not served here"),
 ])
 def test_bad_input_is_invalid_argument(cluster, kwargs, needle) -> None:
     with pytest.raises(grpc.RpcError) as err:
         chat(cluster["stub"], **kwargs)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert needle in err.value.details()
+
+
+def test_unknown_model_is_not_found(cluster) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        chat(cluster["stub"], [("user", "hi")], model="llama-9000")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "not served here" in err.value.details()
 
 
 def test_non_utf8_text_is_invalid_argument(cluster) -> None:

@@ -138,9 +138,13 @@ def test_errors_are_openai_error_objects_with_the_right_status(client, front) ->
         client.chat.completions.create(model=front["model"], messages=[])
     assert "messages is empty" in err.value.message
     assert err.value.body["code"] == "invalid_argument"
-    with pytest.raises(openai.BadRequestError, match="is not served here"):
+    # An unknown model is 404 model_not_found (OpenAI's and vLLM's answer), as on /v1/models.
+    with pytest.raises(openai.NotFoundError, match="is not served here") as err:
         client.chat.completions.create(model="gpt-4o",
                                        messages=[{"role": "user", "content": "hi"}])
+    assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
+    r = httpx.post(front["base"] + "/v1/completions", json={"model": "gpt-4o", "prompt": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError, match="tools is not supported"):
         client.chat.completions.create(
             model=front["model"], messages=[{"role": "user", "content": "hi"}],
@@ -180,7 +184,21 @@ def test_same_limits_and_messages_as_grpc(front) -> None:
     r = httpx.post(front["base"] + "/v1/chat/completions", json={
         "model": front["model"], "prompt_cache_key": long_id,
         "messages": [{"role": "user", "content": "hi"}]})
-    assert r.status_code == 400 and r.json()["error"]["message"] == err.value.details()
+    # The same message, naming the field the HTTP client sent.
+    assert "conversation_id is 300 characters" in err.value.details()
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["message"] == err.value.details().replace(
+        "conversation_id", "prompt_cache_key") and error["param"] == "prompt_cache_key"
+    r = httpx.post(front["base"] + "/v1/chat/completions", json={
+        "model": front["model"], "stop": ["x"] * 17,
+        "messages": [{"role": "user", "content": "hi"}]})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["message"].startswith("stop has 17 strings") \
+        and "sampling." not in error["message"] and error["param"] == "stop"
+    r = httpx.post(front["base"] + "/v1/chat/completions", json={
+        "model": front["model"], "max_tokens": 10**6,
+        "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("max_tokens=")
 
 
 def test_metrics_health_and_request_counts(client, front) -> None:
