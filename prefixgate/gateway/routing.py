@@ -24,7 +24,11 @@ Interface (shared by the gateway and the replay simulator)
 * Optional `WorkerLoad` figures, read with defaults when absent (`LoadSnapshot` has them):
   `prefill_tokens_per_s` (0: not measured), `decode_step_s` (0: not measured),
   `prefill_chunk_tokens` (0: a prompt is prefilled alone, decode does not delay it),
-  `kv_fill` (used share of the KV cache, 0..1; default 1: full, the steady state).
+  `kv_fill` (used share of the KV cache, 0..1; default 1: full, the steady state),
+  `transfer_bytes_per_s` (the rate its block transfers run at; 0: not measured),
+  `kv_bytes_per_token` (KV bytes one cached token takes in its dtype and layout; 0:
+  unknown, the worker neither pulls nor is pulled from) and `export_queued_bytes` (bytes
+  of pulls from it routed and not finished: its link's queue).
 
 Policies (RoutingConfig.policy)
 -------------------------------
@@ -46,6 +50,24 @@ Policies (RoutingConfig.policy)
                           best-cached workers held over the tokens they lacked (reuses per
                           computed token, `reuse`):
                             miss_s = (best - credited) / rate x reuse x kv_fill
+               pull       a third way to serve on a worker: pull the leading blocks it lacks
+                          from the best holder (WorkerService block transfer), then prefill
+                          the rest. The pull starts when the turn arrives, beside the
+                          worker's queue, so the rest's prefill starts when both are done:
+                            transfer_s = export_queued_bytes(holder) / bw
+                                         + pulled tokens x kv_bytes_per_token / bw
+                            wait_s     = max(queue_s + decode_s, transfer_s)
+                            cost       = load_weight x (queue_s + decode_s)
+                                       + prefix_weight x (wait_s - queue_s - decode_s
+                                                          + rest_s + miss_s)
+                          bw: the slower end's measured transfer rate; holders: workers
+                          whose *events* say they hold more leading blocks (a predicted
+                          block may not be computed yet); the holder giving the lowest
+                          cost. A worker's cost is the cheaper of its two ways (pull or
+                          recompute), and the decision carries the pull (`Decision.pulls`)
+                          for the worker it is chosen for. The best-cached worker's own
+                          cost stands for waiting for it. miss_s is the same either way (a
+                          pulled block is as much a duplicate as a recomputed one).
                Rates are what the worker measures and reports (`prefill_tokens_per_s`,
                `decode_step_s`, `prefill_chunk_tokens`, `kv_fill` in its status); a
                worker that has reported none counts at the mean of those that have, and
@@ -89,7 +111,7 @@ import xxhash
 from prefixgate.gateway.index import PrefixIndex, PrefixMatch
 from prefixgate.radix import BlockHasher
 
-__all__ = ["POLICIES", "Decision", "LoadSnapshot", "Router", "RoutingConfig", "Turn",
+__all__ = ["POLICIES", "Decision", "LoadSnapshot", "Pull", "Router", "RoutingConfig", "Turn",
            "WorkerLoad", "make_turn", "queued_prefill_tokens"]
 
 POLICIES = ("prefix", "session", "least-loaded", "round-robin", "random")
@@ -130,6 +152,9 @@ class LoadSnapshot:
     decode_step_s: float = 0.0  # 0: not measured
     prefill_chunk_tokens: int = 0  # 0: prompts are prefilled alone
     kv_fill: float = 1.0  # used share of the KV cache
+    transfer_bytes_per_s: float = 0.0  # 0: not measured
+    kv_bytes_per_token: int = 0  # 0: unknown (no transfers to or from it)
+    export_queued_bytes: int = 0  # bytes of pulls from it routed and not finished
 
 
 W = TypeVar("W", bound=WorkerLoad)
@@ -164,6 +189,9 @@ class RoutingConfig:
     prediction_ttl_s: float = 30.0
     # Turns over which the measured reuse (reuses per computed token) is counted.
     reuse_window_turns: int = 200
+    # Offer the pull option (move KV blocks between workers) where workers report a
+    # transfer rate and their KV bytes per token (False: recompute or wait only).
+    transfer: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -199,6 +227,19 @@ def make_turn(token_ids: Sequence[int], hasher: BlockHasher, conversation_id: st
 
 
 @dataclass(frozen=True)
+class Pull:
+    """Serve on a worker after pulling the prompt's first `num_blocks` blocks from
+    `holder_id` (the worker skips those it holds). `num_tokens`: tokens predicted to cross
+    the link (what the worker lacks of them); `transfer_s`: predicted seconds until they
+    are in (the holder's link queue included)."""
+
+    holder_id: str
+    num_blocks: int
+    num_tokens: int
+    transfer_s: float
+
+
+@dataclass(frozen=True)
 class Decision:
     """A ranking and what the router expected of it."""
 
@@ -210,6 +251,8 @@ class Decision:
     # worker id -> cached tokens known from events alone (> 0 only)
     certain_tokens: dict[str, int] = field(default_factory=dict)
     cost_s: dict[str, float] = field(default_factory=dict)  # prefix policy: cost per worker
+    # worker id -> the pull that worker's cost assumes (only where pulling is cheaper)
+    pulls: dict[str, Pull] = field(default_factory=dict)
 
     @property
     def expected_cached_tokens(self) -> int:
@@ -227,10 +270,20 @@ class Decision:
     def cached_tokens_of(self, worker_id: str) -> int:
         return self.cached_tokens.get(worker_id, 0)
 
+    def pull_of(self, worker_id: str) -> Pull | None:
+        """The pull to send with the turn when it is served on `worker_id` (None: none)."""
+        return self.pulls.get(worker_id)
+
+    def transferred_tokens_of(self, worker_id: str) -> int:
+        """Tokens predicted to arrive by transfer on `worker_id` (0: no pull)."""
+        pull = self.pulls.get(worker_id)
+        return pull.num_tokens if pull is not None else 0
+
     def regret_tokens(self, worker_id: str) -> int:
-        """Predicted cached tokens lost by serving on `worker_id` rather than the
-        best-cached worker (0: it is one of the best)."""
-        return self.best_cached_tokens - self.cached_tokens_of(worker_id)
+        """Predicted tokens recomputed by serving on `worker_id` that the best-cached
+        worker holds (0: it is one of the best, or it pulls them)."""
+        return max(0, self.best_cached_tokens - self.cached_tokens_of(worker_id)
+                   - self.transferred_tokens_of(worker_id))
 
 
 def _rendezvous(key: str, worker_id: str) -> int:
@@ -294,8 +347,9 @@ class Router:
         shared = bool(match and match.shared)
         workers = list(workers)
         costs: dict[str, float] = {}
+        pulls: dict[str, Pull] = {}
         if policy == "prefix":
-            ranked = self._rank_prefix(workers, turn, cached, certain, match, costs)
+            ranked = self._rank_prefix(workers, turn, cached, certain, match, costs, pulls)
         elif policy == "round-robin":
             start = next(self._counter) % len(workers) if workers else 0
             ranked = workers[start:] + workers[:start]
@@ -306,7 +360,7 @@ class Router:
                             reverse=True)
         else:  # least-loaded, and session without a conversation id
             ranked = sorted(workers, key=_load)
-        return Decision(ranked, policy, cached, shared, certain, costs)
+        return Decision(ranked, policy, cached, shared, certain, costs, pulls)
 
     def _measure_reuse(self, cached: int, prompt: int) -> None:
         """Reuses per computed token: in steady state every token computed is stored once
@@ -326,9 +380,46 @@ class Router:
             self._reuse_uncached -= old_uncached
         self.reuse = min(float(len(window)), self._reuse_cached / max(1, self._reuse_uncached))
 
+    def _links(self, workers: list[W], certain: dict[str, int], match: PrefixMatch | None,
+               turn: Turn) -> dict | None:
+        """What the pull option needs: the holders (workers whose events say they hold
+        leading blocks of the prompt), and each worker's link (its transfer rate, a worker
+        that has measured none counting at the mean of those that have, and its KV bytes
+        per token). None when no pull is possible (no holder, or no rate measured)."""
+        if match is None or not certain:
+            return None
+        measured = [r for w in workers if (r := getattr(w, "transfer_bytes_per_s", 0.0)) > 0]
+        if not measured:  # nothing measured: a pull cannot be priced
+            return None
+        mean = sum(measured) / len(measured)
+        link = {w.worker_id: (getattr(w, "transfer_bytes_per_s", 0.0) or mean,
+                              getattr(w, "kv_bytes_per_token", 0),
+                              getattr(w, "export_queued_bytes", 0)) for w in workers}
+        holders = [(wid, tokens, min(match.cached_blocks[wid], len(turn.block_hashes)))
+                   for wid, tokens in certain.items() if wid in link and link[wid][1] > 0]
+        return {"link": link, "holders": holders} if holders else None
+
+    @staticmethod
+    def _pulls(w: WorkerLoad, have: float, links: dict):
+        """Every pull into `w` (holding `have` tokens of the prompt) from a holder with more
+        of it in the same KV layout (as `Pull`s)."""
+        link = links["link"]
+        rate, bpt, _ = link[w.worker_id]
+        if bpt <= 0:
+            return
+        for hid, tokens, blocks in links["holders"]:
+            if hid == w.worker_id or tokens <= have:
+                continue
+            h_rate, h_bpt, h_queued = link[hid]
+            if h_bpt != bpt:  # another dtype or layout: the receiver would refuse it
+                continue
+            bw = min(rate, h_rate)  # the slower end sets the pace
+            num_tokens = int(tokens - have)
+            yield Pull(hid, blocks, num_tokens, (h_queued + num_tokens * bpt) / bw)
+
     def _rank_prefix(self, workers: list[W], turn: Turn, cached: dict[str, int],
                      certain: dict[str, int], match: PrefixMatch | None,
-                     costs: dict[str, float]) -> list[W]:
+                     costs: dict[str, float], pulls: dict[str, Pull]) -> list[W]:
         cfg = self.config
         previous = self.previous_worker(turn.conversation_id)
         index = self.index
@@ -359,23 +450,37 @@ class Router:
         # A worker that has measured nothing yet (new, or never chosen) counts at its
         # peers' mean rate: a constant would make it look slower or faster than it is.
         unmeasured = sum(rates) / len(rates) if rates else cfg.default_prefill_tokens_per_s
+        links = self._links(workers, certain, match, turn) if cfg.transfer else None
         tie_s: dict[str, float] = {}
         for w in workers:
             wid = w.worker_id
             rate = (getattr(w, "prefill_tokens_per_s", 0.0) if measured else 0.0) or unmeasured
             tie_s[wid] = 0.5 * turn.block_size / rate
             queued = w.num_queued_prefill_tokens
-            uncached = prompt - credit[wid]
             step_s = getattr(w, "decode_step_s", 0.0) if measured else 0.0
-            if step_s > 0:  # measured: decode delays prefill only where steps interleave
-                chunk = getattr(w, "prefill_chunk_tokens", 0)
-                decode_s = (step_s * -(-(queued + uncached) // chunk)
+            chunk = getattr(w, "prefill_chunk_tokens", 0)
+
+            def decode_s(uncached: float) -> float:
+                if step_s > 0:  # measured: decode delays prefill only where steps interleave
+                    return (step_s * -(-(queued + uncached) // chunk)
                             if chunk > 0 and w.num_running_requests else 0.0)
-            else:
-                decode_s = cfg.running_weight * w.num_running_requests / rate
+                return cfg.running_weight * w.num_running_requests / rate
+
             miss_s = (best - credit[wid]) / rate * reuse * min(1.0, getattr(w, "kv_fill", 1.0))
-            costs[wid] = (cfg.load_weight * (queued / rate + decode_s)
+            uncached = prompt - credit[wid]
+            wait_s = queued / rate + decode_s(uncached)
+            costs[wid] = (cfg.load_weight * wait_s
                           + cfg.prefix_weight * (uncached / rate + miss_s))
+            for pull in self._pulls(w, credit[wid], links) if links else ():
+                # The pull runs beside the queue: the rest's prefill starts when both are
+                # done, so only the part of the transfer the queue does not hide is paid.
+                rest = prompt - credit[wid] - pull.num_tokens
+                wait_s = queued / rate + decode_s(rest)
+                cost = (cfg.load_weight * wait_s + cfg.prefix_weight * (
+                    max(0.0, pull.transfer_s - wait_s) + rest / rate + miss_s))
+                if cost < costs[wid]:
+                    costs[wid] = cost
+                    pulls[wid] = pull
         if prompt > 0 and workers:
             self._measure_reuse(min(prompt, max(cached.values(), default=0)), prompt)
 

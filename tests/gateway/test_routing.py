@@ -348,3 +348,84 @@ def test_gateway_load_view_counts_status_plus_turns_sent_since() -> None:
     assert h.num_queued_prefill_tokens == 2000
     h.set_status(None)  # the status stream failed: the own count again
     assert h.num_queued_prefill_tokens == 300
+
+
+def _link(wid: str, queued: int = 0, bps: float = 1e6, bpt: int = 100,
+          export: int = 0) -> LoadSnapshot:
+    return LoadSnapshot(wid, queued, 0, prefill_tokens_per_s=1000.0, decode_step_s=0.01,
+                        kv_fill=0.5, transfer_bytes_per_s=bps, kv_bytes_per_token=bpt,
+                        export_queued_bytes=export)
+
+
+def test_pull_moves_kv_to_an_idle_worker_when_the_holder_is_busy() -> None:
+    """A 400-token prefix cached on w0, which has 2 s of prefill queued: w1 (idle) pulls it
+    (400 x 100 bytes at 1 MB/s = 0.04 s) and prefills 44 tokens, instead of waiting 2 s
+    or recomputing 400 tokens (0.4 s)."""
+    index = PrefixIndex()
+    serve(index, "w0", list(range(400)))
+    router = Router(RoutingConfig(), index)
+    turn = make_turn(list(range(444)), HASHER, "c")
+    d = router.decide([_link("w0", queued=2000), _link("w1")], turn)
+    assert d.ranked[0].worker_id == "w1"
+    pull = d.pull_of("w1")
+    assert pull is not None and pull.holder_id == "w0"
+    assert pull.num_blocks == 100 and pull.num_tokens == 400
+    assert abs(pull.transfer_s - 0.04) < 1e-9
+    assert abs(d.cost_s["w1"] - (0.04 + 44 / 1000)) < 1e-9
+    assert d.pull_of("w0") is None and d.regret_tokens("w1") == 0
+    # Without the option, w1 recomputes (0.444 s) and still beats waiting on w0 (2.044 s).
+    plain = Router(RoutingConfig(transfer=False), index).decide(
+        [_link("w0", queued=2000), _link("w1")], turn)
+    assert plain.ranked[0].worker_id == "w1" and not plain.pulls
+    assert plain.cost_s["w1"] > d.cost_s["w1"] + 0.3
+
+
+def test_pull_is_priced_at_the_link_and_the_holders_queue() -> None:
+    index = PrefixIndex()
+    serve(index, "w0", list(range(400)))
+    turn = make_turn(list(range(444)), HASHER, "c")
+    # A link slower than recomputing (400 x 100 bytes at 50 kB/s = 0.8 s > 0.4 s): w1
+    # recomputes.
+    d = Router(RoutingConfig(), index).decide(
+        [_link("w0", queued=2000), _link("w1", bps=5e4)], turn)
+    assert d.ranked[0].worker_id == "w1" and d.pull_of("w1") is None
+    # The holder's link busy with 1 s of other pulls: recompute is cheaper again.
+    d = Router(RoutingConfig(), index).decide(
+        [_link("w0", queued=2000, export=1_000_000), _link("w1")], turn)
+    assert d.pull_of("w1") is None
+    # A pull hidden behind the receiver's own queue costs nothing beyond it.
+    d = Router(RoutingConfig(), index).decide(
+        [_link("w0", queued=2000), _link("w1", queued=300)], turn)
+    assert d.pull_of("w1") is not None and abs(d.cost_s["w1"] - (0.3 + 0.044)) < 1e-9
+    # An idle holder is cheapest: waiting for the cached worker wins.
+    d = Router(RoutingConfig(), index).decide([_link("w0"), _link("w1")], turn)
+    assert d.ranked[0].worker_id == "w0" and not d.pull_of("w0")
+
+
+def test_no_pull_without_a_measured_rate_or_across_kv_layouts() -> None:
+    index = PrefixIndex()
+    serve(index, "w0", list(range(400)))
+    turn = make_turn(list(range(444)), HASHER, "c")
+    none = Router(RoutingConfig(), index).decide(
+        [_link("w0", queued=2000, bps=0), _link("w1", bps=0)], turn)
+    assert not none.pulls
+    other = Router(RoutingConfig(), index).decide(
+        [_link("w0", queued=2000), _link("w1", bpt=200)], turn)
+    assert not other.pulls
+    # A worker that has measured no rate yet counts at its peers' mean.
+    mean = Router(RoutingConfig(), index).decide(
+        [_link("w0", queued=2000), _link("w1", bps=0)], turn)
+    assert mean.pull_of("w1") is not None
+
+
+def test_pull_takes_only_blocks_the_holders_events_confirm() -> None:
+    """Blocks only predicted on a worker (routed there, not yet computed) are not pulled."""
+    index = PrefixIndex()
+    router = Router(RoutingConfig(), index)
+    turn = make_turn(list(range(444)), HASHER, "c")
+    router.dispatch(turn, "w0")  # expected on w0, no event yet
+    d = router.decide([_link("w0", queued=2000), _link("w1")], turn)
+    assert not d.pulls
+    serve(index, "w0", list(range(200)))  # half of it confirmed
+    d = router.decide([_link("w0", queued=2000), _link("w1")], turn)
+    assert d.pull_of("w1").num_blocks == 50
