@@ -90,6 +90,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          help="simulated prefill speed per worker (uncached prompt tokens per second)")
     flag(p, "--decode-s-per-token", type=float, default=0.030,
          help="simulated time per output token of one sequence (decoding is batched)")
+    flag(p, "--transfer-bytes-per-s", type=float, default=12.5e9,
+         help="simulated/emulated: each worker's link for KV block transfers, bytes per "
+              "second (default 12.5e9: 100 Gb/s between GPUs; 0: no transfers)")
+    flag(p, "--kv-bytes-per-token", type=int, default=131_072,
+         help="simulated/emulated: KV bytes of one token (default 131072: an 8B model, "
+              "Llama-3-8B in bf16, the model the default prefill rate stands for)")
     flag(p, "--tokenizer-model", default="smollm2-135m",
          help="simulating a chat trace: the model whose tokenizer and chat template count "
               "its tokens")

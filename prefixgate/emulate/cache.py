@@ -5,6 +5,7 @@ Contract: `BlockCache(capacity_blocks, sink)` holds chained block hashes in a `R
 reports every change to `sink` (a `KVEventSink`) as a real worker's prefix cache does:
 `stored(parent, new hashes)` for the blocks new to it, `removed(hashes)` for evicted ones.
 
+  held(hashes)           leading blocks held now, without touching them
   expected(hashes)       leading blocks held now or reserved, without touching them (a
                          queued request's expected hit when its prefill starts)
   reserve(hashes) / unreserve(hashes)
@@ -49,6 +50,9 @@ class BlockCache:
     @property
     def num_blocks(self) -> int:
         return self.tree.num_blocks
+
+    def held(self, hashes: Sequence[int]) -> int:
+        return self.tree.match(hashes, touch=False).num_blocks
 
     def expected(self, hashes: Sequence[int]) -> int:
         n = self.tree.match(hashes, touch=False).num_blocks

@@ -178,13 +178,17 @@ def decision_summary(records: list[TurnRecord]) -> dict | None:
     ok = [r for r in records if r.ok and r.best_predicted_cached_tokens >= 0]
     if not ok:
         return None
-    off = [r for r in ok if r.predicted_cached_tokens < r.best_predicted_cached_tokens]
+    # A turn that pulls what the best-cached worker holds loses nothing by going elsewhere.
+    off = [r for r in ok if r.predicted_cached_tokens + r.predicted_transferred_tokens
+           < r.best_predicted_cached_tokens]
     exact = sum(r.predicted_cached_tokens == r.cached_tokens for r in ok)
     return {"turns": len(ok),
             "turns_off_best": len(off),
             "share_on_best": 1 - len(off) / len(ok),
             "cached_tokens_lost": sum(r.best_predicted_cached_tokens - r.predicted_cached_tokens
-                                      for r in off),
+                                      - r.predicted_transferred_tokens for r in off),
+            "turns_pulled": sum(r.predicted_transferred_tokens > 0 for r in ok),
+            "predicted_transferred_tokens": sum(r.predicted_transferred_tokens for r in ok),
             "predicted_exact_share": exact / len(ok),
             "predicted_minus_actual_tokens": sum(r.predicted_cached_tokens - r.cached_tokens
                                                  for r in ok)}
@@ -283,7 +287,8 @@ async def fleet_run(trace: Trace, fleet_config, arrival: ArrivalConfig, limits: 
             "turns": [{"conversation_id": r.conversation_id, "turn": r.turn_index,
                        "start_s": round(r.start_s, 4), "status": r.status,
                        "ttft_s": round(r.ttft_s, 4), "e2e_s": round(r.e2e_s, 4), "prompt_tokens": r.prompt_tokens,
-                       "cached_tokens": r.cached_tokens, "worker": r.worker,
+                       "cached_tokens": r.cached_tokens,
+                       "transferred_tokens": r.transferred_tokens, "worker": r.worker,
                        "predicted_cached_tokens": r.predicted_cached_tokens,
                        "best_predicted_cached_tokens": r.best_predicted_cached_tokens,
                        "worker_arrival_s": round(w[0], 4) if w else None,

@@ -7,6 +7,8 @@ tokens for sizes, fractions in [0, 1] for rates. Definitions:
   ttft_s, itl_s, e2e_s   p50/p90/p99/mean/max over successful turns (itl: every gap
                          between successive content chunks of every reply); None when empty
   hit_rate               sum(cached tokens) / sum(prompt tokens) over successful turns
+  transferred_rate       sum(transferred tokens: KV pulled from another worker) / prompt
+  not_recomputed_rate    (cached + transferred) / prompt tokens: the share not prefilled
   per_worker             turns, prompt/cached/completion tokens and hit rate per worker;
                          `workers` lists the ones that must appear even with no turn
   load_balance           max/mean over workers of turns and of prompt tokens (1.0 = even)
@@ -52,6 +54,7 @@ def summarize(records: Sequence[TurnRecord], duration_s: float, *,
     ok = [r for r in records if r.ok]
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
+    transferred = sum(r.transferred_tokens for r in ok)
     completion = sum(r.completion_tokens for r in ok)
     per_worker: dict[str, dict] = {w: {"turns": 0, "prompt_tokens": 0, "cached_tokens": 0,
                                        "completion_tokens": 0} for w in workers}
@@ -92,6 +95,10 @@ def summarize(records: Sequence[TurnRecord], duration_s: float, *,
         "cached_tokens": cached,
         "completion_tokens": completion,
         "hit_rate": _ratio(cached, prompt),
+        "transferred_tokens": transferred,
+        "computed_tokens": prompt - cached - transferred,
+        "transferred_rate": _ratio(transferred, prompt),
+        "not_recomputed_rate": _ratio(cached + transferred, prompt),
         "per_worker": dict(sorted(per_worker.items())),
         "load_balance": balance,
         "hit_rate_over_time": [{"t_s": round(i * width, 3), "hit_rate": _ratio(c, p), "turns": k}

@@ -16,6 +16,14 @@ Worker (SimConfig; the emulated worker's model, emulate/engine.py, with the same
            queued before it, then takes (prompt - cached tokens) / prefill_tokens_per_s;
            cached = the leading blocks its cache holds when its prefill starts × block size,
            at most prompt - 1 tokens. TTFT = prefill end - arrival.
+  transfer a turn the gateway routes with a pull (Router's pull option) starts it at
+           arrival: the holder's leading blocks the worker lacks cross the holder's link
+           (`transfer_bytes_per_s`, one pull after another: a link's queue) at
+           `kv_bytes_per_token`; the holder keeps them locked meanwhile; at the end they
+           are stored (and published) on the worker. The turn keeps its place in the
+           queue but starts its prefill only once its blocks are in (a worker runs the
+           first queued turn that is ready); cached = its own leading blocks, transferred
+           = the pulled ones it found at its prefill's start.
   decode   batched and never slowing prefill: the first token at the prefill's end, the
            other output tokens `decode_s_per_token` apart (output = the recorded length,
            capped at `max_output_tokens`). E2E = TTFT + (output - 1) × decode_s_per_token.
@@ -24,7 +32,8 @@ Worker (SimConfig; the emulated worker's model, emulate/engine.py, with the same
            ends); when the reply ends the blocks of prompt and reply are stored. `reply_blocks`: "private" (default: the worker's own reply,
            which a replay's next prompt, carrying the recorded reply, does not share) or
            "recorded" (the reply is the trace's: the next turn's prompt reuses it).
-  status   queued prefill tokens (expected uncached tokens of the turns waiting, as at
+  status   the link's rate and KV bytes per token (from the start: the link is known);
+           queued prefill tokens (expected uncached tokens of the turns waiting, as at
            their arrival, and the share not yet computed of the one in prefill, counting as cached the blocks the turns ahead of
            them store at their prefill's end: BlockCache.reserve), running (decoding) sequences, KV fill, and its
            rates once a finished request measured them (worker/rates.py), as the worker
@@ -104,6 +113,12 @@ REDIS_EVENT_DELAY_S = 0.012
 # event is decided by these and REDIS_EVENT_DELAY_S together.
 FLEET_TURNAROUND_S = (0.0068, 0.0082, 0.0089, 0.0095, 0.0103, 0.0113, 0.0127, 0.0141,
                       0.0171, 0.0266)
+# What block transfer stands for by default: 100 Gb/s between GPUs (12.5 GB/s) and an 8B
+# model's KV (Llama-3-8B: 32 layers x 8 KV heads x 128 dims x 2 (K and V) x 2 bytes (bf16)
+# = 131,072 bytes per token), the model the default prefill rate (20k tokens/s) stands for:
+# 95k tokens/s over the link, 4.8x the prefill rate.
+DEFAULT_TRANSFER_BYTES_PER_S = 12.5e9
+DEFAULT_KV_BYTES_PER_TOKEN = 131_072
 
 
 @dataclass(frozen=True)
@@ -128,6 +143,10 @@ class SimConfig:
     # conversation) arriving, on top of the think time: one drawn per turn, equally likely
     # (seeded with arrival.seed); () for none (the follow-up arrives as the reply ends).
     turnaround_s: tuple[float, ...] = ()
+    # Block transfer (module docstring): each worker's link, bytes per emulated second,
+    # and the KV bytes of one token; 0 for either: no transfers.
+    transfer_bytes_per_s: float = DEFAULT_TRANSFER_BYTES_PER_S
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
 
     def __post_init__(self) -> None:
         if self.num_workers < 1 or self.capacity_tokens < self.block_size or self.block_size < 1:
@@ -140,7 +159,8 @@ class SimConfig:
             raise ValueError(f"reply_blocks must be private or recorded, not {self.reply_blocks!r}")
         if self.num_gateways < 1 or self.time_scale <= 0 or self.status_interval_s < 0 \
                 or self.event_delay_s < 0 or self.max_output_tokens < 0 \
-                or any(t < 0 for t in self.turnaround_s):
+                or any(t < 0 for t in self.turnaround_s) or self.transfer_bytes_per_s < 0 \
+                or self.kv_bytes_per_token < 0:
             raise ValueError("need num_gateways >= 1, time_scale > 0 and non-negative "
                              "intervals, delays and caps")
 
@@ -253,7 +273,7 @@ def prepare_turns(trace: Trace, block_size: int = 16, tokenizer=None,
 
 class _Worker:
     __slots__ = ("wid", "cache", "queue", "queued_tokens", "busy", "running", "status",
-                 "prefill_rate", "decode_step_s", "prefilling")
+                 "prefill_rate", "decode_step_s", "prefilling", "link_free_at")
 
     def __init__(self, wid: str, cache: BlockCache) -> None:
         self.wid = wid
@@ -267,11 +287,12 @@ class _Worker:
         self.prefill_rate = 0.0
         self.decode_step_s = 0.0
         self.status: tuple = (0, 0, 0.0, 0.0, 0.0)  # what the gateways last saw
+        self.link_free_at = 0.0  # when the pulls queued on its outbound link are done
 
 
 class _Gateway:
     __slots__ = ("index", "router", "in_flight", "in_flight_tokens", "finished_since",
-                 "prefilled_since", "tokens_at_status")
+                 "prefilled_since", "tokens_at_status", "export_bytes")
 
     def __init__(self, cfg: SimConfig, clock) -> None:
         self.index = PrefixIndex(spread_fanout=cfg.routing.spread_fanout,
@@ -285,6 +306,8 @@ class _Gateway:
         self.finished_since: dict[str, int] = {}
         self.prefilled_since: dict[str, int] = {}
         self.tokens_at_status: dict[str, int] = {}  # in_flight_tokens when the status came
+        # Bytes of the pulls it routed from each holder, until their turns' first token.
+        self.export_bytes: dict[str, int] = {}
 
 
 class _IndexFeed(KVEventSink):
@@ -321,6 +344,13 @@ class _Req:
     prefill_start: float = 0.0
     prefill_end: float = 0.0
     routed: Turn | None = None  # the turn as the gateway routed it (Router.record's too)
+    ready: bool = True  # False while its pulled blocks are on the way
+    pull_from: int = 0  # pulled blocks: usable[pull_from:pull_to]
+    pull_to: int = 0
+    predicted_transferred: int = 0
+    transferred: int = 0
+    export_bytes: int = 0  # what the gateway counts on the holder's link for it
+    holder: str = ""
 
 
 def _reply_hashes(last: int, n: int) -> list[int]:
@@ -411,7 +441,10 @@ class _Sim:
             out.append(LoadSnapshot(
                 w.wid, queued,
                 max(running, g.in_flight.get(w.wid, 0)), prefill_tokens_per_s=rate,
-                decode_step_s=step_s, prefill_chunk_tokens=0, kv_fill=fill))
+                decode_step_s=step_s, prefill_chunk_tokens=0, kv_fill=fill,
+                transfer_bytes_per_s=self.cfg.transfer_bytes_per_s,
+                kv_bytes_per_token=self.cfg.kv_bytes_per_token,
+                export_queued_bytes=g.export_bytes.get(w.wid, 0)))
         return out
 
     # -- events ------------------------------------------------------------------------
@@ -435,10 +468,19 @@ class _Sim:
         req = _Req(t, self.now, g, w, t.block_hashes[:(t.num_prompt_tokens - 1) // cfg.block_size],
                    max(1, out), decision.cached_tokens_of(wid), decision.best_cached_tokens)
         req.routed = turn
-        req.pending = max(0, t.num_prompt_tokens - req.predicted)
+        pull = decision.pull_of(wid)
+        if pull is not None:
+            req.predicted_transferred = pull.num_tokens
+            req.holder = pull.holder_id
+            req.export_bytes = pull.num_tokens * cfg.kv_bytes_per_token
+            g.export_bytes[req.holder] = g.export_bytes.get(req.holder, 0) + req.export_bytes
+        req.pending = max(0, t.num_prompt_tokens - req.predicted - req.predicted_transferred)
         g.in_flight[wid] = g.in_flight.get(wid, 0) + 1
         g.in_flight_tokens[wid] = g.in_flight_tokens.get(wid, 0) + req.pending
-        req.expected_uncached = t.num_prompt_tokens - w.cache.expected(req.usable) * cfg.block_size
+        expected = w.cache.expected(req.usable)
+        if pull is not None:
+            expected = max(expected, self._start_pull(req, pull.num_blocks))
+        req.expected_uncached = t.num_prompt_tokens - expected * cfg.block_size
         if cfg.publish_at == "prefill":  # stored before the turns queued behind it start
             w.cache.reserve(t.block_hashes)
         w.queue.append(req)
@@ -447,12 +489,45 @@ class _Sim:
         if not w.busy:
             self._start_prefill(w)
 
+    def _start_pull(self, req: _Req, num_blocks: int) -> int:
+        """Start pulling the leading blocks the holder has (of the first `num_blocks`) that
+        the worker lacks; returns the leading blocks the worker will hold once done."""
+        cfg, w, h = self.cfg, req.worker, self.by_id[req.holder]
+        own = w.cache.held(req.usable)
+        handle, n = h.cache.acquire(req.usable[:num_blocks])  # locked while they are read
+        if n <= own:
+            h.cache.release(handle)
+            return own
+        req.ready, req.pull_from, req.pull_to = False, own, n
+        num_bytes = (n - own) * cfg.block_size * cfg.kv_bytes_per_token
+        h.link_free_at = max(self.now, h.link_free_at) + num_bytes / cfg.transfer_bytes_per_s
+        self.at(h.link_free_at, self._pull_done, req, handle)
+        return n
+
+    def _pull_done(self, req: _Req, holder_handle) -> None:
+        w = req.worker
+        self.by_id[req.holder].cache.release(holder_handle)
+        # Stored (and published) like computed blocks, locked for the turn until it starts.
+        req.handle = w.cache.store(req.handle, req.usable[:req.pull_to])
+        req.ready = True
+        if not w.busy and w.queue:
+            self._start_prefill(w)
+
     def _start_prefill(self, w: _Worker) -> None:
-        req = w.queue.popleft()
+        # The first queued turn that is ready (a turn waiting for its pull keeps its place).
+        req = next((r for r in w.queue if r.ready), None)
+        if req is None:
+            return
+        w.queue.remove(req)
         w.busy = True
+        held = req.handle
         req.handle, m = w.cache.acquire(req.usable)
-        req.cached = m * self.cfg.block_size
-        uncached = req.turn.num_prompt_tokens - req.cached
+        if held is not None:
+            w.cache.release(held)
+        bs = self.cfg.block_size
+        req.transferred = max(0, min(m, req.pull_to) - req.pull_from) * bs
+        req.cached = m * bs - req.transferred
+        uncached = req.turn.num_prompt_tokens - req.cached - req.transferred
         dur = 0.0 if self.ideal else uncached / self.cfg.prefill_tokens_per_s
         req.prefill_start, req.prefill_end = self.now, self.now + dur
         w.prefilling = req
@@ -466,6 +541,8 @@ class _Sim:
             req.handle = w.cache.store(req.handle, req.turn.block_hashes)
             w.cache.unreserve(req.turn.block_hashes)
         req.ttft = self.now - req.arrival
+        if req.export_bytes:  # the gateway sees the pull ended with the first token
+            g.export_bytes[req.holder] -= req.export_bytes
         g.in_flight_tokens[w.wid] -= req.pending
         g.prefilled_since[w.wid] = g.prefilled_since.get(w.wid, 0) + req.pending
         if req.num_output_tokens > 1:
@@ -495,7 +572,7 @@ class _Sim:
         g.in_flight[w.wid] -= 1
         g.finished_since[w.wid] = g.finished_since.get(w.wid, 0) + 1
         # The worker measures its rates on finished requests (worker/rates.py thresholds).
-        if t.num_prompt_tokens - req.cached >= 32:
+        if t.num_prompt_tokens - req.cached - req.transferred >= 32:
             w.prefill_rate = cfg.prefill_tokens_per_s
         if req.num_output_tokens > 1 and cfg.decode_s_per_token:
             w.decode_step_s = cfg.decode_s_per_token
@@ -503,9 +580,11 @@ class _Sim:
         self.records.append(TurnRecord(
             t.conversation_id, t.turn_index, start_s=req.arrival, ttft_s=req.ttft,
             e2e_s=self.now - req.arrival, prompt_tokens=t.num_prompt_tokens,
-            cached_tokens=req.cached, completion_tokens=req.num_output_tokens, worker=w.wid,
+            cached_tokens=req.cached, transferred_tokens=req.transferred,
+            completion_tokens=req.num_output_tokens, worker=w.wid,
             predicted_cached_tokens=req.predicted,
-            best_predicted_cached_tokens=req.best_predicted))
+            best_predicted_cached_tokens=req.best_predicted,
+            predicted_transferred_tokens=req.predicted_transferred))
         nxt = self._next_of.pop(id(req))
         if nxt is not None:
             self.at(self.now + cfg.arrival.think_time_s + self._turnaround(), self.arrive,
@@ -642,7 +721,11 @@ def run_simulations(trace: Trace, args: argparse.Namespace, arrival: ArrivalConf
                              getattr(args, "time_scale", 1.0)) / 1e3,
                          publish_at=getattr(args, "publish_at", "prefill"),
                          conversation_ids=not getattr(args, "no_conversation_ids", False),
-                         turnaround_s=turnaround)
+                         turnaround_s=turnaround,
+                         transfer_bytes_per_s=getattr(args, "transfer_bytes_per_s",
+                                                      DEFAULT_TRANSFER_BYTES_PER_S),
+                         kv_bytes_per_token=getattr(args, "kv_bytes_per_token",
+                                                    DEFAULT_KV_BYTES_PER_TOKEN))
         bnd = bounds(convs, base)
         bar.update(1)
         for policy, gateways in itertools.product(policies, gateway_counts):
@@ -662,6 +745,8 @@ def run_simulations(trace: Trace, args: argparse.Namespace, arrival: ArrivalConf
                            "capacity_tokens": cfg.capacity_tokens, "block_size": block_size,
                            "prefill_tokens_per_s": cfg.prefill_tokens_per_s,
                            "decode_s_per_token": cfg.decode_s_per_token,
+                           "transfer_bytes_per_s": cfg.transfer_bytes_per_s,
+                           "kv_bytes_per_token": cfg.kv_bytes_per_token,
                            "time_scale": cfg.time_scale,
                            "arrival": vars(arrival), "wall_s": res.wall_s,
                            "overflow_blocks": res.overflow_blocks},

@@ -55,12 +55,19 @@ class TurnRecord:
     itl_s: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    transferred_tokens: int = 0  # prompt tokens whose KV was pulled from another worker
     completion_tokens: int = 0
     worker: str = ""
     # The gateway's decision, when it reports it (-1: not reported): cached tokens it
     # predicted on the chosen worker and on the best-cached worker.
     predicted_cached_tokens: int = -1
     best_predicted_cached_tokens: int = -1
+    predicted_transferred_tokens: int = 0  # ... and predicted to arrive by a pull
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens prefilled (neither cached nor transferred)."""
+        return self.prompt_tokens - self.cached_tokens - self.transferred_tokens
 
     @property
     def ok(self) -> bool:

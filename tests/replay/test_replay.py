@@ -589,3 +589,31 @@ def test_fleet_turnaround_joins_client_and_worker_records() -> None:
     assert s["to_send_s"]["p50"] == pytest.approx(1.2 - 0.95)
     assert s["to_worker_s"]["p50"] == pytest.approx(1.4 - 0.95)
     assert s["client_s"]["p50"] == pytest.approx(1.2 - 1.0)
+
+
+def test_simulated_transfer_moves_kv_instead_of_work() -> None:
+    """A 400-token prefix cached on one worker, then a burst of 6 turns extending it: with
+    transfer (a link 10x the prefill rate) the turns the holder cannot serve at once pull
+    the prefix to idle workers instead of recomputing it or queueing behind the holder."""
+    prefix = tuple(range(1, 101))  # 100 blocks of 4 tokens
+    convs = [[SimTurn("seed", 0, 404, 1, prefix + (9000,), prefix + (9000,), 0.0)]]
+    for c in range(6):
+        blocks = prefix + tuple(10_000 * (c + 1) + i for i in range(25))
+        convs.append([SimTurn(f"c{c}", 0, len(blocks) * 4, 1, blocks, blocks, 1.0)])
+    base = dict(num_workers=4, capacity_tokens=10_000, block_size=4, prefill_tokens_per_s=1000,
+                decode_s_per_token=0.01, arrival=ArrivalConfig("open"),
+                transfer_bytes_per_s=1e6, kv_bytes_per_token=100)
+    runs = {t: simulate(convs, SimConfig(**base, routing=RoutingConfig(transfer=t)))
+            for t in (True, False)}
+    s = {t: summarize(r.records, r.duration_s) for t, r in runs.items()}
+    assert s[False]["transferred_tokens"] == 0
+    pulled = [r for r in runs[True].records if r.transferred_tokens]
+    assert pulled and all(r.transferred_tokens == 400 and r.worker != "worker-0"
+                          for r in pulled)
+    assert all(r.cached_tokens + r.transferred_tokens + r.computed_tokens == r.prompt_tokens
+               for r in runs[True].records)
+    assert s[True]["not_recomputed_rate"] > s[False]["not_recomputed_rate"]
+    assert s[True]["ttft_s"]["mean"] < s[False]["ttft_s"]["mean"]
+    # Without a link (0 bytes/s) nothing is pulled.
+    none = simulate(convs, SimConfig(**{**base, "transfer_bytes_per_s": 0.0}))
+    assert not any(r.transferred_tokens for r in none.records)
