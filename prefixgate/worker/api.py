@@ -13,8 +13,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from prefixgate.wire.protocol import SamplingConfig
+
+if TYPE_CHECKING:
+    from prefixgate.worker.transfer import BlockTransfer
 
 
 class FinishReason(Enum):
@@ -124,6 +128,12 @@ class Engine(ABC):
     def context_overflow(self) -> str:
         """Overflow policy for requests that leave it unset (prefixgate.model.overflow.POLICIES)."""
         return "fail"
+
+    @property
+    def transfer(self) -> BlockTransfer | None:
+        """This engine's side of block transfer (worker/transfer.py); None: it cannot
+        export or import KV blocks."""
+        return None
 
     @abstractmethod
     def submit(self, request: Request, emit: EmitFn) -> None: ...

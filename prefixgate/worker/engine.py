@@ -12,7 +12,7 @@ parts, one job each:
   worker/model_runner.py + paged_attention.py  the model over the pool, one flat batch.
 
 This module is the loop. Calls from other threads become typed messages in the inbox
-(`Submit`, `Cancel`, `Flush`, `CheckIntegrity`, `Shutdown`); the engine thread drains
+(`Submit`, `Cancel`, `Flush`, `CheckIntegrity`, `Call`, `Shutdown`); the engine thread drains
 them between steps, so every structure below is touched by that thread only. A step:
 
 1. ends cancelled requests, admits waiting ones, schedules a batch;
@@ -51,6 +51,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
@@ -117,11 +118,17 @@ class CheckIntegrity:
 
 
 @dataclass(frozen=True)
+class Call:
+    fn: Callable[[], object]  # run on the engine thread between steps
+    done: Future[object]
+
+
+@dataclass(frozen=True)
 class Shutdown:
     pass
 
 
-Message = Submit | Cancel | Flush | CheckIntegrity | Shutdown
+Message = Submit | Cancel | Flush | CheckIntegrity | Call | Shutdown
 
 
 class PagedEngine(Engine):
@@ -144,6 +151,9 @@ class PagedEngine(Engine):
         self._status = EngineStatus(0, 0, 0, 0, self.pool.config.num_tokens)
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
+        from prefixgate.worker.kv_transfer import PagedBlockTransfer
+
+        self._transfer = PagedBlockTransfer(self) if config.enable_prefix_cache else None
 
     @property
     def metrics(self) -> WorkerMetrics | None:
@@ -161,6 +171,10 @@ class PagedEngine(Engine):
     def context_overflow(self) -> str:
         return self.config.context_overflow
 
+    @property
+    def transfer(self):
+        return self._transfer
+
     # --- contract (any thread) ------------------------------------------------------------
 
     def submit(self, request: Request, emit: EmitFn) -> None:
@@ -176,6 +190,15 @@ class PagedEngine(Engine):
         done: Future[int] = Future()
         self._inbox.put(Flush(done))
         return done.result(timeout=60)
+
+    def on_engine_thread(self, fn: Callable[[], object], timeout_s: float = 60.0) -> object:
+        """Run `fn` on the engine thread between steps and return its result (raise its
+        exception). For short changes of the cache or pool from other threads."""
+        if not self._thread.is_alive():
+            raise RuntimeError("the engine has stopped")
+        done: Future[object] = Future()
+        self._inbox.put(Call(fn, done))
+        return done.result(timeout=timeout_s)
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless every pool reference is accounted for: each block's
@@ -236,6 +259,11 @@ class PagedEngine(Engine):
             self._cancelled.add(msg.request_id)
         elif isinstance(msg, Flush):
             msg.done.set_result(self.cache.flush())
+        elif isinstance(msg, Call):
+            try:
+                msg.done.set_result(msg.fn())
+            except Exception as exc:
+                msg.done.set_exception(exc)
         elif isinstance(msg, CheckIntegrity):
             try:
                 self._check_integrity()

@@ -45,3 +45,22 @@ class ServiceRates:
         if final.completion_tokens > 1 and decode_ms >= MIN_MS:
             self.decode_step_s = self._mean(
                 self.decode_step_s, decode_ms / 1e3 / (final.completion_tokens - 1))
+
+
+MIN_TRANSFER_BYTES = 64 << 10  # smaller pulls measure the call's latency, not the rate
+
+
+class TransferRate:
+    """Bytes per second of KV pulled from peers (running mean over about `window` pulls
+    of at least MIN_TRANSFER_BYTES, set-up included: what a router pays); 0 until one."""
+
+    def __init__(self, window: int = 10) -> None:
+        self.alpha = 2.0 / (window + 1)
+        self.bytes_per_s = 0.0
+
+    def observe(self, num_bytes: int, seconds: float) -> None:
+        if num_bytes < MIN_TRANSFER_BYTES or seconds <= 0:
+            return
+        rate = num_bytes / seconds
+        old = self.bytes_per_s
+        self.bytes_per_s = rate if old == 0.0 else old + self.alpha * (rate - old)

@@ -29,7 +29,7 @@ import grpc
 
 from prefixgate.model.catalog import ModelSpec
 from prefixgate.security import auth
-from prefixgate.v1 import common_pb2, worker_pb2
+from prefixgate.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from prefixgate.wire import rpc
 from prefixgate.wire.events import OwnershipEvent
 from prefixgate.wire.protocol import (
@@ -45,7 +45,9 @@ from prefixgate.wire.status import watch_status
 from prefixgate.wire.token_ids import prompt_token_ids
 from prefixgate.worker.api import Engine, FinalEvent, FinishReason, Request, TokenEvent
 from prefixgate.worker.events import EventLog
-from prefixgate.worker.rates import ServiceRates
+from prefixgate.worker.rates import ServiceRates, TransferRate
+from prefixgate.worker.transfer import MAX_MESSAGE_BYTES, PullResult, TransferError, export_events
+from prefixgate.worker.transfer import pull as pull_blocks
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,10 @@ class WorkerConfig:
     health_port: int = 0  # plaintext grpc.health.v1 only, for probes without TLS (0: off)
     auth: auth.AuthConfig = auth.AuthConfig()  # internal credential every call must carry
     limits: RequestLimits = RequestLimits()  # what one request may carry
+    # How this worker calls peers (block pulls, drain hand-off): TLS as a client (a CA,
+    # and a client certificate for mutual TLS); the internal credential is auth's.
+    peer_tls: rpc.TLSConfig = rpc.TLSConfig()
+    pull_timeout_s: float = 60.0  # one pull from a peer, at most (then compute the rest)
 
 
 class WorkerService:
@@ -85,6 +91,9 @@ class WorkerService:
         self._closing = False
         self._watchers: set[asyncio.Event] = set()
         self.rates = ServiceRates()  # measured on finished requests, reported in the status
+        self.transfer_rate = TransferRate()  # measured on pulls, reported in the status
+        self._peers: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerServiceStub]] = {}
+        self._credential: auth.InternalCredential | None = None  # set by serve()
 
     async def Generate(self, request: worker_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext):
@@ -113,6 +122,10 @@ class WorkerService:
                 f"{self.engine.capacity_tokens}: lower max_tokens or shorten the prompt",
                 REQUEST_SCOPED)
         request_id = request.request_id or uuid.uuid4().hex
+        pulled: PullResult | None = None
+        if request.HasField("pull") and need == len(prompt) + sampling.max_tokens:
+            pulled = await self._pull_prompt(request_id, prompt, request.namespace,
+                                             request.pull)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent | FinalEvent] = asyncio.Queue()
         self.engine.submit(
@@ -146,18 +159,22 @@ class WorkerService:
                 finals[ev.index] = ev
             finished = True
             first = finals[0]
-            self.rates.observe(first)
+            self.rates.observe(first)  # the engine's own timings: the pull is not prefill
+            transferred, pull_ms = self._transferred_tokens(pulled, first.cached_tokens)
             yield worker_pb2.GenerateEvent(final=worker_pb2.GenerateFinal(
                 usage=common_pb2.Usage(
-                    prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens,
+                    prompt_tokens=first.prompt_tokens,
+                    cached_tokens=first.cached_tokens - transferred,
+                    transferred_tokens=transferred,
                     completion_tokens=sum(f.completion_tokens for f in finals.values()),
                     dropped_tokens=first.dropped_tokens),
                 finish_reason=FINISH_TO_PROTO[first.finish_reason],
                 sample_finish_reasons=[FINISH_TO_PROTO[finals[i].finish_reason]
                                        for i in range(sampling.n)],
                 timings=common_pb2.Timings(
-                    queue_ms=first.queue_ms, ttft_ms=min(f.ttft_ms for f in finals.values()),
-                    total_ms=max(f.total_ms for f in finals.values()))))
+                    queue_ms=pull_ms + first.queue_ms,
+                    ttft_ms=pull_ms + min(f.ttft_ms for f in finals.values()),
+                    total_ms=pull_ms + max(f.total_ms for f in finals.values()))))
         finally:
             if not finished:  # client gone or deadline passed: free the engine's resources
                 self.engine.cancel(request_id)
@@ -187,20 +204,99 @@ class WorkerService:
             num_queued_prefill_tokens=s.num_queued_prefill_tokens,
             kv_used_tokens=s.kv_used_tokens, kv_capacity_tokens=s.kv_capacity_tokens,
             prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
-            decode_step_s=self.rates.decode_step_s)
+            decode_step_s=self.rates.decode_step_s,
+            kv_bytes_per_token=(self.engine.transfer.format.bytes_per_token
+                                if self.engine.transfer is not None else 0),
+            transfer_bytes_per_s=self.transfer_rate.bytes_per_s)
+
+    # --- block transfer (worker/transfer.py) ---------------------------------------------
 
     async def ExportBlocks(self, request: worker_pb2.ExportBlocksRequest,
                            context: grpc.aio.ServicerContext):
-        """Stream the KV pages of a chain of blocks (worker/transfer.py)."""
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            f"worker {self.config.worker_id} cannot export KV blocks")
-        yield worker_pb2.ExportBlocksEvent()  # unreachable: makes this a stream handler
+        """Stream the KV pages of the longest cached run of a chain of blocks."""
+        transfer = self.engine.transfer
+        if transfer is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                f"worker {self.config.worker_id} cannot export KV blocks "
+                                "(its prefix cache is off, or its engine has none)")
+        try:
+            async for event in export_events(transfer, request, self.config.worker_id):
+                yield event
+        except TransferError as exc:
+            await context.abort(exc.code, str(exc))
 
     async def PullBlocks(self, request: worker_pb2.PullBlocksRequest,
                          context: grpc.aio.ServicerContext) -> worker_pb2.PullBlocksResponse:
-        """Fetch a chain of blocks from a peer into the prefix cache (worker/transfer.py)."""
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            f"worker {self.config.worker_id} cannot import KV blocks")
+        """Fetch a chain of blocks from a peer into the prefix cache."""
+        if self.engine.transfer is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                f"worker {self.config.worker_id} cannot import KV blocks")
+        if not request.peer_address or not request.block_hashes:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "PullBlocks needs peer_address and block_hashes")
+        got = await self.pull(request.peer_address, request.peer_worker_id,
+                              request.block_hashes)
+        if got.error is not None and not got.num_cached:
+            await context.abort(got.error.code, str(got.error))
+        return worker_pb2.PullBlocksResponse(
+            num_cached_blocks=got.num_cached, num_pulled_blocks=got.num_pulled,
+            num_bytes=got.num_bytes, seconds=got.seconds)
+
+    async def pull(self, address: str, peer_id: str, chain) -> PullResult:
+        """Pull the blocks of `chain` this worker lacks from the peer at `address`."""
+        assert self.engine.transfer is not None
+        got = await pull_blocks(self._peer(address), self.engine.transfer, chain,
+                                f"worker {peer_id or '?'} at {address}",
+                                self.config.pull_timeout_s)
+        self.transfer_rate.observe(got.num_bytes, got.seconds)
+        if got.error is not None:
+            log.warning("worker %s: pull of %d blocks from %s stopped after %d: %s (%s); "
+                        "the rest is computed", self.config.worker_id, len(chain),
+                        peer_id or address, got.num_pulled, got.error, got.error.code.name)
+        return got
+
+    async def _pull_prompt(self, request_id: str, prompt, namespace: str,
+                           spec: worker_pb2.PullSpec) -> PullResult | None:
+        """Pull a prompt's leading blocks per `spec` (never the block of its last token,
+        which is computed for its logits); None when there is nothing to pull."""
+        transfer = self.engine.transfer
+        usable = (len(prompt) - 1) // self.config.block_size
+        num_blocks = min(spec.num_blocks, usable)
+        if transfer is None or not num_blocks or not spec.peer_address:
+            return None
+        chain = transfer.chain(prompt[:num_blocks * self.config.block_size], namespace)
+        got = await self.pull(spec.peer_address, spec.peer_worker_id, chain)
+        log.info("request %s: %d blocks cached here, %d pulled from %s (%.1f MB in %.0f ms)",
+                 clip(request_id), got.num_cached_before, got.num_pulled,
+                 spec.peer_worker_id or spec.peer_address, got.num_bytes / 1e6,
+                 got.seconds * 1e3)
+        return got
+
+    def _transferred_tokens(self, pulled: PullResult | None, cached_tokens: int
+                            ) -> tuple[int, float]:
+        """(prompt tokens the pull supplied, the pull's milliseconds): the engine counts
+        pulled blocks as cached; those past what was cached here before came over."""
+        if pulled is None:
+            return 0, 0.0
+        bs = self.config.block_size
+        transferred = min(pulled.num_pulled * bs,
+                          max(0, cached_tokens - pulled.num_cached_before * bs))
+        return transferred, pulled.seconds * 1e3
+
+    def _peer(self, address: str) -> worker_pb2_grpc.WorkerServiceStub:
+        """A stub for the peer at `address`: mTLS per peer_tls, the internal credential."""
+        if address not in self._peers:
+            channel = rpc.channel(
+                address, self.config.peer_tls,
+                self._credential.metadata if self._credential else (),
+                options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+            self._peers[address] = (channel, worker_pb2_grpc.WorkerServiceStub(channel))
+        return self._peers[address][1]
+
+    async def close_peers(self) -> None:
+        for channel, _ in self._peers.values():
+            await channel.close()
+        self._peers.clear()
 
     async def FlushCache(self, request, context) -> worker_pb2.FlushCacheResponse:
         return worker_pb2.FlushCacheResponse(num_flushed_tokens=self.engine.flush_cache())
@@ -281,6 +377,7 @@ async def serve(service: WorkerService, stop: asyncio.Event,
                                       ("grpc.so_reuseport", 0)])
     internal = auth.load_internal(service.config.auth,
                                   f"worker {service.config.worker_id or service.config.port}")
+    service._credential = internal  # sent on calls to peers, as gateways send it
     rpc.add_service(server, SERVICE, service,
                     None if internal is None else auth.internal_guard(internal))
     health = rpc.add_health_and_reflection(server, [SERVICE.full_name])
@@ -303,5 +400,6 @@ async def serve(service: WorkerService, stop: asyncio.Event,
     await server.stop(cfg.drain_seconds)
     if health_server is not None:
         await health_server.stop(0)
+    await service.close_peers()
     service.engine.shutdown()
     log.info("worker %s stopped", cfg.worker_id)

@@ -1,0 +1,130 @@
+"""`PagedBlockTransfer`: the `BlockTransfer` contract (worker/transfer.py) over a
+`PagedEngine`'s prefix cache and KV pool.
+
+Pins, reservations and commits run on the engine thread (`PagedEngine.on_engine_thread`,
+between steps); page copies run on the caller's thread. That is safe because a pinned
+block is locked in the radix tree and referenced (never evicted, and a block's K/V is
+written once, before it is cached), and a reserved block is referenced by the
+reservation alone until it is committed: no step reads or writes the slots copied.
+
+Pages go out as `pool.k[:, slots]` and `pool.v[:, slots]` for the blocks' token slots:
+[num_layers, num_blocks * block_size, num_kv_heads, head_dim], the pool's own dtype and
+layout (KV_LAYOUT_LAYER_TOKEN_HEAD_DIM), and come in the same way.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from prefixgate.radix import Node
+from prefixgate.worker.transfer import BlockTransfer, KVFormat, Reservation
+
+if TYPE_CHECKING:
+    from prefixgate.worker.engine import PagedEngine
+
+# torch.frombuffer warns on read-only buffers (protobuf bytes): the pages are copied into
+# the pool at once and the view never written through.
+warnings.filterwarnings("ignore", message="The given buffer is not writable",
+                        category=UserWarning)
+
+
+@dataclass
+class _Pin:
+    handle: Node[int]
+    block_ids: list[int]  # the whole matched run (one pool reference each)
+    from_block: int
+
+
+class PagedBlockTransfer(BlockTransfer):
+    def __init__(self, engine: PagedEngine) -> None:
+        pool = engine.pool.config
+        super().__init__(KVFormat(
+            model_fingerprint=engine.config.model_fingerprint, block_size=pool.block_size,
+            dtype=str(pool.dtype).removeprefix("torch."), num_layers=pool.num_layers,
+            num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim))
+        self.engine = engine
+        self.pool = engine.pool
+        self.cache = engine.cache
+
+    # --- export ------------------------------------------------------------------------
+
+    def pin(self, chain: Sequence[int], from_block: int) -> _Pin | None:
+        def on_engine() -> _Pin | None:
+            handle, ids = self.cache.match(chain)
+            if len(ids) > from_block:
+                return _Pin(handle, ids, from_block)
+            self.pool.release(ids)
+            self.cache.unlock(handle)
+            return None
+        return self.engine.on_engine_thread(on_engine)
+
+    def pinned_blocks(self, pin: _Pin) -> int:
+        return len(pin.block_ids) - pin.from_block
+
+    def read(self, pin: _Pin, start: int, count: int) -> tuple[bytes, bytes]:
+        first = pin.from_block + start
+        slots = self._slots(pin.block_ids[first:first + count])
+        return _bytes(self.pool.k[:, slots]), _bytes(self.pool.v[:, slots])
+
+    def unpin(self, pin: _Pin) -> None:
+        def on_engine() -> None:
+            self.pool.release(pin.block_ids)
+            self.cache.unlock(pin.handle)
+        self.engine.on_engine_thread(on_engine)
+
+    # --- import ------------------------------------------------------------------------
+
+    def reserve(self, chain: Sequence[int]) -> Reservation:
+        def on_engine() -> Reservation:
+            handle, ids = self.cache.match(chain)
+            # Only what can be had without preempting a running request: free blocks,
+            # then unlocked cached ones (the run matched above is locked).
+            room = self.pool.num_free_blocks + self.cache.num_evictable_blocks
+            want = min(len(chain) - len(ids), room)
+            fresh = (self.engine.blocks.acquire(want) or []) if want > 0 else []
+            return Reservation(tuple(chain), len(ids), len(fresh), (handle, ids, fresh))
+        return self.engine.on_engine_thread(on_engine)
+
+    def write(self, reservation: Reservation, start: int, k: bytes, v: bytes) -> None:
+        fresh = reservation.handle[2]
+        c = self.pool.config
+        n = len(k) // (c.block_size * c.num_layers * c.num_kv_heads * c.head_dim
+                       * self.pool.k.element_size())
+        slots = self._slots(fresh[start:start + n])
+        shape = (c.num_layers, n * c.block_size, c.num_kv_heads, c.head_dim)
+        for dst, data in ((self.pool.k, k), (self.pool.v, v)):
+            src = torch.frombuffer(data, dtype=c.dtype).view(shape)
+            dst.index_copy_(1, slots, src.to(dst.device, non_blocking=False))
+
+    def commit(self, reservation: Reservation, num_blocks: int) -> int:
+        handle, ids, fresh = reservation.handle
+        chain = reservation.chain
+
+        def on_engine() -> int:
+            m = len(ids)
+            if num_blocks:
+                # Hands the references on ids (taken by match) and on the filled fresh
+                # blocks to the cache; publishes `stored` for the new ones.
+                self.cache.insert(chain[:m + num_blocks], [*ids, *fresh[:num_blocks]])
+            else:
+                self.pool.release(ids)
+            self.pool.release(fresh[num_blocks:])
+            self.cache.unlock(handle)
+            return self.cache.tree.match(chain, touch=False).num_blocks
+        return self.engine.on_engine_thread(on_engine)
+
+    def _slots(self, block_ids: Sequence[int]) -> torch.Tensor:
+        bs = self.pool.config.block_size
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        slots = (ids[:, None] * bs + torch.arange(bs)).flatten()
+        return slots.to(self.pool.k.device)
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    """The raw bytes of `t` (any dtype, bfloat16 included), row-major."""
+    return t.contiguous().cpu().view(torch.uint8).numpy().tobytes()

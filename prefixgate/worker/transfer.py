@@ -1,0 +1,271 @@
+"""Block transfer between workers: move KV instead of work (torch-free).
+
+Contract
+--------
+`BlockTransfer` is an engine's side of it (`Engine.transfer`; None: the engine cannot
+transfer). Its methods take block-hash chains (`prefixgate.radix.BlockHasher` keys, what
+gateways route on and KV events carry) and never block the engine loop: pins and cache
+changes happen on the engine's thread between steps (callers wait for them off the event
+loop, `asyncio.to_thread`), page copies happen on the caller's thread, on blocks nobody
+else writes (pinned cached blocks are never rewritten; reserved blocks belong to the
+import alone until it commits them).
+
+  pin(chain, from_block)       lock the longest cached run of `chain` (evictions and
+                               rewrites stay off it); None when it holds no block past
+                               from_block. `unpin` when done.
+  read(pin, start, count)      K and V bytes of the pin's blocks [start, start + count)
+                               (counted from from_block), in `format`'s dtype and layout.
+  reserve(chain)               lock the leading run of `chain` already cached here and
+                               take fresh blocks (free, else evicting unlocked cached
+                               ones; fewer when memory is short) for the blocks after it.
+  write(reservation, start, k, v)  fill reserved blocks [start, start + n).
+  commit(reservation, n)       store the first n reserved blocks in the prefix cache
+                               (published as `stored`, like computed ones), give the rest
+                               back, unlock; returns the chain's leading blocks cached now.
+
+The gRPC side lives here too, written against that contract only (so an emulated engine
+transfers through the same code): `export_events` is WorkerService.ExportBlocks' stream
+(header, then chunks of whole blocks of about `chunk_bytes`, the next chunk copied while
+the current one is sent: at most two chunks in memory, and gRPC's flow control stops the
+copying when the receiver stops reading); `pull` is the receiving side (checks the
+header against its own format and refuses a mismatch, writes chunks as they arrive,
+commits what arrived whole even when the stream breaks). A refusal is a `TransferError`
+carrying the gRPC status to answer or log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from prefixgate.radix import Hashers
+from prefixgate.v1 import worker_pb2
+
+LAYOUT = worker_pb2.KV_LAYOUT_LAYER_TOKEN_HEAD_DIM
+CHUNK_BYTES = 4 << 20  # K + V bytes per chunk (at least one block): few messages, small memory
+# Pull channels accept messages of this size (a chunk of one block must fit).
+MAX_MESSAGE_BYTES = 256 << 20
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class TransferError(Exception):
+    """A transfer refused or broken; `code` is the gRPC status to answer or log."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """What one worker's KV pages are: two workers may exchange blocks iff equal."""
+
+    model_fingerprint: str
+    block_size: int
+    dtype: str  # DTYPE_BYTES key
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    layout: int = LAYOUT
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V: 2 x layers x kv_heads x head_dim x element size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def header(self, worker_id: str, num_blocks: int) -> worker_pb2.KVBlocksHeader:
+        return worker_pb2.KVBlocksHeader(
+            worker_id=worker_id, model_fingerprint=self.model_fingerprint,
+            block_size=self.block_size, dtype=self.dtype, layout=self.layout,
+            num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            bytes_per_token=self.bytes_per_token, num_blocks=num_blocks)
+
+    def mismatch(self, h: worker_pb2.KVBlocksHeader) -> str:
+        """Why pages described by `h` cannot be stored here ('' when they can)."""
+        for name in ("model_fingerprint", "block_size", "dtype", "layout", "num_layers",
+                     "num_kv_heads", "head_dim", "bytes_per_token"):
+            theirs, ours = getattr(h, name), getattr(self, name)
+            if theirs != ours:
+                return f"{name} {theirs!r} there, {ours!r} here"
+        return ""
+
+
+@dataclass
+class Reservation:
+    """Blocks an import may fill: the chain's first `num_cached` blocks are cached here
+    (locked), `num_blocks` fresh blocks follow them. `handle` is the engine's."""
+
+    chain: tuple[int, ...]
+    num_cached: int
+    num_blocks: int
+    handle: Any
+
+
+class BlockTransfer(ABC):
+    """An engine's side of block transfer (see the module docstring)."""
+
+    def __init__(self, format: KVFormat) -> None:
+        self.format = format
+        self._hashers = Hashers(format.block_size, format.model_fingerprint)
+
+    def chain(self, token_ids: Sequence[int], namespace: str) -> list[int]:
+        """The block-hash chain of `token_ids`' full blocks in `namespace`."""
+        return self._hashers.get(namespace).hash_blocks(token_ids)
+
+    @abstractmethod
+    def pin(self, chain: Sequence[int], from_block: int) -> Any | None: ...
+
+    @abstractmethod
+    def pinned_blocks(self, pin: Any) -> int:
+        """Blocks of the pin after from_block (>= 1)."""
+
+    @abstractmethod
+    def read(self, pin: Any, start: int, count: int) -> tuple[bytes, bytes]: ...
+
+    @abstractmethod
+    def unpin(self, pin: Any) -> None: ...
+
+    @abstractmethod
+    def reserve(self, chain: Sequence[int]) -> Reservation: ...
+
+    @abstractmethod
+    def write(self, reservation: Reservation, start: int, k: bytes, v: bytes) -> None: ...
+
+    @abstractmethod
+    def commit(self, reservation: Reservation, num_blocks: int) -> int: ...
+
+
+@dataclass(frozen=True)
+class PullResult:
+    num_cached_before: int  # leading blocks of the chain cached here before the pull
+    num_pulled: int  # blocks that came over the wire and were stored
+    num_bytes: int
+    seconds: float
+    error: TransferError | None = None  # why the pull stopped short, if it did
+
+    @property
+    def num_cached(self) -> int:
+        return self.num_cached_before + self.num_pulled
+
+
+async def export_events(transfer: BlockTransfer, request: worker_pb2.ExportBlocksRequest,
+                        worker_id: str, chunk_bytes: int = CHUNK_BYTES
+                        ) -> AsyncIterator[worker_pb2.ExportBlocksEvent]:
+    """WorkerService.ExportBlocks: header, then chunks (TransferError NOT_FOUND when
+    nothing past from_block is cached here)."""
+    chain, start = list(request.block_hashes), request.from_block
+    if start >= len(chain):
+        raise TransferError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"from_block {start} is past the chain's {len(chain)} blocks")
+    pin = await asyncio.to_thread(transfer.pin, chain, start)
+    if pin is None:
+        raise TransferError(grpc.StatusCode.NOT_FOUND,
+                            f"worker {worker_id} holds none of blocks {start}.. of the chain "
+                            "(evicted or never cached): compute them")
+    try:
+        total = transfer.pinned_blocks(pin)
+        yield worker_pb2.ExportBlocksEvent(header=transfer.format.header(worker_id, total))
+        per_chunk = max(1, chunk_bytes // transfer.format.bytes_per_block)
+        first = 0
+        # Copy chunk i+1 while chunk i is being sent: two chunks in memory at most.
+        reading = asyncio.ensure_future(asyncio.to_thread(
+            transfer.read, pin, 0, min(per_chunk, total)))
+        try:
+            while first < total:
+                count = min(per_chunk, total - first)
+                k, v = await reading
+                nxt = first + count
+                if nxt < total:
+                    reading = asyncio.ensure_future(asyncio.to_thread(
+                        transfer.read, pin, nxt, min(per_chunk, total - nxt)))
+                yield worker_pb2.ExportBlocksEvent(chunk=worker_pb2.KVBlocksChunk(
+                    first_block=start + first, num_blocks=count, k=k, v=v))
+                first = nxt
+        finally:
+            if not reading.done():
+                await asyncio.gather(reading, return_exceptions=True)  # pages in use
+    finally:
+        await asyncio.to_thread(transfer.unpin, pin)
+
+
+async def pull(stub: Any, transfer: BlockTransfer, chain: Sequence[int], peer: str,
+               timeout_s: float | None = None) -> PullResult:
+    """Fetch the blocks of `chain` this worker lacks from `peer` (its WorkerServiceStub)
+    and store them. Never raises for the peer's failures: the result's `error` says why
+    fewer blocks came than asked (the caller computes the rest)."""
+    began = time.monotonic()
+    res = await asyncio.to_thread(transfer.reserve, list(chain))
+    got = _Received()
+    try:
+        if res.num_blocks:
+            await _receive(stub, transfer, res, peer, timeout_s, got)
+        elif res.num_cached < len(chain):
+            got.error = TransferError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      "no KV block could be made free for the pulled blocks")
+    except TransferError as exc:
+        got.error = exc
+    except grpc.aio.AioRpcError as exc:
+        got.error = TransferError(exc.code(), f"{peer}: {exc.details()}")
+    finally:
+        # Also on cancellation (the request went away): what arrived whole is stored,
+        # the rest of the reservation given back.
+        await asyncio.shield(asyncio.to_thread(transfer.commit, res, got.blocks))
+    return PullResult(res.num_cached, got.blocks, got.bytes, time.monotonic() - began,
+                      got.error)
+
+
+@dataclass
+class _Received:
+    blocks: int = 0
+    bytes: int = 0
+    error: TransferError | None = None
+
+
+async def _receive(stub: Any, transfer: BlockTransfer, res: Reservation, peer: str,
+                   timeout_s: float | None, got: _Received) -> None:
+    """Stream the reserved blocks from `peer` into `res`, counting them in `got`."""
+    fmt = transfer.format
+    call = stub.ExportBlocks(worker_pb2.ExportBlocksRequest(
+        block_hashes=res.chain[:res.num_cached + res.num_blocks], from_block=res.num_cached),
+        timeout=timeout_s)
+    try:
+        first = await call.read()
+        if first is grpc.aio.EOF or first.WhichOneof("event") != "header":
+            raise TransferError(grpc.StatusCode.DATA_LOSS,
+                                f"{peer}: the export stream did not start with a header")
+        why = fmt.mismatch(first.header)
+        if why:
+            raise TransferError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{peer}'s KV pages do not fit this worker: {why}")
+        want = min(first.header.num_blocks, res.num_blocks)
+        half = fmt.bytes_per_block // 2
+        while got.blocks < want:
+            ev = await call.read()
+            if ev is grpc.aio.EOF:
+                raise TransferError(grpc.StatusCode.DATA_LOSS,
+                                    f"{peer}: the export stream ended after {got.blocks} of "
+                                    f"{want} blocks")
+            c = ev.chunk
+            if (c.first_block != res.num_cached + got.blocks or not c.num_blocks
+                    or len(c.k) != c.num_blocks * half or len(c.v) != len(c.k)):
+                raise TransferError(grpc.StatusCode.DATA_LOSS,
+                                    f"{peer}: a malformed chunk (blocks {c.first_block}+"
+                                    f"{c.num_blocks}, {len(c.k)} bytes) after {got.blocks} "
+                                    "blocks")
+            n = min(c.num_blocks, want - got.blocks)
+            k, v = (c.k, c.v) if n == c.num_blocks else (c.k[:n * half], c.v[:n * half])
+            await asyncio.to_thread(transfer.write, res, got.blocks, k, v)
+            got.blocks += n
+            got.bytes += 2 * n * half
+    finally:
+        call.cancel()  # a no-op once the stream ended; else the peer stops sending
