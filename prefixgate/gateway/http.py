@@ -3,8 +3,8 @@
 Contract
 --------
 `HTTPFront(service)` serves, beside the gRPC ChatService and through the very same turn
-path (`ChatService.chat_events`: the same validation, limits and messages, tokenizing,
-routing, namespaces, retries and worker calls; only the wire format differs):
+core (gateway/turn.py `TurnCore.turn`: the same validation, limits and messages,
+tokenizing, routing, namespaces, retries and worker calls; only the wire format differs):
 
   POST /v1/chat/completions  messages -> a chat completion; `stream` (SSE, `data: [DONE]`
                              last), `stream_options.include_usage` (with `stream` only),
@@ -61,6 +61,7 @@ import grpc
 from aiohttp import web
 
 from prefixgate.gateway import metrics
+from prefixgate.gateway.turn import Caller, TurnError
 from prefixgate.telemetry import metrics_export
 from prefixgate.v1 import chat_pb2, common_pb2
 from prefixgate.wire import rpc
@@ -507,11 +508,11 @@ class HTTPFront:
             options.get("include_usage") is True
         n = body.get("n") if type(body.get("n")) is int and body.get("n") > 0 else 1
         turn = _Turn(route, request_id, self.model, n)
-        context = _TurnContext(request.headers.get("Authorization"))
+        caller = Caller(request.headers.get("Authorization"))  # no deadline: disconnect ends it
         conversation_id = body.get("prompt_cache_key")
         request["counted"] = True  # observe_turn counts the turn routes
         events = metrics.observe_turn(
-            route, self._events(build, body, context, request_id), request_id=request_id,
+            route, self._events(build, body, caller, request_id), request_id=request_id,
             conversation_id=conversation_id if isinstance(conversation_id, str) else "",
             status_of=_http_status_of, ok_status="200")
         self.turns_in_flight += 1
@@ -524,14 +525,17 @@ class HTTPFront:
             await events.aclose()
 
     async def _events(self, build: Callable[[dict], Awaitable[chat_pb2.ChatRequest]],
-                      body: dict, context: _TurnContext, request_id: str
+                      body: dict, caller: Caller, request_id: str
                       ) -> AsyncIterator[chat_pb2.ChatEvent]:
         try:
             chat = await build(body)
         except InvalidRequest as exc:
             raise TurnFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        async for ev in self.service.chat_events(chat, context, request_id):
-            yield ev
+        try:
+            async for ev in self.service.turn(chat, caller, request_id):
+                yield ev
+        except TurnError as exc:
+            raise TurnFailed(exc.code, exc.details) from None
 
     async def _collect(self, turn: _Turn, events: AsyncIterator[chat_pb2.ChatEvent]
                        ) -> web.Response:
@@ -543,7 +547,7 @@ class HTTPFront:
                     texts[ev.delta.index].append(ev.delta.text)
             else:
                 final = ev.final
-        assert final is not None  # chat_events ends with a final event or raises
+        assert final is not None  # a turn ends with a final event or raises
         reasons = finish_reasons(final, turn.n)
         if turn.chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": "".join(t)},

@@ -6,7 +6,9 @@ streaming get `close_grace_s` to finish). A worker registered again at the same 
 (a new epoch) keeps its connection and in-flight turns. A worker whose
 model fingerprint differs from the gateway's is refused: logged, listed in `refused`,
 never routed to (so is one whose block size differs: its block hashes would never match).
-A worker's load (`WorkerHandle.status`) is pushed to it by gateway/status.py.
+A worker's load (`WorkerHandle.status`) is pushed to it by gateway/status.py; this
+gateway's own turns there count through `WorkerHandle.lease(prompt_tokens)` (a `Lease`
+held from sending a turn until it ends), never through counters updated by hand.
 `healthy()` lists the workers a turn may be routed to, sorted by id.
 
 Health comes from probes and transport errors only, never from one request's outcome:
@@ -66,6 +68,11 @@ class WorkerHandle:
     absent_since: float | None = None  # monotonic time it was first missing from the registry
     heard_at: float = 0.0  # monotonic time of its last pushed status (0: never)
 
+    def lease(self, prompt_tokens: int) -> Lease:
+        """Count one turn sent here, with `prompt_tokens` of prefill queued for it, in this
+        worker's load until the lease closes (`Lease`)."""
+        return Lease(self, prompt_tokens)
+
     @property
     def worker_id(self) -> str:
         """The id the worker reports (static workers are listed under their address)."""
@@ -121,6 +128,44 @@ class WorkerHandle:
         if s is None or not s.kv_capacity_tokens:
             return 1.0
         return min(1.0, s.kv_used_tokens / s.kv_capacity_tokens)
+
+
+class Lease:
+    """One turn's share of a worker's load as this gateway counts it (`WorkerHandle`'s
+    in-flight counters), held from sending the turn until it ends there, whatever the
+    outcome. `first_token()`: the turn's prefill is done (its prompt tokens leave the queue
+    and count as prefill ended since the last status); closing does that too if it never
+    came (a failed prefill is no longer queued either), and ends the turn. Use as a
+    context manager, so that every path out of a turn gives the load back exactly once."""
+
+    __slots__ = ("worker", "pending")
+
+    def __init__(self, worker: WorkerHandle, prompt_tokens: int) -> None:
+        self.worker, self.pending = worker, prompt_tokens
+        worker.in_flight += 1
+        worker.in_flight_prompt_tokens += prompt_tokens
+
+    def first_token(self) -> None:
+        w, pending = self.worker, self.pending
+        if pending:
+            w.in_flight_prompt_tokens -= pending
+            w.prefilled_since_status += pending
+            self.pending = 0
+
+    def close(self) -> None:
+        if self.worker is None:
+            return
+        self.first_token()
+        w = self.worker
+        w.in_flight -= 1
+        w.finished_since_status += 1
+        self.worker = None  # type: ignore[assignment]
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclass

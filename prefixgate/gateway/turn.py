@@ -1,0 +1,340 @@
+"""The turn core: validate → route → relay → account, with no transport in it.
+
+Contract
+--------
+`TurnCore.turn(request, caller, request_id)` runs one chat turn and yields its
+`ChatEvent`s: `ChatDelta`s as the serving worker streams them, then exactly one
+`ChatFinal` (usage, finish reason, serving worker, gateway-side timings, the decision's
+predicted and best predicted cached tokens). It either ends after that final event or
+raises `TurnError(code, details)`, a gRPC status code and an actionable message, which
+each transport maps to its own form (gateway/server.py: the call's status; gateway/http.py:
+an HTTP status and OpenAI error body). `Caller` is what the core needs of the transport:
+the caller's `authorization` value (a bearer token, checked when the core has `tokens`)
+and the turn's deadline (monotonic seconds; None: none).
+
+Steps (each a method, in order):
+  `admit`     namespace (the token's, auth.bind_namespace), request fields and limits
+              (prefixgate.wire.protocol), the prompt as packed token ids (text is tokenized
+              on threads when long: `off_loop`): INVALID_ARGUMENT (NOT_FOUND for a model not
+              served here) before any worker is called.
+  `route`     block hashes of the prompt (the workers' hashers; HashMemo hashes only new
+              blocks), then `Router.decide` over the healthy workers (the event-fed
+              PrefixIndex: no Redis call per turn). No worker: UNAVAILABLE, at once.
+  `relay`     the ranked workers in order, at most 1 + `MAX_RETRIES`: the prompt's blocks
+              are predicted on the worker (Router.dispatch, and shared through the feed)
+              as it is sent; the worker's load is held by a `WorkerHandle.lease` until the
+              turn ends there (gateway/pool.py: no counters updated by hand here).
+  `account`   metrics, one debug log line, the trace recorder, the final event.
+
+Failures (docs/reliability.md): a failure that belongs to the request (INVALID_ARGUMENT,
+or a status the worker marks with trailing metadata `prefixgate-error-scope: request`)
+goes back as the worker said it, never retried and never held against the worker; any
+other failure before the first token is retried once on the next ranked worker within the
+deadline; only UNAVAILABLE (the transport) marks the worker down; after some text the turn
+ends with UNAVAILABLE saying how many tokens were sent and that a retry is safe; the
+deadline passing is DEADLINE_EXCEEDED.
+
+Worker seam: `WorkerHandle.stub.Generate(GenerateRequest, timeout=s)` returns an async
+iterator of `GenerateEvent`s and fails with `grpc.aio.AioRpcError` (a gRPC stub, or an
+in-process object shaped like one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+import grpc
+
+from prefixgate.gateway import metrics
+from prefixgate.gateway.index import PrefixIndex
+from prefixgate.gateway.pool import WorkerHandle, WorkerPool
+from prefixgate.gateway.routing import Decision, Router, Turn
+from prefixgate.model.catalog import ModelSpec
+from prefixgate.model.tokenizer import ChatTokenizer
+from prefixgate.radix import Hashers, HashMemo
+from prefixgate.security import auth
+from prefixgate.telemetry.trace_recorder import TraceRecorder
+from prefixgate.v1 import chat_pb2, common_pb2, worker_pb2
+from prefixgate.wire.protocol import (
+    ERROR_SCOPE_KEY,
+    ERROR_SCOPE_REQUEST,
+    OVERFLOW_FROM_PROTO,
+    InvalidRequest,
+    UnknownModel,
+    check_chat_fields,
+    check_prompt_tokens,
+    sampling_from_proto,
+)
+from prefixgate.wire.token_ids import pack, packed_token_ids, repeated_token_ids
+
+if TYPE_CHECKING:
+    from prefixgate.gateway.feeds import EventFeed
+    from prefixgate.gateway.server import GatewayConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Caller", "TurnCore", "TurnError", "MAX_RETRIES", "INLINE_TOKENIZE_CHARS"]
+
+# Other workers a turn is tried on after a failure not attributed to the request.
+MAX_RETRIES = 1
+# Text shorter than this is tokenized on the event loop: handing it to a thread costs
+# ~50 us, what tokenizing ~100 characters costs (~0.5 us a character on SmolLM2's
+# tokenizer, chat template included); longer text would stall every stream meanwhile.
+INLINE_TOKENIZE_CHARS = 128
+OVERFLOW_TO_PROTO = {name: value for value, name in OVERFLOW_FROM_PROTO.items() if name}
+T = TypeVar("T")
+
+
+class TurnError(Exception):
+    """A turn ends with this gRPC status code and message (the transport maps it)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """What the core needs of a turn's transport."""
+
+    authorization: str | None = None  # the Authorization value (bearer token), if any
+    deadline: float | None = None  # time.monotonic() seconds; None: no deadline
+
+    def time_remaining(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+
+class TurnCore:
+    """One gateway's turn path (see the module docstring). Owns the routing state (index,
+    router, hashers, hash memo) and the tokenizer threads; the transports hold one."""
+
+    def __init__(self, spec: ModelSpec, tokenizer: ChatTokenizer, pool: WorkerPool,
+                 config: GatewayConfig, index: PrefixIndex | None = None) -> None:
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.index = index if index is not None else PrefixIndex(
+            max_blocks=config.index_max_blocks, spread_fanout=config.routing.spread_fanout,
+            prediction_ttl_s=config.routing.prediction_ttl_s)
+        self.feed: EventFeed | None = None  # serve() sets it: shares routing predictions
+        self.router = Router(config.routing, self.index)
+        self.config = config
+        self.recorder = (TraceRecorder(config.record_trace, config.block_size)
+                         if config.record_trace else None)
+        self.hashers = Hashers(config.block_size, spec.fingerprint)  # the workers' hashers
+        self.hash_memo = HashMemo(config.hash_memo_bytes)
+        self.tokens: auth.TokenStore | None = None  # serve() loads them from config.auth
+        # Tokenizing a long prompt off the event loop: one thread per core is what runs.
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1,
+                                                 thread_name_prefix="tokenize")
+
+    def close(self) -> None:
+        """Stop the tokenizer threads (tokenizations in progress finish)."""
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, num_chars: int, fn: Callable[..., T], *args: object) -> T:
+        """`fn(*args)`, a tokenizer call on `num_chars` characters of text, run on the
+        tokenizer threads unless the text is short (`INLINE_TOKENIZE_CHARS`). The tokenizer
+        releases the GIL (tokenizer.py), so the event loop keeps relaying other turns'
+        streams while a long prompt is tokenized (~40 ms at 48k characters)."""
+        if num_chars < INLINE_TOKENIZE_CHARS:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    # ------------------------------------------------------------------ the turn
+
+    async def turn(self, request: chat_pb2.ChatRequest, caller: Caller,
+                   request_id: str) -> AsyncIterator[chat_pb2.ChatEvent]:
+        """One turn's events (module docstring); raises TurnError."""
+        arrival = time.monotonic()
+        namespace, prompt = await self.admit(request, caller)
+        turn, decision = self.route(prompt, namespace, request.conversation_id)
+        gen = worker_pb2.GenerateRequest(request_id=request_id,
+                                         packed_prompt_token_ids=prompt.obj,
+                                         sampling=request.sampling, namespace=namespace)
+        if not gen.sampling.context_overflow:
+            gen.sampling.context_overflow = OVERFLOW_TO_PROTO[self.config.context_overflow]
+        async for ev in self.relay(turn, decision, gen, caller, arrival):
+            yield ev
+
+    async def admit(self, request: chat_pb2.ChatRequest,
+                    caller: Caller) -> tuple[str, memoryview]:
+        """(namespace, packed prompt) of a valid request; TurnError otherwise."""
+        namespace = self._namespace(request, caller)
+        try:
+            check_chat_fields(request, self.config.limits)
+            prompt = await self._prompt(request)
+            check_prompt_tokens(len(prompt), self.config.limits)
+            sampling_from_proto(request.sampling, len(prompt), self.spec.max_context_tokens,
+                                default_overflow=self.config.context_overflow)
+        except InvalidRequest as exc:
+            raise TurnError(grpc.StatusCode.NOT_FOUND if isinstance(exc, UnknownModel)
+                            else grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        return namespace, prompt
+
+    def route(self, prompt: memoryview, namespace: str,
+              conversation_id: str) -> tuple[Turn, Decision]:
+        """The turn's block hashes and the router's ranking; UNAVAILABLE without workers."""
+        t0 = time.perf_counter()
+        hasher = self.hashers.get(namespace)
+        turn = Turn(len(prompt), conversation_id,  # make_turn, new blocks only
+                    self.hash_memo.hash_blocks(hasher, prompt, conversation_id),
+                    hasher.block_size)
+        decision = self.router.decide(self.pool.healthy(), turn)
+        metrics.DECISION_SECONDS.observe(time.perf_counter() - t0)
+        if not decision.ranked:
+            raise TurnError(grpc.StatusCode.UNAVAILABLE,
+                            "no worker is available: start a worker (prefixgate worker) or "
+                            "check that the workers' model matches the gateway's")
+        return turn, decision
+
+    async def relay(self, turn: Turn, decision: Decision, gen: worker_pb2.GenerateRequest,
+                    caller: Caller, arrival: float) -> AsyncIterator[chat_pb2.ChatEvent]:
+        """Stream the reply of the first ranked worker that answers (failover rules in the
+        module docstring), then the final event (`account`)."""
+        failures = []
+        for attempt, worker in enumerate(decision.ranked[:1 + MAX_RETRIES]):
+            remaining = caller.time_remaining()
+            if remaining is not None and remaining <= 0:
+                break
+            if attempt:
+                metrics.FAILOVERS.inc()
+            sent_tokens = 0
+            expected = decision.cached_tokens_of(worker.worker_id)
+            # Predictive ownership: the prompt's blocks are expected there from now on, here
+            # and (Redis) at every gateway, until the worker's events confirm or drop them.
+            self.router.dispatch(turn, worker.worker_id)
+            if self.feed is not None:
+                self.feed.predicted(worker.record, turn.block_hashes)
+            # The prefill this turn adds to the worker's queue, until its first token.
+            with worker.lease(max(0, turn.num_prompt_tokens - expected)) as lease:
+                try:
+                    ttft_ms = 0.0
+                    async for ev in worker.stub.Generate(gen, timeout=remaining):
+                        if ev.HasField("chunk"):
+                            chunk = ev.chunk
+                            token_ids = chunk.token_ids
+                            if token_ids and not ttft_ms:
+                                ttft_ms = (time.monotonic() - arrival) * 1e3
+                                lease.first_token()
+                            sent_tokens += len(token_ids)
+                            yield chat_pb2.ChatEvent(delta=chat_pb2.ChatDelta(
+                                text=chunk.text, token_ids=token_ids, index=chunk.index))
+                            continue
+                        yield self.account(turn, decision, worker, ev.final, arrival, ttft_ms,
+                                           attempt)
+                        return
+                    # A stream that ends without its final event is a lost worker.
+                    raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE,
+                                               grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                               "stream ended without a final event")
+                except grpc.aio.AioRpcError as exc:
+                    failures.append(self._failed(worker, exc, sent_tokens))
+        remaining = caller.time_remaining()
+        if remaining is not None and remaining <= 0:
+            raise TurnError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            "the deadline passed before any worker answered")
+        raise TurnError(grpc.StatusCode.UNAVAILABLE,
+                        "every worker failed before answering (" + "; ".join(failures) +
+                        "); retrying is safe")
+
+    def account(self, turn: Turn, decision: Decision, worker: WorkerHandle,
+                final: worker_pb2.GenerateFinal, arrival: float, ttft_ms: float,
+                attempt: int) -> chat_pb2.ChatEvent:
+        """Count, log and record a served turn; its ChatFinal event."""
+        now = time.monotonic()
+        # Gateway-side timings: worker queue plus what happened before it.
+        handoff_ms = max(0.0, (now - arrival) * 1e3 - final.timings.total_ms)
+        wid = worker.worker_id
+        policy = decision.policy
+        expected = decision.cached_tokens_of(wid)
+        best = decision.best_cached_tokens
+        usage = final.usage
+        self.router.record(turn, wid)
+        metrics.count_turn(wid, policy, expected, best, usage.cached_tokens,
+                           turn.num_prompt_tokens)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("turn conv=%s policy=%s worker=%s prompt=%d expected_cached=%d "
+                      "best_cached=%d cached=%d completion=%d ttft=%.1fms attempt=%d",
+                      turn.conversation_id or "-", policy, wid, usage.prompt_tokens,
+                      expected, best, usage.cached_tokens, usage.completion_tokens, ttft_ms,
+                      attempt + 1)
+        if self.recorder is not None:
+            self.recorder.record(
+                arrival_unix_s=time.time() - (now - arrival),
+                conversation_id=turn.conversation_id,
+                num_prompt_tokens=turn.num_prompt_tokens, block_hashes=turn.block_hashes,
+                output_tokens=usage.completion_tokens, worker_id=wid,
+                cached_tokens=usage.cached_tokens)
+        return chat_pb2.ChatEvent(final=chat_pb2.ChatFinal(
+            usage=usage, finish_reason=final.finish_reason,
+            sample_finish_reasons=final.sample_finish_reasons, worker_id=wid,
+            predicted_cached_tokens=expected, best_predicted_cached_tokens=best,
+            timings=common_pb2.Timings(queue_ms=handoff_ms + final.timings.queue_ms,
+                                       ttft_ms=ttft_ms or (now - arrival) * 1e3,
+                                       total_ms=(now - arrival) * 1e3)))
+
+    # ------------------------------------------------------------------ internals
+
+    def _failed(self, worker: WorkerHandle, exc: grpc.aio.AioRpcError, sent_tokens: int) -> str:
+        """Classify a worker call's failure: raise TurnError when the turn must end now,
+        else return the failure's summary (the next ranked worker is tried)."""
+        code = exc.code()
+        if code == grpc.StatusCode.INVALID_ARGUMENT or _request_scoped(exc):
+            raise TurnError(code, exc.details() or "invalid request")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise TurnError(code, "the deadline passed before the reply was complete; "
+                                  "retry with a longer deadline")
+        if code == grpc.StatusCode.UNAVAILABLE:  # transport: the worker, not the turn
+            self.pool.mark_down(worker, f"{code.name}: {exc.details()}")
+            self.index.drop_predictions(worker.worker_id)
+        if sent_tokens:
+            raise TurnError(grpc.StatusCode.UNAVAILABLE,
+                            f"worker {worker.worker_id} was lost after {sent_tokens} tokens of "
+                            "the reply were sent; the reply is incomplete: discard it and retry "
+                            "the turn (retrying is safe)")
+        return f"{worker.worker_id}: {code.name}"
+
+    def _namespace(self, request: chat_pb2.ChatRequest, caller: Caller) -> str:
+        """The namespace the turn runs in: with tokens, the token's (auth.bind_namespace:
+        another tenant's namespace is PERMISSION_DENIED)."""
+        if self.tokens is None:
+            return request.namespace
+        try:
+            tenant = self.tokens.authenticate(caller.authorization)
+            return auth.bind_namespace(tenant, request.namespace)
+        except auth.AuthError as exc:
+            raise TurnError(grpc.StatusCode.PERMISSION_DENIED
+                            if isinstance(exc, auth.PermissionDenied)
+                            else grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
+
+    async def _prompt(self, request: chat_pb2.ChatRequest) -> memoryview:
+        """The prompt as packed token ids (prefixgate/wire/token_ids.py): hashed and forwarded
+        to the worker as these bytes, never as a list."""
+        if request.model and request.model != self.spec.name:
+            raise UnknownModel(f"model {request.model!r} is not served here: this gateway "
+                                 f"serves {self.spec.name!r} (or leave model empty)")
+        which = request.WhichOneof("input")
+        if which == "messages":
+            messages = [(m.role, m.content) for m in request.messages.messages]
+            return pack(await self.off_loop(sum(len(c) for _, c in messages),
+                                            self.tokenizer.encode_messages, messages))
+        if which == "packed_prompt_token_ids":
+            return packed_token_ids(request.packed_prompt_token_ids, self.tokenizer.vocab_size)
+        if which == "prompt_token_ids":
+            return repeated_token_ids(request.prompt_token_ids.token_ids,
+                                      self.tokenizer.vocab_size)
+        raise InvalidRequest("the request has no input: set messages or prompt_token_ids")
+
+
+def _request_scoped(exc: grpc.aio.AioRpcError) -> bool:
+    """True when the worker marked its failure as belonging to the request."""
+    return any(key == ERROR_SCOPE_KEY and value == ERROR_SCOPE_REQUEST
+               for key, value in (exc.trailing_metadata() or ()))
