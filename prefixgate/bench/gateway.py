@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="one-at-a-time requests per configuration")
     parser.add_argument("--new-tokens", type=int, default=512,
                         help="multi-turn shape: tokens each turn adds to a prompt seen before")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
+                        help="prompt kinds to measure (turn: a known conversation's next "
+                             "turn; fresh: every block new)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--relay", action=argparse.BooleanOptionalAction, default=True,
@@ -317,7 +320,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     load_before = os.getloadavg()
     paths = 3 if relay is not None else 2
-    steps = len(args.processes) * len(args.prompt_tokens) * len(KINDS) * paths * args.idle
+    steps = len(args.processes) * len(args.prompt_tokens) * len(args.kinds) * paths * args.idle
     try:
         _wait_port(f"127.0.0.1:{wport}", procs)
         with tqdm(total=steps, desc="bench gateway", file=sys.stderr) as progress:
@@ -332,7 +335,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 try:
                     _wait_port(f"127.0.0.1:{gport}", procs)
                     for num_tokens in args.prompt_tokens:
-                        for kind in KINDS:
+                        for kind in args.kinds:
                             prompts = _Prompts(kind, random.Random(args.seed), num_tokens,
                                                vocab_size, args.burst, args.new_tokens)
                             servers = {"gateway": (f"127.0.0.1:{gport}", gw.pid)}

@@ -1,0 +1,40 @@
+"""WorkerHandle.lease: a turn's load on its worker is given back exactly once, on every
+path out of the turn (first token or not, failure or not)."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixgate.gateway.pool import WorkerHandle
+from prefixgate.registry import WorkerRecord
+from prefixgate.v1 import worker_pb2
+
+
+def _handle() -> WorkerHandle:
+    return WorkerHandle(WorkerRecord("w", "127.0.0.1:1"), None, None)  # type: ignore[arg-type]
+
+
+def test_a_lease_counts_the_turn_until_it_closes() -> None:
+    h = _handle()
+    h.set_status(worker_pb2.WorkerStatus(num_queued_prefill_tokens=0, num_running_requests=0))
+    with h.lease(1000) as lease:
+        assert (h.in_flight, h.in_flight_prompt_tokens) == (1, 1000)
+        assert h.num_queued_prefill_tokens == 1000 and h.num_running_requests == 1
+        lease.first_token()
+        lease.first_token()  # once only
+        assert h.in_flight_prompt_tokens == 0 and h.prefilled_since_status == 1000
+        assert h.num_queued_prefill_tokens == 0 and h.num_running_requests == 1
+    assert (h.in_flight, h.in_flight_prompt_tokens) == (0, 0)
+    assert (h.finished_since_status, h.prefilled_since_status) == (1, 1000)
+    lease.close()  # closing again changes nothing
+    assert (h.in_flight, h.finished_since_status) == (0, 1)
+
+
+def test_a_failed_turn_gives_its_queued_prefill_back() -> None:
+    h = _handle()
+    with pytest.raises(RuntimeError), h.lease(300):
+        with h.lease(200):
+            assert (h.in_flight, h.in_flight_prompt_tokens) == (2, 500)
+        assert (h.in_flight, h.in_flight_prompt_tokens) == (1, 300)
+        raise RuntimeError("the worker failed before its first token")
+    assert (h.in_flight, h.in_flight_prompt_tokens, h.finished_since_status) == (0, 0, 2)
