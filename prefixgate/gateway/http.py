@@ -146,10 +146,17 @@ class TurnFailed(Exception):
         return HTTP_STATUS.get(self.code, 500)
 
 
+def turn_failed(code: grpc.StatusCode, details: str) -> TurnFailed:
+    """The HTTP form of a turn's failure (the turn core's TurnError, an auth refusal)."""
+    if code == grpc.StatusCode.NOT_FOUND:  # the turn path's only: an unknown model
+        return TurnFailed(code, details, "model_not_found", "model")
+    details, param = http_field_names(details)
+    return TurnFailed(code, details, param=param)
+
+
 class _TurnContext:
-    """What ChatService.chat_events needs of a gRPC ServicerContext, for an HTTP turn:
-    the caller's credentials, no deadline (an HTTP client ends a turn by disconnecting),
-    and an abort that raises TurnFailed."""
+    """What rpc.abort_refused needs of a gRPC ServicerContext, for an HTTP request: an
+    abort that raises TurnFailed."""
 
     def __init__(self, authorization: str | None) -> None:
         self._metadata = (("authorization", authorization),) if authorization else ()
@@ -161,10 +168,7 @@ class _TurnContext:
         return None
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        if code == grpc.StatusCode.NOT_FOUND:  # the turn path's only: an unknown model
-            raise TurnFailed(code, details, "model_not_found", "model")
-        details, param = http_field_names(details)
-        raise TurnFailed(code, details, param=param)
+        raise turn_failed(code, details)
 
 
 def error_body(status: int, message: str, code: str | None = None,
@@ -535,7 +539,7 @@ class HTTPFront:
             async for ev in self.service.turn(chat, caller, request_id):
                 yield ev
         except TurnError as exc:
-            raise TurnFailed(exc.code, exc.details) from None
+            raise turn_failed(exc.code, exc.details) from None
 
     async def _collect(self, turn: _Turn, events: AsyncIterator[chat_pb2.ChatEvent]
                        ) -> web.Response:
