@@ -29,6 +29,11 @@ def limit_flags(p: argparse.ArgumentParser) -> None:
          help="longest stop string")
     flag(g, "--max-stop-token-ids", type=int, default=d.max_stop_token_ids,
          help="most stop token ids per request")
+    flag(g, "--tokenize-threads", type=int, default=d.tokenize_threads,
+         help="gateway: threads tokenizing long prompts (each holds its prompt's encoding)")
+    flag(g, "--max-tokenize-waiting", type=int, default=d.max_tokenize_waiting,
+         help="gateway: long prompts waiting for a tokenizer thread; more are refused "
+              "with RESOURCE_EXHAUSTED (HTTP 429)")
 
 
 def request_limits(args: argparse.Namespace):

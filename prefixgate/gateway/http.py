@@ -28,8 +28,10 @@ with --tokens-file the token's own), `top_k`, `context_overflow`, `shifted_reuse
 the gRPC SamplingParams names them: "keep-system-drop-oldest", "blend", ...).
 
 Authentication: with --tokens-file, `Authorization: Bearer <token>` as on gRPC (the
-same tokens, the same namespace binding, prefixgate/security/auth.py); /health and /metrics stay
-open (probes, scrapers). TLS: the gateway's --tls-cert/--tls-key (and --tls-client-ca)
+same tokens, the same namespace binding, prefixgate/security/auth.py), checked from the
+headers before the body is read, parsed or tokenized; /health and /metrics stay open
+(probes, scrapers). Bodies are bounded by --max-request-bytes (413), long text prompts by
+the gateway's bounded tokenizer pool (429 when it is full). TLS: the gateway's --tls-cert/--tls-key (and --tls-client-ca)
 serve HTTPS here too.
 
 Errors are OpenAI's error object `{"error": {"message", "type", "param", "code"}}` with the
@@ -61,6 +63,7 @@ import grpc
 from aiohttp import web
 
 from prefixgate.gateway import metrics
+from prefixgate.gateway.tokenize_pool import TokenizerBusy
 from prefixgate.gateway.turn import Caller, TurnError
 from prefixgate.telemetry import metrics_export
 from prefixgate.v1 import chat_pb2, common_pb2
@@ -437,7 +440,9 @@ class HTTPFront:
     # --- routes ---------------------------------------------------------------------------
 
     async def _authenticate(self, request: web.Request) -> None:
-        """The turn path's check (a token from --tokens-file), for the routes off it."""
+        """The bearer token check (--tokens-file) every route but /health and /metrics
+        makes first, from the headers alone; the turn routes check it again with the
+        namespace binding (the turn core)."""
         if self.service.tokens is not None:
             from prefixgate.security import auth
             try:
@@ -497,6 +502,9 @@ class HTTPFront:
     async def _turn(self, request: web.Request, route: str,
                     build: Callable[[dict], Awaitable[chat_pb2.ChatRequest]]
                     ) -> web.StreamResponse:
+        # The credential first: a caller without one costs no body read, parse or
+        # tokenizing (the body stays unread; aiohttp discards it).
+        await self._authenticate(request)
         try:
             body = await request.json(loads=json.loads)
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -535,6 +543,8 @@ class HTTPFront:
             chat = await build(body)
         except InvalidRequest as exc:
             raise TurnFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except TokenizerBusy as exc:
+            raise TurnFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
         try:
             async for ev in self.service.turn(chat, caller, request_id):
                 yield ev

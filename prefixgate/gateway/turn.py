@@ -41,12 +41,9 @@ in-process object shaped like one).
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -56,6 +53,7 @@ from prefixgate.gateway import metrics
 from prefixgate.gateway.index import PrefixIndex
 from prefixgate.gateway.pool import WorkerHandle, WorkerPool
 from prefixgate.gateway.routing import Decision, Router, Turn
+from prefixgate.gateway.tokenize_pool import INLINE_CHARS, TokenizePool, TokenizerBusy
 from prefixgate.model.catalog import ModelSpec
 from prefixgate.model.tokenizer import ChatTokenizer
 from prefixgate.radix import Hashers, HashMemo
@@ -84,10 +82,7 @@ __all__ = ["Caller", "TurnCore", "TurnError", "MAX_RETRIES", "INLINE_TOKENIZE_CH
 
 # Other workers a turn is tried on after a failure not attributed to the request.
 MAX_RETRIES = 1
-# Text shorter than this is tokenized on the event loop: handing it to a thread costs
-# ~50 us, what tokenizing ~100 characters costs (~0.5 us a character on SmolLM2's
-# tokenizer, chat template included); longer text would stall every stream meanwhile.
-INLINE_TOKENIZE_CHARS = 128
+INLINE_TOKENIZE_CHARS = INLINE_CHARS  # shorter text is tokenized on the event loop
 OVERFLOW_TO_PROTO = {name: value for value, name in OVERFLOW_FROM_PROTO.items() if name}
 T = TypeVar("T")
 
@@ -131,22 +126,21 @@ class TurnCore:
         self.hashers = Hashers(config.block_size, spec.fingerprint)  # the workers' hashers
         self.hash_memo = HashMemo(config.hash_memo_bytes)
         self.tokens: auth.TokenStore | None = None  # serve() loads them from config.auth
-        # Tokenizing a long prompt off the event loop: one thread per core is what runs.
-        self._tokenize_pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1,
-                                                 thread_name_prefix="tokenize")
+        # Tokenizing a long prompt off the event loop, on a bounded pool (tokenize_pool.py).
+        self._tokenize_pool = TokenizePool(config.limits.tokenize_threads,
+                                           config.limits.max_tokenize_waiting)
 
     def close(self) -> None:
         """Stop the tokenizer threads (tokenizations in progress finish)."""
-        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._tokenize_pool.close()
 
     async def off_loop(self, num_chars: int, fn: Callable[..., T], *args: object) -> T:
         """`fn(*args)`, a tokenizer call on `num_chars` characters of text, run on the
         tokenizer threads unless the text is short (`INLINE_TOKENIZE_CHARS`). The tokenizer
         releases the GIL (tokenizer.py), so the event loop keeps relaying other turns'
-        streams while a long prompt is tokenized (~40 ms at 48k characters)."""
-        if num_chars < INLINE_TOKENIZE_CHARS:
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+        streams while a long prompt is tokenized (~40 ms at 48k characters). Raises
+        TokenizerBusy when the pool's threads and waiting line are full."""
+        return await self._tokenize_pool.run(num_chars, fn, *args)
 
     # ------------------------------------------------------------------ the turn
 
@@ -177,6 +171,8 @@ class TurnCore:
         except InvalidRequest as exc:
             raise TurnError(grpc.StatusCode.NOT_FOUND if isinstance(exc, UnknownModel)
                             else grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except TokenizerBusy as exc:
+            raise TurnError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
         return namespace, prompt
 
     def route(self, prompt: memoryview, namespace: str,

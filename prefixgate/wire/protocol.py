@@ -54,6 +54,12 @@ class RequestLimits:
     max_stop: int = 16  # stop strings
     max_stop_chars: int = 256  # per stop string
     max_stop_token_ids: int = 256
+    # Gateway: long prompts are tokenized on this many threads, with at most this many
+    # more waiting; beyond that RESOURCE_EXHAUSTED (gateway/tokenize_pool.py). Each
+    # running tokenization of a max_request_bytes prompt holds tens of MB, so the threads
+    # bound the gateway's memory, not the node's core count.
+    tokenize_threads: int = 2
+    max_tokenize_waiting: int = 16
 
 
     def server_options(self, max_receive_bytes: int) -> list[tuple[str, int]]:

@@ -6,7 +6,10 @@
   message, not with gRPC's INTERNAL "Exception deserializing request!".
   With a `guard`, every call is first checked with `guard(method_name, metadata)`
   (prefixgate.security.auth): `auth.Unauthenticated` is answered UNAUTHENTICATED and
-  `auth.PermissionDenied` PERMISSION_DENIED, with the guard's message.
+  `auth.PermissionDenied` PERMISSION_DENIED, with the guard's message. The request is
+  parsed only after the guard let the call in: gRPC hands the handler the raw bytes
+  (bounded by the server's max receive size), so a caller without a credential costs no
+  parsing, and nothing of its message reaches the service.
 - `add_health_and_reflection` adds the standard health service (grpc.health.v1) and
   server reflection; the returned servicer's statuses are the server's readiness.
 - TLS (`TLSConfig`): `bind` adds a server's port (TLS when the config has a certificate;
@@ -42,18 +45,10 @@ log = logging.getLogger(__name__)
 Guard = Callable[[str, Sequence[tuple[str, Any]]], object]
 
 
-class _Malformed:
-    def __init__(self, error: str) -> None:
-        self.error = error
-
-
-def _safe_deserializer(cls: type) -> Callable[[bytes], Any]:
-    def deserialize(data: bytes) -> Any:
-        try:
-            return cls.FromString(data)
-        except DecodeError as exc:
-            return _Malformed(str(exc))
-    return deserialize
+def _raw(data: bytes) -> bytes:
+    """The request deserializer: the bytes as they came (parsed in `_admit`, after the
+    guard)."""
+    return data
 
 
 _MALFORMED_MESSAGE = ("the request is not a valid protobuf message ({}); check that every "
@@ -66,29 +61,32 @@ async def abort_refused(context: grpc.aio.ServicerContext, exc: AuthError) -> No
                         else grpc.StatusCode.UNAUTHENTICATED, str(exc))
 
 
-async def _admit(name: str, guard: Guard | None, request: Any,
-                 context: grpc.aio.ServicerContext) -> None:
-    """Abort the call unless `guard` lets it in and `request` parsed."""
+async def _admit(name: str, guard: Guard | None, request_cls: type, data: bytes,
+                 context: grpc.aio.ServicerContext) -> Any:
+    """The parsed request, once `guard` let the call in (authentication comes before any
+    parsing); aborts the call otherwise, or when `data` does not parse."""
     if guard is not None:
         try:
             guard(name, context.invocation_metadata() or ())
         except AuthError as exc:
             await abort_refused(context, exc)
-    if isinstance(request, _Malformed):
+    try:
+        return request_cls.FromString(data)
+    except DecodeError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            _MALFORMED_MESSAGE.format(request.error))
+                            _MALFORMED_MESSAGE.format(exc))
 
 
-def _unary(name: str, handler: Callable, guard: Guard | None) -> Callable:
-    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await _admit(name, guard, request, context)
+def _unary(name: str, handler: Callable, guard: Guard | None, request_cls: type) -> Callable:
+    async def wrapped(data: bytes, context: grpc.aio.ServicerContext) -> Any:
+        request = await _admit(name, guard, request_cls, data, context)
         return await handler(request, context)
     return wrapped
 
 
-def _stream(name: str, handler: Callable, guard: Guard | None) -> Callable:
-    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        await _admit(name, guard, request, context)
+def _stream(name: str, handler: Callable, guard: Guard | None, request_cls: type) -> Callable:
+    async def wrapped(data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        request = await _admit(name, guard, request_cls, data, context)
         async for event in handler(request, context):
             yield event
     return wrapped
@@ -107,14 +105,14 @@ def add_service(server: grpc.aio.Server, service: _descriptor.ServiceDescriptor,
         request_cls = message_factory.GetMessageClass(method.input_type)
         response_cls = message_factory.GetMessageClass(method.output_type)
         impl = getattr(servicer, method.name)
-        kwargs = dict(request_deserializer=_safe_deserializer(request_cls),
+        kwargs = dict(request_deserializer=_raw,
                       response_serializer=response_cls.SerializeToString)
         if method.server_streaming:
             handlers[method.name] = grpc.unary_stream_rpc_method_handler(
-                _stream(method.name, impl, guard), **kwargs)
+                _stream(method.name, impl, guard, request_cls), **kwargs)
         else:
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _unary(method.name, impl, guard), **kwargs)
+                _unary(method.name, impl, guard, request_cls), **kwargs)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service.full_name, handlers),))
 

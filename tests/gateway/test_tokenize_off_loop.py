@@ -53,3 +53,30 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(tiny_spec: ModelSpec) -> 
         assert ticks_off >= 5, ticks_off  # the loop went on while the text was tokenized
     finally:
         service.close()
+
+
+def test_the_tokenizer_pool_refuses_beyond_its_threads_and_waiting_line() -> None:
+    import threading
+
+    import pytest
+
+    from prefixgate.gateway.tokenize_pool import INLINE_CHARS, TokenizePool, TokenizerBusy
+
+    release = threading.Event()
+    pool = TokenizePool(threads=1, max_waiting=1)
+
+    async def main() -> list:
+        running = [asyncio.create_task(pool.run(INLINE_CHARS, release.wait, 10))
+                   for _ in range(2)]
+        await asyncio.sleep(0.05)
+        assert pool.in_flight == 2
+        with pytest.raises(TokenizerBusy, match="retry shortly"):
+            await pool.run(INLINE_CHARS, release.wait, 10)
+        assert await pool.run(INLINE_CHARS - 1, len, "short") == 5  # short: inline
+        release.set()
+        done = await asyncio.gather(*running)
+        assert pool.in_flight == 0
+        return done
+
+    assert asyncio.run(main()) == [True, True]
+    pool.close()
