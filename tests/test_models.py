@@ -73,3 +73,48 @@ def test_smollm2_tokenizer_matches_transformers_gguf(smollm2_spec) -> None:
                                        add_generation_prompt=True, tokenize=True, return_dict=False)
     assert ours.encode_messages(messages) == list(expected)
     assert smollm2_spec.max_context_tokens == 8192
+
+
+def test_generation_defaults_come_from_generation_config(tmp_path, tiny_spec, tiny_model) -> None:
+    """A checkpoint's generation_config.json gives the sampling defaults (not the
+    fingerprint); a model without one has none; a bad value is a clear error."""
+    import json
+    import shutil
+
+    from prefixgate.model.catalog import GenerationDefaults
+
+    assert tiny_spec.generation == GenerationDefaults()
+    d = tmp_path / "ckpt"
+    shutil.copytree(tiny_spec.model_dir, d, ignore=shutil.ignore_patterns("*.lock"))
+    plain = resolve_model(str(d), tmp_path)
+    (d / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True, "bos_token_id": 1}))
+    spec = resolve_model(str(d), tmp_path)
+    assert spec.generation == GenerationDefaults(temperature=0.6, top_p=0.95, top_k=20)
+    assert spec.fingerprint == plain.fingerprint
+    (d / "generation_config.json").write_text(json.dumps({"top_p": 2}))
+    with pytest.raises(ModelError, match="top_p is 2"):
+        resolve_model(str(d), tmp_path)
+
+
+def test_unset_sampling_fields_take_the_models_defaults() -> None:
+    from prefixgate.model.catalog import GenerationDefaults
+    from prefixgate.v1 import common_pb2
+    from prefixgate.wire.protocol import sampling_from_proto, with_generation_defaults
+
+    defaults = GenerationDefaults(temperature=0.2, top_p=0.9)
+    unset = common_pb2.SamplingParams(max_tokens=4)
+    filled = sampling_from_proto(with_generation_defaults(unset, defaults), 10, 100)
+    assert (filled.temperature, filled.top_p, filled.top_k) == pytest.approx((0.2, 0.9, 0))
+    assert not unset.HasField("temperature")  # the request itself is left as it was
+    # A value the request sets wins, 0 (greedy) included.
+    greedy = common_pb2.SamplingParams(temperature=0, top_p=0.5, top_k=3)
+    mine = sampling_from_proto(with_generation_defaults(greedy, defaults), 10, 100)
+    assert (mine.temperature, mine.top_p, mine.top_k) == pytest.approx((0, 0.5, 3))
+    # A model with no defaults: the proto's meaning (greedy).
+    assert sampling_from_proto(with_generation_defaults(unset, GenerationDefaults()),
+                               10, 100).temperature == 0
+
+
+def test_smollm2_ships_its_recommended_sampling(smollm2_spec) -> None:
+    assert (smollm2_spec.generation.temperature, smollm2_spec.generation.top_p) == (0.2, 0.9)

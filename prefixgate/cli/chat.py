@@ -29,9 +29,12 @@ def add_arguments(c: argparse.ArgumentParser) -> None:
     flag(c, "--conversation-id", default="", help="conversation id (default: a new one)")
     flag(c, "--namespace", default="", help="cache namespace (tenant)")
     flag(c, "--max-tokens", type=int, default=None, help="max tokens per reply (default: 256)")
-    flag(c, "--temperature", type=float, default=0.0, help="0 is greedy")
-    flag(c, "--top-p", type=float, default=0.0, help="nucleus sampling mass (0: off)")
-    flag(c, "--top-k", type=int, default=0, help="top-k sampling (0: off)")
+    flag(c, "--temperature", type=float, default=None,
+         help="0 is greedy (default: the model's, from its generation_config; else greedy)")
+    flag(c, "--top-p", type=float, default=None,
+         help="nucleus sampling mass (0: off; default: the model's, else off)")
+    flag(c, "--top-k", type=int, default=None,
+         help="top-k sampling (0: off; default: the model's, else off)")
     flag(c, "--seed", type=int, default=None, help="sampling seed")
     from prefixgate.wire.protocol import OVERFLOW_FROM_PROTO, SHIFTED_REUSE_FROM_PROTO
 

@@ -191,7 +191,8 @@ async def _demo(address: str, num_workers: int) -> int:
             break
         await asyncio.sleep(0.2)
     results = await converse(client, list(DEMO_SCRIPT), conversation_id="demo",
-                             system="", sampling_kwargs={"max_tokens": 96})
+                             # Greedy: the demo's replies are the same every run.
+                             system="", sampling_kwargs={"max_tokens": 96, "temperature": 0})
     await client.close()
     if len(results) < len(DEMO_SCRIPT):
         return 1

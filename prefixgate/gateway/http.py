@@ -10,7 +10,9 @@ tokenizing, routing, namespaces, retries and worker calls; only the wire format 
                              last), `stream_options.include_usage` (with `stream` only),
                              `n`, `stop`, `seed`,
                              `max_tokens` / `max_completion_tokens` (the latter wins),
-                             `temperature` (default 1), `top_p`
+                             `temperature`, `top_p` (left out: the model's defaults,
+                             from its generation_config, as vLLM applies them; a model
+                             without a temperature of its own: 1, OpenAI's)
   POST /v1/completions       `prompt` as text (tokenized with the model's tokenizer, no
                              chat template) or as token ids; same sampling fields
   GET  /v1/models            the served model (and /v1/models/{id})
@@ -106,6 +108,9 @@ UNSUPPORTED = {"tools": None, "functions": None, "logprobs": False, "top_logprob
                "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0,
                "response_format": None, "echo": False, "best_of": 1, "suffix": None,
                "audio": None, "modalities": None, "prediction": None}
+# OpenAI's temperature for a request that leaves it out, where the model has no default
+# of its own (where it has one, that one: ModelSpec.generation, as vLLM does).
+OPENAI_TEMPERATURE = 1.0
 OVERFLOW_TO_PROTO = {name: value for value, name in OVERFLOW_FROM_PROTO.items() if name}
 SHIFTED_REUSE_TO_PROTO = {name: value for value, name in SHIFTED_REUSE_FROM_PROTO.items()
                           if name}
@@ -221,10 +226,12 @@ def sampling_params(body: dict) -> common_pb2.SamplingParams:
             raise InvalidRequest(f"{name} is not supported by prefixgate: leave it out")
     if body.get("tool_choice") not in (None, "none", "auto"):
         raise InvalidRequest("tool_choice is not supported by prefixgate: leave it out")
-    params = common_pb2.SamplingParams(
-        temperature=float(_field(body, "temperature", (int, float), 1.0)),
-        top_p=float(_field(body, "top_p", (int, float), 1.0)),
-        n=_count(body, "n", 0) or 0)
+    params = common_pb2.SamplingParams(n=_count(body, "n", 0) or 0)
+    # Left out: unset, for the model's defaults (HTTPFront._events, wire/protocol.py).
+    for name in ("temperature", "top_p"):
+        value = _field(body, name, (int, float))
+        if value is not None:
+            setattr(params, name, float(value))
     max_tokens = _count(body, "max_completion_tokens", 0)
     if max_tokens is None:
         max_tokens = _count(body, "max_tokens", 0)
@@ -234,7 +241,8 @@ def sampling_params(body: dict) -> common_pb2.SamplingParams:
     if seed is not None:
         params.seed = seed
     top_k = _count(body, "top_k", -1)
-    params.top_k = max(0, top_k or 0)  # -1 (vLLM) and 0: off
+    if top_k is not None:
+        params.top_k = max(0, top_k)  # -1 (vLLM) and 0: off
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -545,6 +553,9 @@ class HTTPFront:
             raise TurnFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except TokenizerBusy as exc:
             raise TurnFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
+        if not chat.sampling.HasField("temperature") and \
+                self.service.spec.generation.temperature is None:
+            chat.sampling.temperature = OPENAI_TEMPERATURE  # no model default: OpenAI's
         try:
             async for ev in self.service.turn(chat, caller, request_id):
                 yield ev

@@ -69,6 +69,7 @@ from prefixgate.wire.protocol import (
     check_chat_fields,
     check_prompt_tokens,
     sampling_from_proto,
+    with_generation_defaults,
 )
 from prefixgate.wire.token_ids import pack, packed_token_ids, repeated_token_ids
 
@@ -166,6 +167,10 @@ class TurnCore:
             check_chat_fields(request, self.config.limits)
             prompt = await self._prompt(request)
             check_prompt_tokens(len(prompt), self.config.limits)
+            # Unset temperature / top_p / top_k: the model's defaults, made explicit for
+            # the worker (the HTTP front leaves them unset too, so both fronts agree).
+            request.sampling.CopyFrom(with_generation_defaults(request.sampling,
+                                                               self.spec.generation))
             sampling_from_proto(request.sampling, len(prompt), self.spec.max_context_tokens,
                                 default_overflow=self.config.context_overflow)
         except InvalidRequest as exc:

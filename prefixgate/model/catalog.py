@@ -56,6 +56,45 @@ class ModelError(ValueError):
 
 
 @dataclass(frozen=True)
+class GenerationDefaults:
+    """The sampling values a model's publisher recommends (Hugging Face
+    generation_config.json: temperature, top_p, top_k), applied to requests that leave
+    them unset, on every front (as vLLM applies a model's generation_config). None: the
+    model says nothing and the API's own default holds (wire/protocol.py)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+
+    @classmethod
+    def from_file(cls, path: Path) -> GenerationDefaults:
+        """The defaults in a generation_config.json (none when it is missing)."""
+        if not path.is_file():
+            return cls()
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"{path} is not valid JSON ({exc}): fix or remove it") from None
+
+        def number(key: str, kind: type, ok: Callable[[float], bool]):
+            value = config.get(key)
+            if value is None:
+                return None
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+                raise ModelError(f"{path}: {key} is {value!r}, not a usable value")
+            return kind(value)
+
+        return cls(temperature=number("temperature", float, lambda v: v >= 0),
+                   top_p=number("top_p", float, lambda v: 0 < v <= 1),
+                   top_k=number("top_k", int, lambda v: v >= 0 and v == int(v)))
+
+
+# SmolLM2-135M-Instruct's recommended sampling (its model card: temperature 0.2, top_p
+# 0.9); the GGUF carries no sampling metadata, so prefixgate writes these beside it.
+SMOLLM2_GENERATION = {"temperature": 0.2, "top_p": 0.9}
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A resolved model. `model_dir` holds tokenizer, template and config (weights once
     a worker materialised them)."""
@@ -67,6 +106,9 @@ class ModelSpec:
     # "gguf" (dequantize from gguf_path), "tiny-random" (seeded init) or "hf-dir".
     source: str
     gguf_path: Path | None = None
+    # Sampling defaults for requests that leave them unset (not part of the fingerprint:
+    # they do not change what a given request computes).
+    generation: GenerationDefaults = GenerationDefaults()
 
     @property
     def weights_path(self) -> Path:
@@ -180,6 +222,9 @@ def _resolve_smollm2(cache_dir: Path) -> ModelSpec:
     digest = _file_digest(gguf_path, cache_dir)
     model_dir = cache_dir / "models" / f"smollm2-135m-{digest[:16]}"
     _materialize(model_dir, lambda d: _write_gguf_tokenizer_and_config(gguf_path, d))
+    with locked(model_dir):  # also into directories materialised before it was written
+        if not (model_dir / "generation_config.json").is_file():
+            _write_json(model_dir / "generation_config.json", SMOLLM2_GENERATION)
     return _spec("smollm2-135m", model_dir, f"gguf:{digest}", "gguf", gguf_path)
 
 
@@ -197,7 +242,8 @@ def _spec(name: str, model_dir: Path, weights_identity: str, source: str,
     return ModelSpec(name=name, model_dir=model_dir,
                      fingerprint=_fingerprint(model_dir, weights_identity),
                      max_context_tokens=int(config.get("max_position_embeddings", 2048)),
-                     source=source, gguf_path=gguf_path)
+                     source=source, gguf_path=gguf_path,
+                     generation=GenerationDefaults.from_file(model_dir / "generation_config.json"))
 
 
 def _write_gguf_tokenizer_and_config(gguf_path: Path, model_dir: Path) -> None:

@@ -147,6 +147,23 @@ SHIFTED_REUSE_FROM_PROTO = {
 }
 
 
+def with_generation_defaults(msg: common_pb2.SamplingParams, defaults
+                             ) -> common_pb2.SamplingParams:
+    """`msg` with the temperature, top_p and top_k it leaves unset taken from the model's
+    `defaults` (model/catalog.GenerationDefaults; a copy when any is filled). Both fronts
+    of the gateway and the worker call it, so a request means the same wherever it
+    enters; a field neither sets keeps the proto's meaning (greedy, no top_p, no top_k)."""
+    fill = {name: value for name in ("temperature", "top_p", "top_k")
+            if not msg.HasField(name) and (value := getattr(defaults, name)) is not None}
+    if not fill:
+        return msg
+    out = common_pb2.SamplingParams()
+    out.CopyFrom(msg)
+    for name, value in fill.items():
+        setattr(out, name, value)
+    return out
+
+
 def sampling_from_proto(msg: common_pb2.SamplingParams, num_prompt_tokens: int,
                         max_context_tokens: int, default_overflow: str = "fail",
                         limits: RequestLimits = DEFAULT_LIMITS) -> SamplingConfig:

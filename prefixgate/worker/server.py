@@ -40,6 +40,7 @@ from prefixgate.wire.protocol import (
     check_prompt_tokens,
     clip,
     sampling_from_proto,
+    with_generation_defaults,
 )
 from prefixgate.wire.status import watch_status
 from prefixgate.wire.token_ids import prompt_token_ids
@@ -107,7 +108,8 @@ class WorkerService:
             prompt = prompt_token_ids(request.prompt_token_ids,
                                       request.packed_prompt_token_ids, self.vocab_size)
             check_prompt_tokens(len(prompt), self.config.limits)
-            sampling = sampling_from_proto(request.sampling, len(prompt),
+            sampling = sampling_from_proto(  # unset fields: the model's defaults
+                with_generation_defaults(request.sampling, self.spec.generation), len(prompt),
                                            self.spec.max_context_tokens,
                                            self.engine.context_overflow)
         except InvalidRequest as exc:

@@ -379,3 +379,45 @@ def test_https_with_the_gateways_certificate_and_mutual_tls(loop_thread, tiny_sp
     finally:
         for stop in (gstop, wstop):
             loop_thread.loop.call_soon_threadsafe(stop.set)
+
+
+def test_requests_without_sampling_fields_take_the_models_defaults(loop_thread, tiny_spec,
+                                                                   tiny_model) -> None:
+    """A model whose generation_config says temperature 0 (greedy): an HTTP
+    request that leaves them out decodes greedily (not at OpenAI's temperature 1), as does
+    a gRPC request; a value the request gives wins."""
+    import dataclasses
+
+    import grpc
+
+    from prefixgate.model.catalog import GenerationDefaults
+    from prefixgate.model.tokenizer import ChatTokenizer
+    from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2
+
+    spec = dataclasses.replace(tiny_spec, generation=GenerationDefaults(temperature=0.0))
+    worker, wstop = start_worker(loop_thread, spec, tiny_model, "gen0")
+    http_port = free_port()
+    gw, gstop = start_gateway(loop_thread, spec, [worker], http_port=http_port)
+    base = f"http://127.0.0.1:{http_port}"
+    try:
+        wait_for(lambda: httpx.get(base + "/health").status_code == 200, what="the worker")
+
+        def http(**fields) -> str:
+            r = httpx.post(base + "/v1/completions", timeout=60, json={
+                "model": spec.name, "max_tokens": 16, "seed": 7, "prompt": USER, **fields})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        left_out = http()
+        assert left_out == http(temperature=0)
+        assert left_out != http(temperature=1.0)  # what a left-out temperature used to be
+        ids = ChatTokenizer(spec).encode_text(USER, add_special_tokens=True)
+        with grpc.insecure_channel(gw) as ch:
+            request = chat_pb2.ChatRequest(sampling=common_pb2.SamplingParams(max_tokens=16,
+                                                                               seed=7))
+            request.prompt_token_ids.token_ids.extend(ids)
+            events = list(chat_pb2_grpc.ChatServiceStub(ch).Chat(request, timeout=60))
+        assert "".join(e.delta.text for e in events if e.HasField("delta")) == left_out
+    finally:
+        for stop in (gstop, wstop):
+            loop_thread.loop.call_soon_threadsafe(stop.set)
