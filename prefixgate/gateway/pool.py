@@ -67,6 +67,7 @@ class WorkerHandle:
     in_flight_prompt_tokens_at_status: int = 0  # in_flight_prompt_tokens when it was set
     absent_since: float | None = None  # monotonic time it was first missing from the registry
     heard_at: float = 0.0  # monotonic time of its last pushed status (0: never)
+    said_down: bool = False  # its being down or unreachable was logged (once per outage)
 
     def lease(self, prompt_tokens: int) -> Lease:
         """Count one turn sent here, with `prompt_tokens` of prefill queued for it, in this
@@ -192,10 +193,12 @@ class WorkerPool:
         return [w for _, w in sorted(self.workers.items()) if w.up]
 
     def mark_down(self, worker: WorkerHandle, reason: str) -> None:
-        if worker.up:
-            log.warning("worker %s at %s is down: %s", worker.worker_id, worker.record.address,
-                        reason)
-        worker.up = False
+        # Logged once per outage, also for a worker never reached (a wrong --worker
+        # address must be named, not silently retried).
+        if worker.up or not worker.said_down:
+            log.warning("worker %s at %s is %s: %s", worker.worker_id, worker.record.address,
+                        "down" if worker.up else "not reachable (retrying)", reason)
+        worker.up, worker.said_down = False, True
 
     async def refresh(self) -> None:
         records = {r.worker_id: r for r in await self.registry.list_workers()
@@ -275,7 +278,7 @@ class WorkerPool:
         if not w.up:
             log.info("worker %s at %s is up (%s)", info.worker_id, w.record.address,
                      info.model_name)
-        w.info, w.up = info, True
+        w.info, w.up, w.said_down = info, True, False
 
     async def _serving(self, w: WorkerHandle) -> bool:
         """The worker's grpc.health.v1 status for the worker service (a worker without

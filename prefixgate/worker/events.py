@@ -158,6 +158,7 @@ class RedisPublisher:
         self.flush_interval_s = flush_interval_s
         self.num_batches = 0  # published batches (round trips), for tests and benchmarks
         self.connected = False
+        self._said_unreachable = False  # the outage in progress was logged
 
     async def run(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
@@ -188,11 +189,15 @@ class RedisPublisher:
                         continue
                     if not self.connected:
                         log.info("publishing KV events to %s", self.registry.url)
-                    self.connected = True
+                    self.connected, self._said_unreachable = True, False
                 except Exception as exc:  # Redis outage: keep serving, retry
-                    if self.connected:
-                        log.warning("registry unreachable: %s", exc)
-                    self.connected = False
+                    # Said once per outage, also when Redis was never reached: gateways
+                    # that find workers through it do not route here meanwhile.
+                    if not self._said_unreachable:
+                        log.warning("registry %s unreachable (%s): gateways that find workers "
+                                    "through it will not route to %s until it is; retrying",
+                                    self.registry.url, exc, self.record.worker_id)
+                    self.connected, self._said_unreachable = False, True
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), min(1.0, self.lease_ms / 3e3))
                     continue

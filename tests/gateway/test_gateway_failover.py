@@ -219,3 +219,30 @@ def test_a_busy_worker_that_pushes_status_is_not_marked_down(loop_thread, tiny_s
         assert loop_thread.run(scenario()) == [True, True, False]
     finally:
         loop_thread.run(server.stop(0))
+
+
+def test_a_worker_address_nothing_answers_is_named_once(caplog) -> None:
+    """A gateway given a wrong --worker address says so, naming it (once, not per probe)."""
+    import logging
+    import socket
+
+    from prefixgate.gateway.pool import WorkerPool
+    from prefixgate.registry import EmbeddedRegistry, WorkerRecord
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
+
+    async def scenario() -> None:
+        registry = EmbeddedRegistry()
+        await registry.register(WorkerRecord(address, address), lease_ms=2**62)
+        pool = WorkerPool(registry, "fp", connect_timeout_s=0.5)
+        for _ in range(3):
+            await pool.refresh()
+        assert not pool.healthy()
+        await pool.close()
+
+    with caplog.at_level(logging.WARNING, logger="prefixgate.gateway.pool"):
+        asyncio.run(scenario())
+    said = [r.getMessage() for r in caplog.records if address in r.getMessage()]
+    assert len(said) == 1 and "not reachable" in said[0], said

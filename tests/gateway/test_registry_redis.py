@@ -363,3 +363,28 @@ def test_with_a_keyring_only_signed_predictions_count(redis_flush) -> None:
         await reg.close()
 
     asyncio.run(scenario())
+
+
+def test_worker_that_cannot_reach_redis_says_so_once(caplog) -> None:
+    """A Redis that is not there from the start is named in a warning (once, not per
+    retry), with what it means: no gateway routes here meanwhile."""
+    import logging
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        pub = RedisPublisher(EventLog(), RedisRegistry(url, timeout_s=0.5),
+                             WorkerRecord("w-alone", "h", "fp"), lease_ms=300)
+        task = asyncio.create_task(pub.run(stop))
+        await asyncio.sleep(1.0)  # several retries
+        stop.set()
+        await task
+
+    with caplog.at_level(logging.WARNING, logger="prefixgate.worker.events"):
+        asyncio.run(scenario())
+    said = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(said) == 1 and url in said[0] and "w-alone" in said[0], said
