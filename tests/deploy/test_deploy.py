@@ -339,7 +339,11 @@ def test_ports_probes_and_services_match_the_cli(rendered, containers) -> None:
                         if _selects(s["spec"]["selector"], c.pod)]
             assert len(services) == 1, f"{command}: one Service selects its pods"
             ports = {p["name"]: p for p in services[0]["spec"]["ports"]}
-            for name in ("grpc", "metrics"):
+            exposed = ("grpc", "metrics")
+            if command == "gateway":  # the OpenAI-compatible API is served and exposed
+                assert c.args.http_port > 0 and c.port("http") == c.args.http_port
+                exposed += ("http",)
+            for name in exposed:
                 assert c.port(ports[name]["targetPort"]) == c.port(name)
                 assert ports[name]["port"] == c.port(name)
 
@@ -539,6 +543,7 @@ def test_network_policies(rendered) -> None:
         labels = {name: pod["metadata"]["labels"] for name, pod in pods.items()}
         sources = {**labels, "outside": None, "other pod": {"app": "something-else"}}
         expect = {("gateway", "grpc"): {"gateway", "worker", "redis", "outside", "other pod"},
+                  ("gateway", "http"): {"gateway", "worker", "redis", "outside", "other pod"},
                   ("worker", "grpc"): {"gateway"},
                   ("redis", "redis"): {"gateway", "worker"}}
         for (target, port), allowed in expect.items():
