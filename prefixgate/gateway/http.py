@@ -27,7 +27,8 @@ Routing: prompts route by their cached prefix, as on gRPC. Conversation affinity
 `prompt_cache_key` field, OpenAI's own field for cache affinity; `user` is not used.
 prefixgate extensions in the body (the SDK's `extra_body`): `namespace` (cache namespace;
 with --tokens-file the token's own), `top_k`, `context_overflow`, `shifted_reuse` (as
-the gRPC SamplingParams names them: "keep-system-drop-oldest", "blend", ...).
+the gRPC SamplingParams names them: "keep-system-drop-oldest", "blend", ...), `resume`
+(false: no mid-stream resume, ChatRequest.no_resume).
 
 Authentication: with --tokens-file, `Authorization: Bearer <token>` as on gRPC (the
 same tokens, the same namespace binding, prefixgate/security/auth.py), checked from the
@@ -282,6 +283,7 @@ def _common_fields(body: dict, request: chat_pb2.ChatRequest) -> None:
     request.model = _field(body, "model", (str,), "")
     request.conversation_id = _field(body, "prompt_cache_key", (str,), "")
     request.namespace = _field(body, "namespace", (str,), "")
+    request.no_resume = _field(body, "resume", (bool,), True) is False
     request.sampling.CopyFrom(sampling_params(body))
 
 

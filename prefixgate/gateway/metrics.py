@@ -8,6 +8,19 @@ Routing:  prefixgate:router_turns_total{worker,policy}          turns routed (fi
           prefixgate:router_cached_tokens_total{worker,policy}   cached tokens the worker
                                                                  reported for them
           prefixgate:router_prompt_tokens_total{worker,policy}   their prompt tokens
+          prefixgate:router_transferred_tokens_total{worker,policy}
+                                                                 prompt tokens the worker
+                                                                 pulled from a peer
+          prefixgate:router_computed_tokens_total{worker,policy} prompt tokens it prefilled
+                                                                 (prompt - cached -
+                                                                 transferred)
+          prefixgate:router_pulls_total{worker,holder}           turns sent with a pull from
+                                                                 holder (block transfer)
+          prefixgate:router_resumes_total{outcome}               replies continued on another
+                                                                 worker after theirs was lost
+                                                                 mid-stream ("resumed"), or
+                                                                 not ("opted_out", "budget",
+                                                                 "no_worker", "failed")
           prefixgate:router_failovers_total                      turns re-routed before the
                                                                  first token
           prefixgate:router_decision_seconds                     hashing + ranking time
@@ -76,6 +89,18 @@ CACHED = Counter("prefixgate:router_cached_tokens",
                  ["worker", "policy"])
 PROMPT_TOKENS = Counter("prefixgate:router_prompt_tokens", "Prompt tokens of routed turns.",
                         ["worker", "policy"])
+TRANSFERRED = Counter("prefixgate:router_transferred_tokens",
+                      "Prompt tokens the chosen worker pulled from a peer instead of computing.",
+                      ["worker", "policy"])
+COMPUTED = Counter("prefixgate:router_computed_tokens",
+                   "Prompt tokens the chosen worker prefilled (neither cached nor transferred).",
+                   ["worker", "policy"])
+PULLS = Counter("prefixgate:router_pulls",
+                "Turns sent with a pull of their leading blocks from a peer (holder).",
+                ["worker", "holder"])
+RESUMES = Counter("prefixgate:router_resumes",
+                  "Replies whose worker was lost mid-stream, by what the gateway did: "
+                  "resumed on another worker, or not (and why).", ["outcome"])
 FAILOVERS = Counter("prefixgate:router_failovers",
                     "Turns re-routed to the next worker before the first token.")
 DECISION_SECONDS = Histogram("prefixgate:router_decision_seconds",
@@ -114,21 +139,27 @@ _ON_BEST = {True: DECISIONS.labels("true"), False: DECISIONS.labels("false")}
 
 
 def count_turn(worker_id: str, policy: str, expected_cached: int, best_cached: int,
-               cached: int, prompt_tokens: int) -> None:
+               cached: int, prompt_tokens: int, transferred: int = 0,
+               expected_transferred: int = 0) -> None:
     """Count one served turn in the routing counters above. The labelled children are
     looked up once per (worker, policy): `labels()` takes a lock and builds a key each time
-    (~2 us), four of them a turn."""
+    (~2 us), six of them a turn. A turn that pulls what the best-cached worker holds
+    (`expected_transferred`) is on the best: nothing it could have used is recomputed."""
     children = _BY_WORKER.get((worker_id, policy))
     if children is None:
         children = _BY_WORKER[(worker_id, policy)] = tuple(
-            m.labels(worker_id, policy) for m in (TURNS, EXPECTED_CACHED, CACHED, PROMPT_TOKENS))
-    turns, expected, got, prompt = children
+            m.labels(worker_id, policy) for m in (TURNS, EXPECTED_CACHED, CACHED, PROMPT_TOKENS,
+                                                  TRANSFERRED, COMPUTED))
+    turns, expected, got, prompt, moved, computed = children
     turns.inc()
     expected.inc(expected_cached)
     got.inc(cached)
     prompt.inc(prompt_tokens)
-    _ON_BEST[expected_cached >= best_cached].inc()
-    REGRET_TOKENS.inc(best_cached - expected_cached)
+    moved.inc(transferred)
+    computed.inc(max(0, prompt_tokens - cached - transferred))
+    kept = expected_cached + expected_transferred
+    _ON_BEST[kept >= best_cached].inc()
+    REGRET_TOKENS.inc(max(0, best_cached - kept))
     PREDICTION_ERROR.observe(expected_cached - cached)
 
 

@@ -65,6 +65,9 @@ class WorkerHandle:
     finished_since_status: int = 0
     prefilled_since_status: int = 0
     in_flight_prompt_tokens_at_status: int = 0  # in_flight_prompt_tokens when it was set
+    # Bytes of the pulls this gateway routed from this worker, not finished (its link's
+    # queue as this gateway knows it; gateway/pulls.py).
+    export_queued_bytes: int = 0
     absent_since: float | None = None  # monotonic time it was first missing from the registry
     heard_at: float = 0.0  # monotonic time of its last pushed status (0: never)
     said_down: bool = False  # its being down or unreachable was logged (once per outage)
@@ -122,6 +125,14 @@ class WorkerHandle:
     @property
     def prefill_chunk_tokens(self) -> int:
         return self.status.prefill_chunk_tokens if self.status is not None else 0
+
+    @property
+    def transfer_bytes_per_s(self) -> float:
+        return self.status.transfer_bytes_per_s if self.status is not None else 0.0
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.status.kv_bytes_per_token if self.status is not None else 0
 
     @property
     def kv_fill(self) -> float:

@@ -380,6 +380,15 @@ class Router:
             self._reuse_uncached -= old_uncached
         self.reuse = min(float(len(window)), self._reuse_cached / max(1, self._reuse_uncached))
 
+    def _decode_s(self, w: WorkerLoad, prefill_tokens: float, rate: float,
+                  step_s: float) -> float:
+        """Decode work on `w` that delays a prefill of `prefill_tokens` (queue included)."""
+        if step_s > 0:  # measured: decode delays prefill only where steps interleave
+            chunk = getattr(w, "prefill_chunk_tokens", 0)
+            return (step_s * -(-prefill_tokens // chunk)
+                    if chunk > 0 and w.num_running_requests else 0.0)
+        return self.config.running_weight * w.num_running_requests / rate
+
     def _links(self, workers: list[W], certain: dict[str, int], match: PrefixMatch | None,
                turn: Turn) -> dict | None:
         """What the pull option needs: the holders (workers whose events say they hold
@@ -458,24 +467,16 @@ class Router:
             tie_s[wid] = 0.5 * turn.block_size / rate
             queued = w.num_queued_prefill_tokens
             step_s = getattr(w, "decode_step_s", 0.0) if measured else 0.0
-            chunk = getattr(w, "prefill_chunk_tokens", 0)
-
-            def decode_s(uncached: float) -> float:
-                if step_s > 0:  # measured: decode delays prefill only where steps interleave
-                    return (step_s * -(-(queued + uncached) // chunk)
-                            if chunk > 0 and w.num_running_requests else 0.0)
-                return cfg.running_weight * w.num_running_requests / rate
-
             miss_s = (best - credit[wid]) / rate * reuse * min(1.0, getattr(w, "kv_fill", 1.0))
             uncached = prompt - credit[wid]
-            wait_s = queued / rate + decode_s(uncached)
+            wait_s = queued / rate + self._decode_s(w, queued + uncached, rate, step_s)
             costs[wid] = (cfg.load_weight * wait_s
                           + cfg.prefix_weight * (uncached / rate + miss_s))
             for pull in self._pulls(w, credit[wid], links) if links else ():
                 # The pull runs beside the queue: the rest's prefill starts when both are
                 # done, so only the part of the transfer the queue does not hide is paid.
                 rest = prompt - credit[wid] - pull.num_tokens
-                wait_s = queued / rate + decode_s(rest)
+                wait_s = queued / rate + self._decode_s(w, queued + rest, rate, step_s)
                 cost = (cfg.load_weight * wait_s + cfg.prefix_weight * (
                     max(0.0, pull.transfer_s - wait_s) + rest / rate + miss_s))
                 if cost < costs[wid]:

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
-from prefixgate.gateway import metrics
+from prefixgate.gateway import metrics, pulls, resume
 from prefixgate.gateway.index import PrefixIndex
 from prefixgate.gateway.pool import WorkerHandle, WorkerPool
 from prefixgate.gateway.routing import Decision, Router, Turn
@@ -156,7 +156,8 @@ class TurnCore:
                                          sampling=request.sampling, namespace=namespace)
         if not gen.sampling.context_overflow:
             gen.sampling.context_overflow = OVERFLOW_TO_PROTO[self.config.context_overflow]
-        async for ev in self.relay(turn, decision, gen, caller, arrival):
+        async for ev in self.relay(turn, decision, gen, caller, arrival,
+                                   no_resume=request.no_resume):
             yield ev
 
     async def admit(self, request: chat_pb2.ChatRequest,
@@ -197,9 +198,11 @@ class TurnCore:
         return turn, decision
 
     async def relay(self, turn: Turn, decision: Decision, gen: worker_pb2.GenerateRequest,
-                    caller: Caller, arrival: float) -> AsyncIterator[chat_pb2.ChatEvent]:
+                    caller: Caller, arrival: float,
+                    no_resume: bool = False) -> AsyncIterator[chat_pb2.ChatEvent]:
         """Stream the reply of the first ranked worker that answers (failover rules in the
-        module docstring), then the final event (`account`)."""
+        module docstring; a worker lost mid-reply: gateway/resume.py), then the final event
+        (`account`)."""
         failures = []
         for attempt, worker in enumerate(decision.ranked[:1 + MAX_RETRIES]):
             remaining = caller.time_remaining()
@@ -209,28 +212,33 @@ class TurnCore:
                 metrics.FAILOVERS.inc()
             sent_tokens = 0
             expected = decision.cached_tokens_of(worker.worker_id)
+            # Block transfer: the leading blocks this worker lacks, from their holder.
+            charge = pulls.attach(gen, decision, worker, decision.ranked)
             # Predictive ownership: the prompt's blocks are expected there from now on, here
             # and (Redis) at every gateway, until the worker's events confirm or drop them.
             self.router.dispatch(turn, worker.worker_id)
             if self.feed is not None:
                 self.feed.predicted(worker.record, turn.block_hashes)
             # The prefill this turn adds to the worker's queue, until its first token.
-            with worker.lease(max(0, turn.num_prompt_tokens - expected)) as lease:
+            with worker.lease(max(0, turn.num_prompt_tokens - expected
+                                  - charge.num_tokens)) as lease:
                 try:
                     ttft_ms = 0.0
-                    async for ev in worker.stub.Generate(gen, timeout=remaining):
+                    reply = resume.Reply(self, worker, gen, caller.time_remaining, no_resume)
+                    async for ev in reply:
                         if ev.HasField("chunk"):
                             chunk = ev.chunk
                             token_ids = chunk.token_ids
                             if token_ids and not ttft_ms:
                                 ttft_ms = (time.monotonic() - arrival) * 1e3
                                 lease.first_token()
+                                charge.release()
                             sent_tokens += len(token_ids)
                             yield chat_pb2.ChatEvent(delta=chat_pb2.ChatDelta(
                                 text=chunk.text, token_ids=token_ids, index=chunk.index))
                             continue
-                        yield self.account(turn, decision, worker, ev.final, arrival, ttft_ms,
-                                           attempt)
+                        yield self.account(turn, decision, reply.worker, ev.final, arrival,
+                                           ttft_ms, attempt, charge.num_tokens, reply.num_resumes)
                         return
                     # A stream that ends without its final event is a lost worker.
                     raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE,
@@ -238,6 +246,8 @@ class TurnCore:
                                                "stream ended without a final event")
                 except grpc.aio.AioRpcError as exc:
                     failures.append(self._failed(worker, exc, sent_tokens))
+                finally:
+                    charge.release()
         remaining = caller.time_remaining()
         if remaining is not None and remaining <= 0:
             raise TurnError(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -248,8 +258,10 @@ class TurnCore:
 
     def account(self, turn: Turn, decision: Decision, worker: WorkerHandle,
                 final: worker_pb2.GenerateFinal, arrival: float, ttft_ms: float,
-                attempt: int) -> chat_pb2.ChatEvent:
-        """Count, log and record a served turn; its ChatFinal event."""
+                attempt: int, expected_transferred: int = 0,
+                num_resumes: int = 0) -> chat_pb2.ChatEvent:
+        """Count, log and record a served turn; its ChatFinal event. `worker` served the
+        reply's end (after a resume, the worker that continued it)."""
         now = time.monotonic()
         # Gateway-side timings: worker queue plus what happened before it.
         handoff_ms = max(0.0, (now - arrival) * 1e3 - final.timings.total_ms)
@@ -260,7 +272,8 @@ class TurnCore:
         usage = final.usage
         self.router.record(turn, wid)
         metrics.count_turn(wid, policy, expected, best, usage.cached_tokens,
-                           turn.num_prompt_tokens)
+                           turn.num_prompt_tokens, usage.transferred_tokens,
+                           expected_transferred)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("turn conv=%s policy=%s worker=%s prompt=%d expected_cached=%d "
                       "best_cached=%d cached=%d completion=%d ttft=%.1fms attempt=%d",
@@ -278,6 +291,7 @@ class TurnCore:
             usage=usage, finish_reason=final.finish_reason,
             sample_finish_reasons=final.sample_finish_reasons, worker_id=wid,
             predicted_cached_tokens=expected, best_predicted_cached_tokens=best,
+            predicted_transferred_tokens=expected_transferred, num_resumes=num_resumes,
             timings=common_pb2.Timings(queue_ms=handoff_ms + final.timings.queue_ms,
                                        ttft_ms=ttft_ms or (now - arrival) * 1e3,
                                        total_ms=(now - arrival) * 1e3)))

@@ -137,6 +137,8 @@ class GatewayTarget(Target):
         rec.completion_tokens, rec.worker = r.completion_tokens, r.worker_id
         rec.predicted_cached_tokens = r.predicted_cached_tokens
         rec.best_predicted_cached_tokens = r.best_predicted_cached_tokens
+        rec.transferred_tokens = r.transferred_tokens
+        rec.predicted_transferred_tokens = r.predicted_transferred_tokens
         return rec
 
     async def close(self) -> None:

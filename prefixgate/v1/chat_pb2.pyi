@@ -28,7 +28,7 @@ class TokenIds(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("messages", "prompt_token_ids", "packed_prompt_token_ids", "conversation_id", "namespace", "sampling", "model")
+    __slots__ = ("messages", "prompt_token_ids", "packed_prompt_token_ids", "conversation_id", "namespace", "sampling", "model", "no_resume")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PACKED_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class ChatRequest(_message.Message):
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    NO_RESUME_FIELD_NUMBER: _ClassVar[int]
     messages: Messages
     prompt_token_ids: TokenIds
     packed_prompt_token_ids: bytes
@@ -43,7 +44,8 @@ class ChatRequest(_message.Message):
     namespace: str
     sampling: _common_pb2.SamplingParams
     model: str
-    def __init__(self, messages: _Optional[_Union[Messages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., packed_prompt_token_ids: _Optional[bytes] = ..., conversation_id: _Optional[str] = ..., namespace: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
+    no_resume: bool
+    def __init__(self, messages: _Optional[_Union[Messages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., packed_prompt_token_ids: _Optional[bytes] = ..., conversation_id: _Optional[str] = ..., namespace: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., no_resume: _Optional[bool] = ...) -> None: ...
 
 class ChatDelta(_message.Message):
     __slots__ = ("text", "token_ids", "index")
@@ -56,7 +58,7 @@ class ChatDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class ChatFinal(_message.Message):
-    __slots__ = ("usage", "finish_reason", "worker_id", "timings", "sample_finish_reasons", "predicted_cached_tokens", "best_predicted_cached_tokens")
+    __slots__ = ("usage", "finish_reason", "worker_id", "timings", "sample_finish_reasons", "predicted_cached_tokens", "best_predicted_cached_tokens", "predicted_transferred_tokens", "num_resumes")
     USAGE_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +66,8 @@ class ChatFinal(_message.Message):
     SAMPLE_FINISH_REASONS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BEST_PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TRANSFERRED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESUMES_FIELD_NUMBER: _ClassVar[int]
     usage: _common_pb2.Usage
     finish_reason: _common_pb2.FinishReason
     worker_id: str
@@ -71,7 +75,9 @@ class ChatFinal(_message.Message):
     sample_finish_reasons: _containers.RepeatedScalarFieldContainer[_common_pb2.FinishReason]
     predicted_cached_tokens: int
     best_predicted_cached_tokens: int
-    def __init__(self, usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., worker_id: _Optional[str] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., sample_finish_reasons: _Optional[_Iterable[_Union[_common_pb2.FinishReason, str]]] = ..., predicted_cached_tokens: _Optional[int] = ..., best_predicted_cached_tokens: _Optional[int] = ...) -> None: ...
+    predicted_transferred_tokens: int
+    num_resumes: int
+    def __init__(self, usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., worker_id: _Optional[str] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., sample_finish_reasons: _Optional[_Iterable[_Union[_common_pb2.FinishReason, str]]] = ..., predicted_cached_tokens: _Optional[int] = ..., best_predicted_cached_tokens: _Optional[int] = ..., predicted_transferred_tokens: _Optional[int] = ..., num_resumes: _Optional[int] = ...) -> None: ...
 
 class ChatEvent(_message.Message):
     __slots__ = ("delta", "final")

@@ -29,6 +29,7 @@ class TurnResult:
     token_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    transferred_tokens: int = 0  # prompt tokens the worker pulled from a peer
     completion_tokens: int = 0
     dropped_tokens: int = 0  # oldest turns dropped to fit the context (context_overflow)
     finish_reason: str = ""
@@ -41,6 +42,8 @@ class TurnResult:
     # on the best-cached worker (their difference is the decision's regret).
     predicted_cached_tokens: int = 0
     best_predicted_cached_tokens: int = 0
+    predicted_transferred_tokens: int = 0  # ... and predicted to arrive by a pull
+    num_resumes: int = 0  # times the reply went on on another worker (gateway/resume.py)
 
 
 class ChatClient:
@@ -60,9 +63,11 @@ class ChatClient:
                    prompt_token_ids: Sequence[int] | None = None, conversation_id: str = "",
                    namespace: str = "", sampling: common_pb2.SamplingParams | None = None,
                    timeout_s: float | None = None,
-                   on_text: Callable[[str], None] | None = None) -> TurnResult:
+                   on_text: Callable[[str], None] | None = None,
+                   no_resume: bool = False) -> TurnResult:
         request = chat_pb2.ChatRequest(conversation_id=conversation_id, namespace=namespace,
-                                       sampling=sampling or common_pb2.SamplingParams())
+                                       sampling=sampling or common_pb2.SamplingParams(),
+                                       no_resume=no_resume)
         if isinstance(prompt_token_ids, array) and prompt_token_ids.itemsize == 4 \
                 and sys.byteorder == "little":
             # Packed: 4 bytes per id, little-endian, no per-id work on either side.
@@ -86,12 +91,15 @@ class ChatClient:
                 f = ev.final
                 result.prompt_tokens = f.usage.prompt_tokens
                 result.cached_tokens = f.usage.cached_tokens
+                result.transferred_tokens = f.usage.transferred_tokens
                 result.completion_tokens = f.usage.completion_tokens
                 result.dropped_tokens = f.usage.dropped_tokens
                 result.finish_reason = FINISH_NAMES.get(f.finish_reason, "unspecified")
                 result.worker_id = f.worker_id
                 result.predicted_cached_tokens = f.predicted_cached_tokens
                 result.best_predicted_cached_tokens = f.best_predicted_cached_tokens
+                result.predicted_transferred_tokens = f.predicted_transferred_tokens
+                result.num_resumes = f.num_resumes
                 result.queue_ms, result.ttft_ms, result.total_ms = (
                     f.timings.queue_ms, f.timings.ttft_ms, f.timings.total_ms)
         return result

@@ -1,7 +1,8 @@
 """Failover semantics against scripted fake workers (real gRPC on loopback): a worker lost
-after tokens were sent ends the stream with UNAVAILABLE saying a retry is safe, and the
-turn is NOT continued elsewhere (no duplicated text); one failing before its first token
-is replaced invisibly."""
+after tokens were sent is resumed on another worker from the prompt plus the tokens sent
+(gateway/resume.py; tests/faults/test_resume.py runs it against real workers), or, when
+the client opts out, ends the stream with UNAVAILABLE saying a retry is safe (no
+duplicated text either way); one failing before its first token is replaced invisibly."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class FakeWorker:
     def __init__(self, worker_id: str, fingerprint: str, mode: str, queued: int = 0) -> None:
         self.worker_id, self.fingerprint, self.mode, self.queued = worker_id, fingerprint, mode, queued
         self.generate_calls = 0
+        self.requests: list[worker_pb2.GenerateRequest] = []
 
     async def GetInfo(self, request, context):
         return worker_pb2.WorkerInfo(worker_id=self.worker_id, model_name="tiny-random",
@@ -46,8 +48,15 @@ class FakeWorker:
         yield worker_pb2.KVEventBatch(worker_id=self.worker_id, incarnation=1, snapshot=True)
         await asyncio.Event().wait()
 
+    async def ExportBlocks(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no block transfer")
+
+    async def PullBlocks(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no block transfer")
+
     async def Generate(self, request, context):
         self.generate_calls += 1
+        self.requests.append(request)
         if self.mode == "fail_first":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted failure")
         for t in (11, 12):
@@ -89,12 +98,12 @@ def fakes(loop_thread, tiny_spec):
         loop_thread.run(server.stop(0))
 
 
-def _chat(gw: str, n_workers: int):
+def _chat(gw: str, n_workers: int, **fields):
     with grpc.insecure_channel(gw) as ch:
         stub = chat_pb2_grpc.ChatServiceStub(ch)
         wait_for(lambda: stub.ListModels(chat_pb2.ListModelsRequest()).models[0].num_workers
                  == n_workers, what="gateway to see the workers")
-        req = chat_pb2.ChatRequest(conversation_id="c")
+        req = chat_pb2.ChatRequest(conversation_id="c", **fields)
         req.prompt_token_ids.token_ids.extend(range(3, 40))
         events = []
         try:
@@ -105,18 +114,42 @@ def _chat(gw: str, n_workers: int):
         return events, None
 
 
-def test_lost_after_tokens_is_unavailable_and_never_continued(loop_thread, tiny_spec,
-                                                              fakes) -> None:
+def test_lost_after_tokens_is_unavailable_when_the_client_opts_out(loop_thread, tiny_spec,
+                                                                   fakes) -> None:
     dying, d_addr = fakes("dying", "die_after_tokens")
     healthy, h_addr = fakes("healthy", "ok", queued=10**6)  # ranked second (least-loaded)
     gw, stop = start_gateway(loop_thread, tiny_spec, [d_addr, h_addr],
                              routing=RoutingConfig(policy="least-loaded"))
     try:
-        events, err = _chat(gw, 2)
+        events, err = _chat(gw, 2, no_resume=True)
         assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE
         assert "after 2 tokens" in err.details() and "retrying is safe" in err.details()
         assert [t for e in events for t in e.delta.token_ids] == [11, 12]  # each token once
         assert dying.generate_calls == 1 and healthy.generate_calls == 0
+    finally:
+        loop_thread.loop.call_soon_threadsafe(stop.set)
+
+
+def test_lost_after_tokens_resumes_from_the_prompt_and_the_tokens_sent(loop_thread, tiny_spec,
+                                                                      fakes) -> None:
+    dying, d_addr = fakes("dying2", "die_after_tokens")
+    healthy, h_addr = fakes("healthy3", "ok", queued=10**6)  # ranked second (least-loaded)
+    gw, stop = start_gateway(loop_thread, tiny_spec, [d_addr, h_addr],
+                             routing=RoutingConfig(policy="least-loaded"))
+    try:
+        events, err = _chat(gw, 2, sampling=common_pb2.SamplingParams(max_tokens=10))
+        assert err is None, err
+        # The continuation was asked for the prompt plus the 2 tokens sent, 8 tokens more.
+        cont = healthy.requests[0]
+        sent = list(memoryview(cont.packed_prompt_token_ids).cast("I"))
+        assert sent == [*range(3, 40), 11, 12] and cont.sampling.max_tokens == 8
+        # The client saw the first worker's tokens once, then the continuation's (this fake
+        # answers 11, 12 whatever it is asked); usage counts the original prompt.
+        assert [t for e in events for t in e.delta.token_ids] == [11, 12, 11, 12]
+        final = events[-1].final
+        assert final.worker_id == "healthy3" and final.num_resumes == 1
+        assert final.usage.prompt_tokens == 37 and final.usage.completion_tokens == 4
+        assert dying.generate_calls == 1 and healthy.generate_calls == 1
     finally:
         loop_thread.loop.call_soon_threadsafe(stop.set)
 

@@ -1,0 +1,150 @@
+"""Mid-stream resume (gateway/resume.py) against real processes: a worker killed while it
+streams 10 long greedy replies; every stream completes on the other worker, token for token
+what an uninterrupted run gives, with no client error. And the opt-out: a client that asks
+for no resume gets UNAVAILABLE ("retry is safe") as before.
+
+The streams are placed on the worker to kill by the `session` policy (a rendezvous hash of
+the conversation id): conversation ids that rank fw0 first. The continuation carries no
+conversation id, so it goes to the least-loaded healthy worker: fw1.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import xxhash
+
+from prefixgate.bench.redis_server import RedisServer
+from prefixgate.v1 import chat_pb2_grpc
+from tests.faults.fleet import Fleet, chat_request, concurrently, prompt_for, report
+
+DEADLINE_S = 90.0
+NUM_STREAMS = 10
+MAX_TOKENS = 400
+
+
+@pytest.fixture(scope="module")
+def session_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    if not RedisServer().available():
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    f = Fleet(tmp_path_factory.mktemp("resume"))
+    try:
+        f.start_redis()
+        f.start_worker("fw0")
+        f.start_worker("fw1")
+        f.start_gateway("--policy", "session")
+        f.wait_workers(2, timeout_s=180)
+        yield f
+    finally:
+        f.stop()
+
+
+def _on(worker_id: str, n: int) -> list[str]:
+    """n conversation ids the session policy sends to `worker_id` (of fw0, fw1)."""
+    def rank(conv: str, wid: str) -> int:  # routing._rendezvous
+        return xxhash.xxh3_64_intdigest(f"{conv}\0{wid}".encode())
+    other = "fw1" if worker_id == "fw0" else "fw0"
+    return [c for c in (f"resume-{i}" for i in range(10 * n))
+            if rank(c, worker_id) > rank(c, other)][:n]
+
+
+class _Stream:
+    """One Chat call's token ids, text, final and status, as the client saw them."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.final = None
+        self.code = "OK"
+        self.details = ""
+
+
+def _run(fleet: Fleet, conv: str, prompt: list[int], progress: list[int] | None = None,
+         i: int = 0, **extra) -> _Stream:
+    out = _Stream()
+    req = chat_request(conv, prompt, MAX_TOKENS, temperature=0.0)
+    for k, v in extra.items():
+        setattr(req, k, v)
+    try:
+        with grpc.insecure_channel(fleet.address) as ch:
+            for ev in chat_pb2_grpc.ChatServiceStub(ch).Chat(req, timeout=DEADLINE_S):
+                if ev.HasField("delta"):
+                    out.token_ids.extend(ev.delta.token_ids)
+                    out.text += ev.delta.text
+                    if progress is not None:
+                        progress[i] = len(out.token_ids)
+                else:
+                    out.final = ev.final
+    except grpc.RpcError as exc:
+        out.code, out.details = exc.code().name, exc.details() or ""
+    return out
+
+
+def _kill_mid_stream(fleet: Fleet, convs: list[str], prompts: list[list[int]],
+                     **extra) -> tuple[list[_Stream], list[int]]:
+    """Run the streams; SIGKILL fw0 once every one has tokens and none has ended; restart
+    it after. Returns the streams and the tokens each had when the kill came."""
+    progress = [0] * len(convs)
+    results: list = []
+    thread = threading.Thread(target=lambda: results.extend(concurrently(
+        lambda i: _run(fleet, convs[i], prompts[i], progress, i, **extra),
+        [(i,) for i in range(len(convs))], DEADLINE_S + 10)), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + DEADLINE_S
+    while min(progress) < 8 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    at_kill = list(progress)
+    fleet.signal_worker("fw0", signal.SIGKILL)
+    thread.join(DEADLINE_S + 15)
+    fleet.start_worker("fw0")
+    fleet.wait_workers(2)
+    return results, at_kill
+
+
+def test_greedy_streams_continue_on_another_worker_token_for_token(
+        session_fleet: Fleet) -> None:
+    fleet = session_fleet
+    convs = _on("fw0", NUM_STREAMS)
+    prompts = [prompt_for(i, 48) for i in range(NUM_STREAMS)]
+    # The uninterrupted run, on fw0 too (the session policy places them alike).
+    reference = concurrently(lambda i: _run(fleet, convs[i], prompts[i]),
+                             [(i,) for i in range(NUM_STREAMS)], DEADLINE_S)
+    assert all(r.code == "OK" and r.final.worker_id == "fw0" for r in reference), \
+        [(r.code, r.details) for r in reference]
+    streams, at_kill = _kill_mid_stream(fleet, convs, prompts)
+    report("worker SIGKILL mid-stream, resume", streams=len(streams),
+           ok=sum(s.code == "OK" for s in streams),
+           resumed=sum(bool(s.final and s.final.num_resumes) for s in streams),
+           identical=sum(s.token_ids == r.token_ids for s, r in zip(streams, reference, strict=True)),
+           tokens_at_kill=at_kill, reply_tokens=[len(r.token_ids) for r in reference])
+    assert [s.code for s in streams] == ["OK"] * NUM_STREAMS, \
+        [(s.code, s.details) for s in streams]
+    # Killed mid-generation: every stream had tokens, and (most) were not done.
+    assert all(n > 0 for n in at_kill)
+    resumed = [s for s in streams if s.final.num_resumes]
+    assert len(resumed) >= NUM_STREAMS // 2, at_kill
+    for s, r in zip(streams, reference, strict=True):
+        assert s.token_ids == r.token_ids  # nothing missing, nothing repeated
+        assert s.text == r.text
+        assert s.final.usage.completion_tokens == r.final.usage.completion_tokens
+        assert s.final.usage.prompt_tokens == r.final.usage.prompt_tokens
+        assert s.final.finish_reason == r.final.finish_reason
+    assert all(s.final.worker_id == "fw1" for s in resumed)
+
+
+def test_a_client_that_opts_out_sees_the_loss(session_fleet: Fleet) -> None:
+    fleet = session_fleet
+    convs = _on("fw0", 3)
+    prompts = [prompt_for(100 + i, 48) for i in range(3)]
+    streams, at_kill = _kill_mid_stream(fleet, convs, prompts, no_resume=True)
+    report("worker SIGKILL mid-stream, resume opted out",
+           codes=[s.code for s in streams], tokens_at_kill=at_kill)
+    for s in streams:
+        if s.code != "OK":  # a stream that had finished before the kill is fine
+            assert s.code == "UNAVAILABLE" and "retry" in s.details, (s.code, s.details)
+    assert any(s.code == "UNAVAILABLE" for s in streams)
