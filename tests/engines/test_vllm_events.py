@@ -1,0 +1,241 @@
+"""vLLM KV events mapped onto prefixgate's block hashes: decoding both encodings, the
+rules of engines/vllm_events.py, and a property test against a simple model of vLLM's
+cache for every pair of block sizes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixgate.engines.vllm_events import (
+    Cleared,
+    Removed,
+    Stored,
+    VLLMEventMapper,
+    decode_batch,
+)
+from prefixgate.gateway.feeds import apply_event
+from prefixgate.gateway.index import PrefixIndex
+from prefixgate.radix import BlockHasher, Hashers
+from prefixgate.wire.events import KVEventSink
+from tests.engines.vllm_wire import encode, stored_chain, vhash
+
+FP = "fp-test"
+
+
+class SetSink(KVEventSink):
+    """The blocks a reader of the sink's events believes are held."""
+
+    def __init__(self) -> None:
+        self.blocks: set[int] = set()
+        self.calls: list[tuple] = []
+
+    def stored(self, parent_hash, block_hashes) -> None:
+        self.blocks.update(block_hashes)
+        self.calls.append(("store", parent_hash, tuple(block_hashes)))
+
+    def removed(self, block_hashes) -> None:
+        self.blocks.difference_update(block_hashes)
+        self.calls.append(("remove", tuple(block_hashes)))
+
+    def cleared(self) -> None:
+        self.blocks.clear()
+        self.calls.append(("clear",))
+
+
+def ours(tokens: list[int], gbs: int, namespace: str = "") -> list[int]:
+    return BlockHasher(gbs, FP, namespace).hash_blocks(tokens)
+
+
+def mapper(gbs: int, **kw) -> tuple[VLLMEventMapper, SetSink]:
+    sink = SetSink()
+    return VLLMEventMapper(Hashers(gbs, FP), sink, **kw), sink
+
+
+def apply(m: VLLMEventMapper, *events: tuple, array_like: bool = False) -> None:
+    _, evs, _ = decode_batch(encode(list(events), array_like))
+    m.apply(evs)
+
+
+@pytest.mark.parametrize("array_like", [False, True])
+def test_decode_both_encodings(array_like: bool) -> None:
+    tokens = list(range(32))
+    payload = encode([stored_chain(tokens, 16, 0, 2, salt="tenant"),
+                      ("removed", [vhash(tokens[:16], "tenant")]), ("cleared",)],
+                     array_like, ts=12.5)
+    ts, events, skipped = decode_batch(payload)
+    assert ts == 12.5 and skipped == 0
+    assert events[0] == Stored((vhash(tokens[:16], "tenant"), vhash(tokens, "tenant")), None,
+                               tuple(tokens), 16, "tenant", True)
+    assert events[1] == Removed((vhash(tokens[:16], "tenant"),))
+    assert events[2] == Cleared()
+
+
+def test_decode_refuses_garbage() -> None:
+    with pytest.raises(ValueError):
+        decode_batch(b"\xc1not msgpack")
+    with pytest.raises(ValueError):
+        decode_batch(encode([])[:0] or b"\x05")
+
+
+@pytest.mark.parametrize("vbs,gbs", [(16, 16), (32, 16), (16, 32), (16, 24), (24, 16)])
+def test_store_then_remove_maps_to_our_hashes(vbs: int, gbs: int) -> None:
+    tokens = [random.Random(vbs * gbs).randrange(1000) for _ in range(6 * vbs)]
+    m, sink = mapper(gbs)
+    apply(m, stored_chain(tokens, vbs, 0, 3), stored_chain(tokens, vbs, 3, 6))
+    expected = ours(tokens, gbs)
+    assert sink.blocks == set(expected)
+    assert m.held_prefix_blocks(expected) == len(expected)
+    # Removing vLLM block 2 removes every gateway block overlapping tokens [2v, 3v).
+    apply(m, ("removed", [vhash(tokens[:3 * vbs])]))
+    gone = {h for j, h in enumerate(expected) if j * gbs < 3 * vbs and (j + 1) * gbs > 2 * vbs}
+    assert gone and sink.blocks == set(expected) - gone
+    # vLLM recomputes it (a request missed there): the gateway blocks come back.
+    apply(m, stored_chain(tokens, vbs, 2, 3))
+    assert sink.blocks == set(expected)
+
+
+def test_duplicate_copies_are_counted() -> None:
+    tokens = list(range(32))
+    m, sink = mapper(16)
+    apply(m, stored_chain(tokens, 16, 0, 2))
+    apply(m, stored_chain(tokens, 16, 0, 2))  # vLLM cached the same content twice
+    apply(m, ("removed", [vhash(tokens[:16]), vhash(tokens)]))
+    assert sink.blocks == set(ours(tokens, 16))  # one copy of each is still cached
+    apply(m, ("removed", [vhash(tokens[:16]), vhash(tokens)]))
+    assert sink.blocks == set()
+
+
+def test_unknown_parent_is_skipped_and_namespaces_follow_the_salt() -> None:
+    tokens = list(range(64))
+    m, sink = mapper(16)
+    apply(m, stored_chain(tokens, 16, 2, 4))  # subscribed late: parent never seen
+    assert sink.blocks == set() and m.num_unplaced_blocks == 2
+    apply(m, stored_chain(tokens, 16, 0, 2, salt="acme"),
+          stored_chain(tokens, 16, 2, 4, salt="acme"))
+    assert sink.blocks == set(ours(tokens, 16, "acme"))
+    assert not sink.blocks & set(ours(tokens, 16, ""))
+
+
+def test_without_extra_keys_the_namespace_is_asked() -> None:
+    tokens = list(range(32))
+    asked = []
+
+    def namespace_of(first_block):
+        asked.append(tuple(first_block))
+        return "acme"
+
+    m, sink = mapper(16, namespace_of=namespace_of)
+    apply(m, stored_chain(tokens, 16, 0, 2, salt="acme", with_keys=False))
+    assert asked == [tuple(tokens[:16])] and sink.blocks == set(ours(tokens, 16, "acme"))
+    m2, sink2 = mapper(16, namespace_of=lambda _: None)  # ambiguous: not placed
+    apply(m2, stored_chain(tokens, 16, 0, 2, with_keys=False))
+    assert sink2.blocks == set() and m2.num_unplaced_blocks == 2
+
+
+def test_bounded_memory_removes_what_it_forgets() -> None:
+    m, sink = mapper(16, max_blocks=4)
+    seqs = [[s * 1000 + i for i in range(32)] for s in range(3)]
+    for s in seqs:
+        apply(m, stored_chain(s, 16, 0, 2))
+    # 6 vLLM blocks, room for 4: the oldest sequence's blocks were forgotten and removed.
+    assert sink.blocks == set(ours(seqs[1], 16)) | set(ours(seqs[2], 16))
+    apply(m, ("removed", [vhash(seqs[0][:16])]))  # unknown now: ignored, counted
+    assert m.num_unknown_removals == 1
+
+
+def test_suspend_resume_and_clear() -> None:
+    tokens = list(range(48))
+    m, sink = mapper(16)
+    apply(m, stored_chain(tokens, 16, 0, 3))
+    m.suspend()
+    assert sink.blocks == set()
+    apply(m, ("removed", [vhash(tokens[:48])]))  # still followed while suspended
+    m.resume()
+    assert sink.blocks == set(ours(tokens, 16)[:2])
+    apply(m, ("cleared",))
+    assert sink.blocks == set() and m.num_held_blocks == 0
+
+
+def test_chains_reach_a_real_prefix_index() -> None:
+    """The sink's calls place every block in the gateway's index (parents first)."""
+    tokens = list(range(16 * 8))
+
+    class IndexSink(KVEventSink):
+        def __init__(self, index):
+            self.index = index
+
+        def stored(self, parent_hash, block_hashes):
+            apply_event(self.index, "v1", 1, "store", parent_hash, block_hashes, "test")
+
+        def removed(self, block_hashes):
+            apply_event(self.index, "v1", 1, "remove", None, block_hashes, "test")
+
+        def cleared(self):
+            apply_event(self.index, "v1", 1, "clear", None, (), "test")
+
+    index = PrefixIndex()
+    m = VLLMEventMapper(Hashers(16, FP), IndexSink(index))
+    _, evs, _ = decode_batch(encode([stored_chain(tokens, 32, 0, 2),
+                                     stored_chain(tokens, 32, 2, 4)]))
+    m.apply(evs)
+    assert index.match(ours(tokens, 16)).cached_blocks == {"v1": 8}
+    _, evs, _ = decode_batch(encode([("removed", [vhash(tokens[:96])])]))
+    m.apply(evs)
+    assert index.match(ours(tokens, 16)).cached_blocks == {"v1": 4}
+
+
+# ---------------------------------------------------------------- property test
+
+# Sequences share prefixes (a tiny vocabulary, common stems) like conversations do.
+_ops = st.lists(st.tuples(st.sampled_from(["store", "store", "remove", "clear"]),
+                          st.integers(0, 5), st.integers(0, 7), st.integers(1, 7)),
+                max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(vbs=st.sampled_from([2, 3, 4, 6]), gbs=st.sampled_from([2, 3, 4, 5]),
+       stems=st.lists(st.lists(st.integers(0, 2), min_size=8, max_size=8), min_size=6,
+                      max_size=6),
+       salts=st.lists(st.sampled_from(["", "a"]), min_size=6, max_size=6), ops=_ops)
+def test_mapping_matches_a_simple_model(vbs, gbs, stems, salts, ops) -> None:
+    """After any sequence of vLLM-consistent events, the gateway blocks the sink believes
+    held are exactly those whose every overlapping vLLM block is cached."""
+    seqs = [(stems[i % 2][:4] + stems[i]) * 3 for i in range(6)]  # 24 tokens each
+    m, sink = mapper(gbs)
+    copies: dict[bytes, int] = {}  # the model: vLLM's cached blocks (content -> copies)
+    placed: dict[int, int] = {}  # sequence -> leading vLLM blocks ever stored
+    for op, s, a, b in ops:
+        tokens, salt = seqs[s], salts[s]
+        nblocks = len(tokens) // vbs
+        if op == "store":
+            first = min(a, placed.get(s, 0), nblocks)  # vLLM stores after a cached prefix
+            upto = min(nblocks, first + b)
+            if first >= upto:
+                continue
+            apply(m, stored_chain(tokens, vbs, first, upto, salt))
+            for i in range(first, upto):
+                k = vhash(tokens[:(i + 1) * vbs], salt)
+                copies[k] = copies.get(k, 0) + 1
+            placed[s] = max(placed.get(s, 0), upto)
+        elif op == "remove":
+            i = a % nblocks
+            k = vhash(tokens[:(i + 1) * vbs], salt)
+            if copies.get(k, 0) > 0:
+                apply(m, ("removed", [k]))
+                copies[k] -= 1
+        else:
+            apply(m, ("cleared",))
+            copies.clear()
+        expected = set()
+        for tok, sl in zip(seqs, salts, strict=True):
+            for j, h in enumerate(ours(tok, gbs, sl)):
+                over = range(j * gbs // vbs, -(-(j + 1) * gbs // vbs))
+                if all(copies.get(vhash(tok[:(i + 1) * vbs], sl), 0) > 0 for i in over):
+                    expected.add(h)
+        assert sink.blocks == expected
+        assert {h for h in expected if m.holds(h)} == expected
+        assert m.num_held_blocks == len(expected)
