@@ -71,10 +71,11 @@ class VLLMEventStream:
     def stale(self) -> bool:
         return self.mapper.suspended
 
-    def expect_events(self) -> None:
-        """vLLM should publish a batch soon (starts the stall clock if none is running)."""
+    def expect_events(self, since: float | None = None) -> None:
+        """vLLM should publish a batch soon, after monotonic time `since` (default: now): the
+        stall clock starts unless one is running."""
         if self._expect_since is None:
-            self._expect_since = time.monotonic()
+            self._expect_since = time.monotonic() if since is None else since
 
     async def run(self) -> None:
         ctx = zmq.asyncio.Context.instance()

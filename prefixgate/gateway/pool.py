@@ -198,6 +198,9 @@ class WorkerPool:
     # Registered workers must have signed their registration with their key from this
     # keyring (prefixgate.security.identity); others are refused before any connection is made.
     keyring: identity.Keyring | None = None
+    # Workers served inside this process (engines/local.LocalWorker: e.g. a vLLM server
+    # behind its adapter), by registry address: held as both channel and stub.
+    local: dict[str, object] = field(default_factory=dict)
     _closing: set[asyncio.Task] = field(default_factory=set, repr=False)
 
     def healthy(self) -> list[WorkerHandle]:
@@ -235,7 +238,10 @@ class WorkerPool:
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
         for wid, record in records.items():
-            if wid not in self.workers:
+            if wid not in self.workers and record.address in self.local:
+                held = self.local[record.address]
+                self.workers[wid] = WorkerHandle(record, held, held)  # type: ignore[arg-type]
+            elif wid not in self.workers:
                 channel = rpc.channel(record.address, self.tls,
                                       self.credential.metadata if self.credential else ())
                 self.workers[wid] = WorkerHandle(record, channel,
@@ -293,7 +299,11 @@ class WorkerPool:
 
     async def _serving(self, w: WorkerHandle) -> bool:
         """The worker's grpc.health.v1 status for the worker service (a worker without
-        the health service counts as serving once it answered GetInfo)."""
+        the health service counts as serving once it answered GetInfo; a local worker
+        answers its own `serving()`)."""
+        local_check = getattr(w.stub, "serving", None)
+        if local_check is not None:
+            return await local_check()
         try:
             health = await health_pb2_grpc.HealthStub(w.channel).Check(
                 health_pb2.HealthCheckRequest(service=WORKER_SERVICE),

@@ -80,21 +80,91 @@ class WorkerConfig:
     pull_timeout_s: float = 60.0  # one pull from a peer, at most (then compute the rest)
 
 
-class WorkerService:
-    def __init__(self, engine: Engine, spec: ModelSpec, config: WorkerConfig,
-                 vocab_size: int, events: EventLog | None = None) -> None:
-        self.engine = engine
+class WorkerServiceBase:
+    """What every implementation of the Worker API shares, and all `serve()` needs: its
+    configuration, model, KV event log with the WatchEvents streams over it, and
+    `shutdown()` (after the server drained). Subclasses answer the other calls:
+    `WorkerService` over an `Engine`, engines/vllm.py over a vLLM server."""
+
+    def __init__(self, spec: ModelSpec, config: WorkerConfig,
+                 events: EventLog | None = None) -> None:
         self.spec = spec
         self.config = config
-        self.vocab_size = vocab_size
         # The sink the engine reports to (an empty log when the engine reports nothing).
         self.events = events if events is not None else EventLog()
         self._closing = False
         self._watchers: set[asyncio.Event] = set()
+
+    async def shutdown(self) -> None:
+        """Stop serving requests (the server has drained)."""
+
+    async def WatchEvents(self, request: worker_pb2.WatchEventsRequest,
+                          context: grpc.aio.ServicerContext):
+        """Stream the event log: a snapshot first unless the subscriber's cursor is of this
+        incarnation and still held, then live batches (see worker/events.py)."""
+        events = self.events
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        self._watchers.add(wake)
+        unsubscribe = events.subscribe(lambda: loop.call_soon_threadsafe(wake.set))
+        cursor: int | None = (request.after_seq if request.incarnation == events.incarnation
+                              else None)
+        try:
+            while not self._closing:
+                wake.clear()
+                got = events.read(cursor) if cursor is not None else None
+                if got is None:
+                    chains, cursor = events.snapshot()
+                    for i, batch in enumerate(_chunks(chains)):
+                        yield self._batch(batch, cursor, snapshot=i == 0)
+                    continue
+                batch, cursor = got
+                if batch:
+                    yield self._batch(batch, cursor, snapshot=False)
+                    continue
+                await wake.wait()
+        finally:
+            unsubscribe()
+            self._watchers.discard(wake)
+
+    def _batch(self, batch: list[OwnershipEvent], last_seq: int, snapshot: bool
+               ) -> worker_pb2.KVEventBatch:
+        out = worker_pb2.KVEventBatch(worker_id=self.config.worker_id,
+                                      incarnation=self.events.incarnation, last_seq=last_seq,
+                                      snapshot=snapshot)
+        for ev in batch:
+            if ev.kind == "store":
+                out.events.add(stored=worker_pb2.KVStored(
+                    has_parent=ev.parent_hash is not None, parent_hash=ev.parent_hash or 0,
+                    block_hashes=ev.block_hashes))
+            elif ev.kind == "remove":
+                out.events.add(removed=worker_pb2.KVRemoved(block_hashes=ev.block_hashes))
+            else:
+                out.events.add(cleared=worker_pb2.KVCleared())
+        return out
+
+    def close_watchers(self) -> None:
+        """End every WatchEvents and WatchStatus stream (shutdown: they would otherwise
+        hold the drain; status streams end within their interval)."""
+        self._closing = True
+        for wake in self._watchers:
+            wake.set()
+
+
+class WorkerService(WorkerServiceBase):
+    def __init__(self, engine: Engine, spec: ModelSpec, config: WorkerConfig,
+                 vocab_size: int, events: EventLog | None = None) -> None:
+        super().__init__(spec, config, events)
+        self.engine = engine
+        self.vocab_size = vocab_size
         self.rates = ServiceRates()  # measured on finished requests, reported in the status
         self.transfer_rate = TransferRate()  # measured on pulls, reported in the status
         self._peers: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerServiceStub]] = {}
         self._credential: auth.InternalCredential | None = None  # set by serve()
+
+    async def shutdown(self) -> None:
+        await self.close_peers()
+        self.engine.shutdown()
 
     async def Generate(self, request: worker_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext):
@@ -303,59 +373,6 @@ class WorkerService:
     async def FlushCache(self, request, context) -> worker_pb2.FlushCacheResponse:
         return worker_pb2.FlushCacheResponse(num_flushed_tokens=self.engine.flush_cache())
 
-    async def WatchEvents(self, request: worker_pb2.WatchEventsRequest,
-                          context: grpc.aio.ServicerContext):
-        """Stream the event log: a snapshot first unless the subscriber's cursor is of this
-        incarnation and still held, then live batches (see worker/events.py)."""
-        events = self.events
-        loop = asyncio.get_running_loop()
-        wake = asyncio.Event()
-        self._watchers.add(wake)
-        unsubscribe = events.subscribe(lambda: loop.call_soon_threadsafe(wake.set))
-        cursor: int | None = (request.after_seq if request.incarnation == events.incarnation
-                              else None)
-        try:
-            while not self._closing:
-                wake.clear()
-                got = events.read(cursor) if cursor is not None else None
-                if got is None:
-                    chains, cursor = events.snapshot()
-                    for i, batch in enumerate(_chunks(chains)):
-                        yield self._batch(batch, cursor, snapshot=i == 0)
-                    continue
-                batch, cursor = got
-                if batch:
-                    yield self._batch(batch, cursor, snapshot=False)
-                    continue
-                await wake.wait()
-        finally:
-            unsubscribe()
-            self._watchers.discard(wake)
-
-    def _batch(self, batch: list[OwnershipEvent], last_seq: int, snapshot: bool
-               ) -> worker_pb2.KVEventBatch:
-        out = worker_pb2.KVEventBatch(worker_id=self.config.worker_id,
-                                      incarnation=self.events.incarnation, last_seq=last_seq,
-                                      snapshot=snapshot)
-        for ev in batch:
-            if ev.kind == "store":
-                out.events.add(stored=worker_pb2.KVStored(
-                    has_parent=ev.parent_hash is not None, parent_hash=ev.parent_hash or 0,
-                    block_hashes=ev.block_hashes))
-            elif ev.kind == "remove":
-                out.events.add(removed=worker_pb2.KVRemoved(block_hashes=ev.block_hashes))
-            else:
-                out.events.add(cleared=worker_pb2.KVCleared())
-        return out
-
-    def close_watchers(self) -> None:
-        """End every WatchEvents and WatchStatus stream (shutdown: they would otherwise
-        hold the drain; status streams end within their interval)."""
-        self._closing = True
-        for wake in self._watchers:
-            wake.set()
-
-
 def _chunks(chains: list[OwnershipEvent], max_hashes: int = 65536) -> list[list[OwnershipEvent]]:
     """Split a snapshot into messages of at most about `max_hashes` hashes (one empty
     batch for an empty cache: the subscriber must still learn that it is empty)."""
@@ -370,7 +387,7 @@ def _chunks(chains: list[OwnershipEvent], max_hashes: int = 65536) -> list[list[
     return out
 
 
-async def serve(service: WorkerService, stop: asyncio.Event,
+async def serve(service: WorkerServiceBase, stop: asyncio.Event,
                 started: asyncio.Future[int] | None = None) -> None:
     """Serve until `stop` is set, then drain. `started` receives the bound port."""
     limits = service.config.limits
@@ -402,6 +419,5 @@ async def serve(service: WorkerService, stop: asyncio.Event,
     await server.stop(cfg.drain_seconds)
     if health_server is not None:
         await health_server.stop(0)
-    await service.close_peers()
-    service.engine.shutdown()
+    await service.shutdown()
     log.info("worker %s stopped", cfg.worker_id)

@@ -1,0 +1,442 @@
+"""A vLLM server as a prefixgate worker: the Worker API over vLLM's HTTP API and KV events.
+
+Seam
+----
+`VLLMWorker` implements the Worker API (`prefixgate.v1.WorkerService`) the gateway already
+speaks to its own workers, backed by one vLLM server: its OpenAI HTTP API for turns and
+model checks (engines/vllm_http.py), its KV cache events over ZMQ mapped onto
+prefixgate's block hashes (engines/vllm_events.py, engines/vllm_stream.py) into a
+`worker/events.EventLog`, and its /metrics for load. Everything past the Worker API is
+unchanged, so a fleet may mix vLLM servers and prefixgate workers, and routing, predicted
+ownership, failover, limits, auth and namespaces apply to both. The one object serves two
+ways:
+  - in the gateway's process (`prefixgate gateway --vllm-worker URL,tcp://HOST:5557`):
+    wrapped in engines/local.LocalWorker, held by gateway/pool.py in place of a gRPC stub
+    (no extra hop); the gateway follows its WatchEvents like any worker's;
+  - as its own process (`prefixgate worker --engine vllm --vllm-url URL --vllm-events
+    tcp://HOST:5557`, the Kubernetes form: a sidecar of the vLLM pod): served over gRPC
+    by worker/server.serve like any worker, so it registers in Redis under a lease,
+    publishes the mapped events there, and takes mTLS and the internal credential.
+
+Contract
+--------
+- `start()` begins following the server (events, and /metrics every `metrics_interval_s`)
+  and `close()` stops. Until the server answers and passed the model check, GetInfo is
+  UNAVAILABLE (the pool keeps it down); `serving()` is whether it answers now.
+- Model check (on each (re)connection): vLLM exposes no weights digest, so the check
+  covers what it does expose: the chat template and tokenizer (the token ids of probe
+  chats and texts through vLLM's /tokenize must equal the gateway's own), and, when the
+  served model's `root` is a directory on this host, its tokenizer and config files
+  (prefixgate's model fingerprint over them, weights aside). A mismatch is reported in
+  GetInfo as another fingerprint, with the reason in `model_name`, so the gateway
+  refuses the worker saying why. vLLM's `max_model_len` bounds the context if smaller.
+- Generate: the request is validated as a prefixgate worker validates it (same limits,
+  INVALID_ARGUMENT request-scoped), then sent to vLLM's /v1/completions as token ids
+  (`return_token_ids`, streamed with usage; the namespace as vLLM's `cache_salt`, so
+  tenants never share cache there either). Chunks become GenerateChunks (ids and text),
+  the usage (`prompt_tokens_details.cached_tokens`, which needs vLLM's
+  `--enable-prompt-tokens-details`) the GenerateFinal. vLLM errors map as
+  engines/vllm_http.py says: unreachable/503 is UNAVAILABLE (the gateway re-routes a turn
+  that has not started), 400 is INVALID_ARGUMENT scoped to the request. A turn that asks
+  to drop old turns (context_overflow) and does not fit is INVALID_ARGUMENT: vLLM cannot
+  do that. A client that goes away closes the HTTP stream, which aborts the request in vLLM.
+- Status: running and waiting requests and KV use from vLLM's /metrics (all clients of
+  the server), the KV capacity from its cache configuration; queued prefill from the
+  turns sent through this object not yet at their first token, less what the event-fed
+  mapping says vLLM holds of their prompts; service rates measured on finished turns.
+- FlushCache: vLLM's /reset_prefix_cache (offered by vLLM only in its dev mode:
+  UNIMPLEMENTED otherwise, saying so).
+- Events: a turn that must have cached new blocks starts the event stream's stall clock
+  (engines/vllm_stream.py); with vLLM's prefix caching off, no events are expected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from prefixgate.engines.vllm_events import VLLMEventMapper
+from prefixgate.engines.vllm_http import VLLMClient, VLLMError, VLLMMetrics
+from prefixgate.engines.vllm_stream import VLLMEventStream
+from prefixgate.model.catalog import ModelSpec, _fingerprint
+from prefixgate.model.tokenizer import ChatTokenizer
+from prefixgate.radix import Hashers, HashMemo
+from prefixgate.v1 import common_pb2, worker_pb2
+from prefixgate.wire.protocol import (
+    REQUEST_SCOPED,
+    InvalidRequest,
+    check_generate_fields,
+    check_prompt_tokens,
+    clip,
+    sampling_from_proto,
+)
+from prefixgate.wire.status import watch_status
+from prefixgate.wire.token_ids import prompt_token_ids
+from prefixgate.worker.api import FinalEvent, FinishReason
+from prefixgate.worker.rates import ServiceRates
+from prefixgate.worker.server import FINISH_TO_PROTO, WorkerConfig, WorkerServiceBase
+
+log = logging.getLogger(__name__)
+
+__all__ = ["VLLMConfig", "VLLMWorker"]
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+# Probes of the model check: a chat with the template's roles, and text with multi-byte
+# characters and digits (where tokenizers differ first).
+_PROBE_CHAT = (("system", "You are a helpful assistant."),
+               ("user", "What is the capital of France? Answer briefly, please."),
+               ("assistant", "Paris."), ("user", "Et le musée le plus célèbre ? 🙂 2024-11-26"))
+_PROBE_TEXTS = ("Hello, world! The quick brown fox jumps over 13 lazy dogs.",
+                "  naïve café — 東京 Zürich\n\tdef f(x): return x**2  ")
+_NAMESPACE_PREFIX_TOKENS = 16  # tokens of a prompt remembered with its namespace
+
+
+@dataclass(frozen=True)
+class VLLMConfig:
+    """One vLLM server: its HTTP API and KV event endpoints (units: seconds)."""
+
+    url: str  # e.g. http://vllm-0:8000
+    events: str  # vLLM's kv-events `endpoint` as seen from here, e.g. tcp://vllm-0:5557
+    replay: str = ""  # its `replay_endpoint`, e.g. tcp://vllm-0:5558 ("": none)
+    topic: str = ""  # its kv-events `topic`
+    api_key: str = ""  # vLLM's --api-key, if set
+    metrics_interval_s: float = 0.05  # /metrics polls (the gateway's status interval)
+    stall_s: float = 5.0  # no event this long after a turn that cached blocks: stale
+    max_mapped_blocks: int = 1 << 20  # vLLM blocks remembered for the mapping
+
+    @classmethod
+    def parse(cls, text: str, **kw) -> VLLMConfig:
+        """`URL,EVENTS[,REPLAY]` (the --vllm-worker form); ValueError saying what is wrong."""
+        parts = [p.strip() for p in text.split(",")]
+        if not 2 <= len(parts) <= 3 or not parts[0].startswith(("http://", "https://")) \
+                or not all(p.startswith(("tcp://", "ipc://")) for p in parts[1:]):
+            raise ValueError(f"{text!r}: give a vLLM server as URL,EVENTS[,REPLAY], e.g. "
+                             "http://127.0.0.1:8000,tcp://127.0.0.1:5557 (its HTTP API and its "
+                             "--kv-events-config endpoint, and replay_endpoint if set)")
+        return cls(parts[0], parts[1], parts[2] if len(parts) == 3 else "", **kw)
+
+    @property
+    def address(self) -> str:
+        """How the gateway's registry lists it (never a gRPC address)."""
+        return f"vllm+{self.url}"
+
+
+class VLLMWorker(WorkerServiceBase):
+    def __init__(self, spec: ModelSpec, tokenizer: ChatTokenizer, config: WorkerConfig,
+                 vllm: VLLMConfig) -> None:
+        super().__init__(spec, config)
+        self.tokenizer = tokenizer
+        self.vllm = vllm
+        self.client = VLLMClient(vllm.url, api_key=vllm.api_key)
+        self.hashers = Hashers(config.block_size, spec.fingerprint)
+        self.mapper = VLLMEventMapper(self.hashers, self.events, vllm.max_mapped_blocks,
+                                      namespace_of=self._namespace_of)
+        self.stream = VLLMEventStream(vllm.events, self.mapper, vllm.replay, vllm.topic,
+                                      stall_s=vllm.stall_s, name=config.worker_id)
+        self.rates = ServiceRates()
+        self.metrics = VLLMMetrics()
+        self.reachable = False
+        self.checked = False  # the model check passed or refused on this connection
+        self.refusal = ""  # why the served model is not the gateway's ("": it is)
+        self.served_model = ""
+        self.max_context_tokens = spec.max_context_tokens
+        self._memo = HashMemo(8 << 20)
+        self._in_flight = 0
+        self._queued_prefill_tokens = 0  # of turns sent here not yet at their first token
+        # First tokens of recent prompts -> namespaces they were sent in (for vLLM
+        # releases whose events do not carry the cache salt).
+        self._namespaces: OrderedDict[tuple[int, ...], set[str]] = OrderedDict()
+        self._tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self.stream.run(), name="vllm-events"),
+                       asyncio.create_task(self._follow_server(), name="vllm-metrics")]
+
+    async def close(self) -> None:
+        self.close_watchers()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.client.close()
+
+    async def shutdown(self) -> None:
+        await self.close()
+
+    async def serving(self) -> bool:
+        return self.reachable
+
+    async def _follow_server(self) -> None:
+        """Poll /metrics; on each (re)connection check the model first."""
+        while True:
+            try:
+                metrics = await self.client.metrics()
+                if not self.reachable:
+                    await self._check_model()
+                self.metrics, self.reachable = metrics, True
+            except VLLMError as exc:
+                if self.reachable or not self.checked:
+                    log.warning("vLLM worker %s at %s is down: %s", self.config.worker_id,
+                                self.vllm.url, exc.message)
+                self.reachable = False
+                self.checked = True  # logged once until it comes back
+            except Exception:  # never let one server's oddity stop following it
+                log.exception("vLLM worker %s: following %s failed", self.config.worker_id,
+                              self.vllm.url)
+                self.reachable = False
+            await asyncio.sleep(self.vllm.metrics_interval_s if self.reachable
+                                else max(0.5, self.vllm.metrics_interval_s))
+
+    async def _check_model(self) -> None:
+        models = await self.client.models()
+        if not models:
+            self.refusal = "serves no model"
+            return
+        entry = next((m for m in models if m.get("id") == self.spec.name), models[0])
+        self.served_model = str(entry.get("id", ""))
+        limit = entry.get("max_model_len")
+        self.max_context_tokens = min(self.spec.max_context_tokens, int(limit)) \
+            if isinstance(limit, int) and limit > 0 else self.spec.max_context_tokens
+        self.refusal = await self._model_difference(entry)
+        if self.refusal:
+            log.error("vLLM worker %s at %s serves %s, not the gateway's %s: %s",
+                      self.config.worker_id, self.vllm.url, self.served_model, self.spec.name,
+                      self.refusal)
+        else:
+            log.info("vLLM worker %s at %s serves %s (tokenizer and chat template checked; "
+                     "context %d tokens)", self.config.worker_id, self.vllm.url,
+                     self.served_model, self.max_context_tokens)
+
+    async def _model_difference(self, entry: dict) -> str:
+        """Why the served model is not the gateway's ("" when every check passes)."""
+        model = self.served_model
+        for messages in (_PROBE_CHAT, _PROBE_CHAT[:2]):
+            ours = self.tokenizer.encode_messages(messages)
+            theirs = await self.client.tokenize({
+                "model": model, "messages": [{"role": r, "content": c} for r, c in messages],
+                "add_generation_prompt": True, "add_special_tokens": False})
+            if ours != theirs:
+                return "its chat template or tokenizer gives other token ids " + \
+                    _first_difference(ours, theirs)
+        for text in _PROBE_TEXTS:
+            ours = self.tokenizer.encode_text(text)
+            theirs = await self.client.tokenize({"model": model, "prompt": text,
+                                                 "add_special_tokens": False})
+            if ours != theirs:
+                return "its tokenizer gives other token ids " + _first_difference(ours, theirs)
+        root = Path(str(entry.get("root") or ""))
+        if entry.get("root") and (root / "config.json").is_file():
+            try:
+                same = _fingerprint(root, "") == _fingerprint(self.spec.model_dir, "")
+            except (OSError, ValueError) as exc:
+                log.info("vLLM worker %s: cannot compare %s: %s", self.config.worker_id,
+                         root, exc)
+                same = True
+            if not same:
+                return (f"its model directory {root} has another config or tokenizer than "
+                        f"the gateway's {self.spec.model_dir}")
+        return ""
+
+    # ------------------------------------------------------------------ Worker API
+
+    async def GetInfo(self, request, context) -> worker_pb2.WorkerInfo:
+        if not self.reachable:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"vLLM at {self.vllm.url} is not reachable (yet)")
+        refused = bool(self.refusal)
+        return worker_pb2.WorkerInfo(
+            worker_id=self.config.worker_id,
+            model_name=(f"vLLM serving {self.served_model}: {self.refusal}" if refused
+                        else self.spec.name),
+            model_fingerprint="vllm:" + self.served_model if refused else self.spec.fingerprint,
+            block_size=self.config.block_size, max_context_tokens=self.max_context_tokens,
+            kv_capacity_tokens=self.metrics.kv_capacity_tokens)
+
+    def _status(self) -> worker_pb2.WorkerStatus:
+        m = self.metrics
+        return worker_pb2.WorkerStatus(
+            num_running_requests=max(m.num_running_requests, self._in_flight),
+            num_waiting_requests=m.num_waiting_requests,
+            num_queued_prefill_tokens=max(0, self._queued_prefill_tokens),
+            kv_used_tokens=int(m.kv_usage * m.kv_capacity_tokens),
+            kv_capacity_tokens=m.kv_capacity_tokens,
+            prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
+            decode_step_s=self.rates.decode_step_s)
+
+    async def GetStatus(self, request, context) -> worker_pb2.WorkerStatus:
+        return self._status()
+
+    async def WatchStatus(self, request: worker_pb2.WatchStatusRequest, context):
+        async for status in watch_status(self._status, request.min_interval_ms,
+                                         lambda: self._closing):
+            yield status
+
+    async def FlushCache(self, request, context) -> worker_pb2.FlushCacheResponse:
+        held = self.mapper.num_held_blocks * self.config.block_size
+        try:
+            done = await self.client.reset_prefix_cache()
+        except VLLMError as exc:
+            await context.abort(exc.code, exc.message)
+        if not done:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                f"vLLM at {self.vllm.url} does not offer /reset_prefix_cache: "
+                                "start it with VLLM_SERVER_DEV_MODE=1 to let prefixgate flush it")
+        return worker_pb2.FlushCacheResponse(num_flushed_tokens=held)
+
+    def _namespace_of(self, first_block: Sequence[int]) -> str | None:
+        seen = self._namespaces.get(tuple(first_block[:_NAMESPACE_PREFIX_TOKENS]))
+        if not seen:
+            return ""
+        return next(iter(seen)) if len(seen) == 1 else None
+
+    def _remember_namespace(self, prompt: Sequence[int], namespace: str) -> None:
+        if len(prompt) < _NAMESPACE_PREFIX_TOKENS:
+            return
+        key = tuple(prompt[:_NAMESPACE_PREFIX_TOKENS])
+        self._namespaces.setdefault(key, set()).add(namespace)
+        self._namespaces.move_to_end(key)
+        if len(self._namespaces) > 65536:
+            self._namespaces.popitem(last=False)
+
+    def _body(self, prompt: list[int], sampling, namespace: str) -> dict:
+        body: dict = {
+            "model": self.served_model, "prompt": prompt, "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "n": sampling.n, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True, "skip_special_tokens": True,
+        }
+        if sampling.top_k:
+            body["top_k"] = sampling.top_k
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        if sampling.stop:
+            body["stop"] = list(sampling.stop)
+        if sampling.stop_token_ids:
+            body["stop_token_ids"] = list(sampling.stop_token_ids)
+        if namespace:
+            body["cache_salt"] = namespace
+        return body
+
+    async def Generate(self, request: worker_pb2.GenerateRequest, context):
+        try:
+            check_generate_fields(request, self.config.limits)
+            packed = prompt_token_ids(request.prompt_token_ids, request.packed_prompt_token_ids,
+                                      self.tokenizer.vocab_size)
+            check_prompt_tokens(len(packed), self.config.limits)
+            sampling = sampling_from_proto(request.sampling, len(packed),
+                                           self.max_context_tokens, "fail")
+            if len(packed) + sampling.max_tokens > self.max_context_tokens:
+                raise InvalidRequest(
+                    f"the prompt is {len(packed)} tokens and max_tokens {sampling.max_tokens}, "
+                    f"over the context window of {self.max_context_tokens}: a vLLM worker "
+                    "cannot drop old turns (context_overflow); shorten the conversation")
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), REQUEST_SCOPED)
+        if not self.reachable or self.refusal:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"vLLM worker {self.config.worker_id} at {self.vllm.url} is not "
+                                "serving; retrying on another worker is safe")
+        prompt = packed.tolist()
+        namespace = request.namespace
+        self._remember_namespace(prompt, namespace)
+        hashes = self._memo.hash_blocks(self.hashers.get(namespace), packed)
+        pending = len(prompt) - self.mapper.held_prefix_blocks(hashes) * self.config.block_size
+        started = time.monotonic()
+        ttft_ms = 0.0
+        finish: dict[int, str] = {}
+        usage: dict = {}
+        self._in_flight += 1
+        self._queued_prefill_tokens += pending
+        try:
+            # aclosing: a client that went away closes the HTTP stream at once (vLLM aborts).
+            async with contextlib.aclosing(self.client.completions(
+                    self._body(prompt, sampling, namespace), context.time_remaining())) as chunks:
+                async for chunk in chunks:
+                    for choice in chunk.get("choices") or ():
+                        ids = choice.get("token_ids") or ()
+                        text = choice.get("text") or ""
+                        if ids and not ttft_ms:
+                            ttft_ms = (time.monotonic() - started) * 1e3
+                            self._queued_prefill_tokens -= pending
+                            pending = 0
+                        if ids or text:
+                            yield worker_pb2.GenerateEvent(chunk=worker_pb2.GenerateChunk(
+                                token_ids=ids, text=text, index=choice.get("index", 0)))
+                        if choice.get("finish_reason"):
+                            finish[choice.get("index", 0)] = choice["finish_reason"]
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+        except VLLMError as exc:
+            scope = REQUEST_SCOPED if exc.code == grpc.StatusCode.INVALID_ARGUMENT else ()
+            await context.abort(exc.code, exc.message, scope)
+        finally:
+            self._in_flight -= 1
+            self._queued_prefill_tokens -= pending
+        if not usage:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"vLLM at {self.vllm.url} ended request {clip(request.request_id)} "
+                                "without its usage (is it a vLLM OpenAI server?)")
+        total_ms = (time.monotonic() - started) * 1e3
+        prompt_tokens = int(usage.get("prompt_tokens") or len(prompt))
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        completion = int(usage.get("completion_tokens") or 0)
+        reasons = [_FINISH.get(finish.get(i, ""), FinishReason.CANCELLED)
+                   for i in range(sampling.n)]
+        self.rates.observe(FinalEvent(reasons[0], prompt_tokens, cached, completion // max(
+            1, sampling.n), 0.0, ttft_ms or total_ms, total_ms))
+        self._expect_events(prompt_tokens, cached, started)
+        yield worker_pb2.GenerateEvent(final=worker_pb2.GenerateFinal(
+            usage=common_pb2.Usage(prompt_tokens=prompt_tokens, cached_tokens=cached,
+                                   completion_tokens=completion),
+            finish_reason=FINISH_TO_PROTO[reasons[0]],
+            sample_finish_reasons=[FINISH_TO_PROTO[r] for r in reasons],
+            timings=common_pb2.Timings(ttft_ms=ttft_ms or total_ms, total_ms=total_ms)))
+
+    def _expect_events(self, prompt_tokens: int, cached_tokens: int, since: float) -> None:
+        """A turn that filled new vLLM blocks makes vLLM publish: start the stall clock
+        unless an event batch already came since the turn was sent."""
+        vbs = self.metrics.block_size
+        if not vbs or self.metrics.prefix_caching is False:
+            return
+        if prompt_tokens // vbs > cached_tokens // vbs and self.stream.last_batch_at < since:
+            self.stream.expect_events(since)
+
+
+def _first_difference(ours: list[int], theirs: list[int]) -> str:
+    i = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
+             min(len(ours), len(theirs)))
+    return (f"(first difference at token {i}: gateway {ours[i:i + 4]}, vLLM "
+            f"{theirs[i:i + 4]}; {len(ours)} vs {len(theirs)} tokens)")
+
+
+def worker_id_of(url: str) -> str:
+    """A worker id for the vLLM server at `url` (its host and port)."""
+    return "vllm-" + url.split("://", 1)[-1].strip("/").replace("/", "-")
+
+
+async def start_local_workers(spec: ModelSpec, tokenizer: ChatTokenizer,
+                              configs: Sequence[VLLMConfig], block_size: int
+                              ) -> dict[str, VLLMWorker]:
+    """Start one `VLLMWorker` per config in this process: registry address -> worker."""
+    out: dict[str, VLLMWorker] = {}
+    for cfg in configs:
+        w = VLLMWorker(spec, tokenizer, WorkerConfig(worker_id_of(cfg.url),
+                                                     block_size=block_size), cfg)
+        await w.start()
+        out[cfg.address] = w
+    return out
+
+
+async def close_all(workers: Sequence[VLLMWorker]) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.gather(*(w.close() for w in workers))
+
