@@ -35,6 +35,7 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
     listen_flags(g, 50051)
     flag(g, "--worker", action="append",
          help="worker address host:port (embedded registry); not needed with --redis-url")
+    vllm_worker_flag(g)
     flag(g, "--redis-url", default="", help="discover workers through this Redis")
     policy_flags(g)
     record_trace_flag(g)
@@ -47,6 +48,23 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
     processes_flag(g)
     security.gateway_flags(g)
     limit_flags(g)
+
+
+def _vllm_worker(text: str) -> str:
+    from prefixgate.engines.vllm import VLLMConfig
+
+    try:
+        VLLMConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def vllm_worker_flag(p: argparse.ArgumentParser) -> None:
+    flag(p, "--vllm-worker", action="append", type=_vllm_worker, comma_separated=False,
+         help="a vLLM server as a worker, followed from this process: URL,EVENTS[,REPLAY], "
+              "its HTTP API and its --kv-events-config endpoint (and replay_endpoint), e.g. "
+              "http://127.0.0.1:8000,tcp://127.0.0.1:5557 (docs/vllm.md)")
 
 
 def http_flag(p: argparse.ArgumentParser, default: int) -> None:
@@ -122,6 +140,7 @@ def gateway_config(args: argparse.Namespace, workers: Sequence[str], port: int):
                              prediction_ttl_s=args.prediction_ttl_s),
                          index_max_blocks=args.index_max_blocks,
                          static_workers=tuple(workers),
+                         vllm_workers=tuple(getattr(args, "vllm_worker", None) or ()),
                          # `up` has no --drain-seconds: the config's default there.
                          drain_seconds=getattr(args, "drain_seconds", GatewayConfig.drain_seconds),
                          record_trace=args.record_trace,
@@ -171,9 +190,13 @@ async def _serve(args: argparse.Namespace, on_listening: Callable[[], None] | No
     from prefixgate.model.catalog import resolve_model
     from prefixgate.registry import make_registry
 
-    if not args.worker and not args.redis_url:
-        raise SystemExit("prefixgate gateway: give workers with --worker HOST:PORT "
-                         "or a registry with --redis-url")
+    if not args.worker and not args.redis_url and not args.vllm_worker:
+        raise SystemExit("prefixgate gateway: give workers with --worker HOST:PORT or "
+                         "--vllm-worker URL,EVENTS, or a registry with --redis-url")
+    if args.redis_url and args.vllm_worker:
+        raise SystemExit("prefixgate gateway: --vllm-worker follows a vLLM server from this "
+                         "gateway alone; with --redis-url run `prefixgate worker --engine vllm` "
+                         "beside each vLLM server instead, so every gateway sees its blocks")
     spec = resolve_model(args.model, cache_dir(args))
     start_metrics(args.metrics_port, spec.name, args.host)
     started: asyncio.Future[int] = asyncio.get_running_loop().create_future()

@@ -62,6 +62,16 @@ def add_arguments(w: argparse.ArgumentParser) -> None:
     drain_flag(w)
     flag(w, "--metrics-port", type=int, default=0,
          help="serve Prometheus metrics on --host at this port, /metrics (0: off)")
+    flag(w, "--engine", default="prefixgate", choices=("prefixgate", "vllm"),
+         help="prefixgate: this process runs the model; vllm: it serves the Worker API for a "
+              "vLLM server (--vllm-url, --vllm-events; no model, no torch here; docs/vllm.md)")
+    flag(w, "--vllm-url", default="", help="--engine vllm: the server's HTTP API, e.g. "
+                                           "http://127.0.0.1:8000")
+    flag(w, "--vllm-events", default="",
+         help="--engine vllm: its KV events (--kv-events-config endpoint) as seen from here, "
+              "e.g. tcp://127.0.0.1:5557")
+    flag(w, "--vllm-replay", default="",
+         help="--engine vllm: its kv-events replay_endpoint, if set (lost events are replayed)")
     from prefixgate.emulate.worker import add_arguments as add_emulation_arguments
 
     add_emulation_arguments(w)  # --emulate: no model (prefixgate/emulate)
@@ -99,9 +109,32 @@ def passive_omp_wait() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        asyncio.run(_serve_vllm(args))
+        return 0
     passive_omp_wait()
     asyncio.run(_serve_emulated(args) if args.emulate else _serve(args))
     return 0
+
+
+async def _serve_vllm(args: argparse.Namespace) -> None:
+    """The Worker API for one vLLM server (engines/vllm.py), registered like any worker."""
+    from prefixgate.engines.vllm import VLLMConfig, VLLMWorker, worker_id_of
+    from prefixgate.model.catalog import resolve_model
+    from prefixgate.model.tokenizer import ChatTokenizer
+
+    try:
+        vllm = VLLMConfig.parse(",".join(p for p in (args.vllm_url, args.vllm_events,
+                                                      args.vllm_replay) if p))
+    except ValueError as exc:
+        raise SystemExit(f"prefixgate worker --engine vllm: --vllm-url and --vllm-events "
+                         f"are needed: {exc}") from None
+    spec = resolve_model(args.model, cache_dir(args))
+    start_metrics(args.metrics_port, spec.name, args.host)
+    service = VLLMWorker(spec, ChatTokenizer(spec), worker_config(
+        args, args.worker_id or worker_id_of(vllm.url)), vllm)
+    await service.start()
+    await serve_worker(service, stop_event(), args, 0)
 
 
 async def _serve_emulated(args: argparse.Namespace) -> None:

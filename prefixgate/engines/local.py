@@ -3,8 +3,9 @@
 Contract
 --------
 `LocalWorker(servicer)` offers what the gateway's pool, feeds and status follower call
-on a `worker_pb2_grpc.WorkerServiceStub` (`GetInfo`, `GetStatus`, `FlushCache` awaited
-with an optional `timeout`; `Generate`, `WatchEvents`, `WatchStatus` iterated), plus
+on a `worker_pb2_grpc.WorkerServiceStub` (`GetInfo`, `GetStatus`, `FlushCache`,
+`PullBlocks` awaited with an optional `timeout`; `Generate`, `ExportBlocks`,
+`WatchEvents`, `WatchStatus` iterated), plus
 `serving()` (the health check, in place of grpc.health.v1) and `close(grace)` (in place of
 the channel's; it leaves the servicer running: its owner closes it). Calls run the
 servicer's own methods on the caller's event loop with a `LocalContext`; a status the
@@ -88,6 +89,12 @@ class LocalWorker:
 
     def Generate(self, request, timeout: float | None = None, **_):
         return self._stream(self.servicer.Generate, request, timeout)
+
+    async def PullBlocks(self, request, timeout: float | None = None, **_):
+        return await self._unary(self.servicer.PullBlocks, request, timeout)
+
+    def ExportBlocks(self, request, timeout: float | None = None, **_):
+        return self._stream(self.servicer.ExportBlocks, request, timeout)
 
     def WatchEvents(self, request, timeout: float | None = None, **_):
         return self._stream(self.servicer.WatchEvents, request, timeout)

@@ -32,8 +32,10 @@ Contract
   refuses the worker saying why. vLLM's `max_model_len` bounds the context if smaller.
 - Generate: the request is validated as a prefixgate worker validates it (same limits,
   INVALID_ARGUMENT request-scoped), then sent to vLLM's /v1/completions as token ids
-  (`return_token_ids`, streamed with usage; the namespace as vLLM's `cache_salt`, so
-  tenants never share cache there either). Chunks become GenerateChunks (ids and text),
+  (`return_token_ids`, streamed with usage; a namespace as vLLM's `cache_salt`, so
+  tenants never share cache there either: a digest of it, since vLLM limits salts to 128
+  characters without '/', '@' or '\\'; the events' salt is mapped back through the
+  digests of the namespaces sent recently). Chunks become GenerateChunks (ids and text),
   the usage (`prompt_tokens_details.cached_tokens`, which needs vLLM's
   `--enable-prompt-tokens-details`) the GenerateFinal. vLLM errors map as
   engines/vllm_http.py says: unreachable/503 is UNAVAILABLE (the gateway re-routes a turn
@@ -44,6 +46,9 @@ Contract
   the server), the KV capacity from its cache configuration; queued prefill from the
   turns sent through this object not yet at their first token, less what the event-fed
   mapping says vLLM holds of their prompts; service rates measured on finished turns.
+- Block transfer (ExportBlocks, PullBlocks) is UNIMPLEMENTED and the status says
+  `kv_bytes_per_token` 0 (cannot transfer): routing never plans a transfer with it; a
+  Generate's pull spec is ignored (vLLM computes what it does not hold).
 - FlushCache: vLLM's /reset_prefix_cache (offered by vLLM only in its dev mode:
   UNIMPLEMENTED otherwise, saying so).
 - Events: a turn that must have cached new blocks starts the event stream's stall clock
@@ -62,6 +67,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import xxhash
 
 from prefixgate.engines.vllm_events import VLLMEventMapper
 from prefixgate.engines.vllm_http import VLLMClient, VLLMError, VLLMMetrics
@@ -137,8 +143,13 @@ class VLLMWorker(WorkerServiceBase):
         self.vllm = vllm
         self.client = VLLMClient(vllm.url, api_key=vllm.api_key)
         self.hashers = Hashers(config.block_size, spec.fingerprint)
+        # First tokens of recent prompts -> namespaces they were sent in (for vLLM
+        # releases whose events do not carry the cache salt).
+        self._namespaces: OrderedDict[tuple[int, ...], set[str]] = OrderedDict()
+        self._salts: dict[str, str] = {}  # cache_salt sent -> its namespace
         self.mapper = VLLMEventMapper(self.hashers, self.events, vllm.max_mapped_blocks,
-                                      namespace_of=self._namespace_of)
+                                      namespace_of=self._namespace_of,
+                                      namespace_of_salt=self._salts.get)
         self.stream = VLLMEventStream(vllm.events, self.mapper, vllm.replay, vllm.topic,
                                       stall_s=vllm.stall_s, name=config.worker_id)
         self.rates = ServiceRates()
@@ -151,9 +162,6 @@ class VLLMWorker(WorkerServiceBase):
         self._memo = HashMemo(8 << 20)
         self._in_flight = 0
         self._queued_prefill_tokens = 0  # of turns sent here not yet at their first token
-        # First tokens of recent prompts -> namespaces they were sent in (for vLLM
-        # releases whose events do not carry the cache salt).
-        self._namespaces: OrderedDict[tuple[int, ...], set[str]] = OrderedDict()
         self._tasks: list[asyncio.Task] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -292,6 +300,17 @@ class VLLMWorker(WorkerServiceBase):
                                 "start it with VLLM_SERVER_DEV_MODE=1 to let prefixgate flush it")
         return worker_pb2.FlushCacheResponse(num_flushed_tokens=held)
 
+    async def ExportBlocks(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "a vLLM worker cannot export KV blocks (vLLM offers no page export "
+                            "to prefixgate); the caller computes them")
+        yield worker_pb2.ExportBlocksEvent()  # never reached: makes this a stream
+
+    async def PullBlocks(self, request, context) -> worker_pb2.PullBlocksResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "a vLLM worker cannot import KV blocks from peers")
+        return worker_pb2.PullBlocksResponse()
+
     def _namespace_of(self, first_block: Sequence[int]) -> str | None:
         seen = self._namespaces.get(tuple(first_block[:_NAMESPACE_PREFIX_TOKENS]))
         if not seen:
@@ -323,8 +342,16 @@ class VLLMWorker(WorkerServiceBase):
         if sampling.stop_token_ids:
             body["stop_token_ids"] = list(sampling.stop_token_ids)
         if namespace:
-            body["cache_salt"] = namespace
+            body["cache_salt"] = self._salt(namespace)
         return body
+
+    def _salt(self, namespace: str) -> str:
+        salt = "prefixgate-" + xxhash.xxh3_128_hexdigest(namespace.encode())
+        if salt not in self._salts:
+            if len(self._salts) >= 65536:  # client-chosen: bounded (forgotten: not placed)
+                self._salts.clear()
+            self._salts[salt] = namespace
+        return salt
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context):
         try:

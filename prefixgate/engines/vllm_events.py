@@ -28,11 +28,12 @@ Rules (why: a gateway must never route on a block vLLM no longer holds):
   - a stored chain whose parent vLLM block is unknown here (it was stored before this
     process subscribed) cannot be placed: its tokens' position and prefix are unknown.
     It is skipped (`num_unplaced_blocks`): the index under-reports, never over-reports.
-  - the namespace (prefixgate's cache salt) of a chain from the root is read from the
-    first block's `extra_keys` (vLLM's `cache_salt`, which the adapter sets to the
-    request's namespace); without `extra_keys` (older vLLM) it is asked of
-    `namespace_of(first_block_token_ids)` (the adapter's record of what it sent), and a
-    chain that answers None is skipped. Children inherit their parent's namespace.
+  - the namespace (prefixgate's cache salt) of a chain from the root comes from the
+    first block's `extra_keys`: no salt is namespace "", a salt is looked up with
+    `namespace_of_salt(salt)` (the adapter sends a digest of the namespace as vLLM's
+    `cache_salt`); without `extra_keys` (older vLLM) it is asked of
+    `namespace_of(first_block_token_ids)` (the adapter's record of what it sent). A chain
+    whose namespace is unknown (None) is skipped. Children inherit their parent's.
   - memory is bounded by `max_blocks` vLLM blocks (least recently stored or named as a
     parent first). Forgetting a block that is cached would leave its gateway blocks
     with nothing to remove them later, so they are removed from the sink first.
@@ -188,11 +189,13 @@ class VLLMEventMapper:
     """See the module docstring."""
 
     def __init__(self, hashers: Hashers, sink: KVEventSink, max_blocks: int = 1 << 20,
-                 namespace_of: Callable[[Sequence[int]], str | None] | None = None) -> None:
+                 namespace_of: Callable[[Sequence[int]], str | None] | None = None,
+                 namespace_of_salt: Callable[[str], str | None] | None = None) -> None:
         self.hashers = hashers
         self.sink = sink
         self.max_blocks = max_blocks
         self.namespace_of = namespace_of
+        self.namespace_of_salt = namespace_of_salt
         self._blocks: OrderedDict[VHash, _Block] = OrderedDict()
         self._holds: dict[int, int] = {}  # our hash -> (vLLM block, index) pairs holding it
         self._parent: dict[int, int | None] = {}  # held our hash -> its parent
@@ -261,7 +264,9 @@ class VLLMEventMapper:
 
     def _root_namespace(self, ev: Stored) -> str | None:
         if ev.carries_keys:
-            return ev.salt or ""
+            if not ev.salt:
+                return ""
+            return ev.salt if self.namespace_of_salt is None else self.namespace_of_salt(ev.salt)
         if self.namespace_of is not None:
             return self.namespace_of(ev.token_ids[: ev.block_size])
         return ""

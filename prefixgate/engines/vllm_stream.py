@@ -12,7 +12,8 @@ publisher process (8 bytes big-endian), `payload` is engines/vllm_events.decode_
   - A gap (batches lost: ZMQ drops when a subscriber is slow or reconnects): the missing
     batches are asked of vLLM's replay socket (`replay_endpoint`, its
     `--kv-events-config` `replay_endpoint`; a DEALER sends the first wanted sequence
-    number and reads `(seq, payload)` frames until seq -1). When they cannot all be had
+    number and reads `(topic, seq, payload)` frames until seq -1; releases before 0.32
+    sent `(seq, payload)`). When they cannot all be had
     (no replay endpoint, no answer within `replay_timeout_s`, or vLLM's buffer no longer
     holds them), the mapper is reset: this worker's blocks leave the index, because
     whatever vLLM removed meanwhile is unknown. The index never keeps a block vLLM
@@ -183,12 +184,13 @@ class VLLMEventStream:
                     log.info("vLLM events %s: replay did not finish within %.1f s",
                              self.name, self.replay_timeout_s)
                     return out
+                # [b"", topic, seq, payload] (vLLM 0.32) or [b"", seq, payload]
                 frames = await dealer.recv_multipart()
-                if len(frames) != 3:
+                if len(frames) not in (3, 4) or len(frames[-2]) != 8:
                     continue
-                seq = int.from_bytes(frames[1], "big", signed=True)
+                seq = int.from_bytes(frames[-2], "big", signed=True)
                 if seq == _END_SEQ:
                     return out
-                out.append((seq, frames[2]))
+                out.append((seq, frames[-1]))
         finally:
             dealer.close(linger=0)

@@ -69,6 +69,9 @@ class GatewayConfig:
     routing: RoutingConfig = RoutingConfig()
     # Workers given by address (embedded registry); with Redis, workers register themselves.
     static_workers: tuple[str, ...] = ()
+    # vLLM servers served as workers from this process (engines/vllm.py), each
+    # "URL,EVENTS[,REPLAY]": its HTTP API and KV event endpoints.
+    vllm_workers: tuple[str, ...] = ()
     refresh_interval_s: float = 2.0  # registry, worker probes, index feeds
     # Worker load is pushed at most this often (WatchStatus; polled where unsupported).
     status_interval_ms: int = 50
@@ -137,11 +140,12 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
     for address in config.static_workers:
         # Static workers stay listed; the pool's probes decide whether they are up.
         await registry.register(WorkerRecord(address, address), lease_ms=2**62)
+    local = await _start_vllm_workers(spec, tokenizer, registry, config)
     internal = (auth.InternalCredential.from_file(config.auth.internal_token_file)
                 if config.auth.internal_token_file else None)
     keyring = _worker_keyring(registry, config.auth)
     pool = WorkerPool(registry, spec.fingerprint, block_size=config.block_size,
-                      tls=config.worker_tls, credential=internal, keyring=keyring)
+                      tls=config.worker_tls, credential=internal, keyring=keyring, local=local)
     service = ChatService(spec, tokenizer, pool, config, index)
     feed = service.feed = make_feed(registry, service.index)
     status = StatusFollower(config.status_interval_ms)
@@ -212,7 +216,26 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
             await asyncio.to_thread(service.recorder.close)
         service.close()
         await pool.close()
+        await asyncio.gather(*(w.servicer.close() for w in local.values()))
         await registry.close()
+
+
+async def _start_vllm_workers(spec: ModelSpec, tokenizer: ChatTokenizer, registry: Registry,
+                              config: GatewayConfig) -> dict:
+    """The vLLM servers of `config.vllm_workers`, each behind an in-process adapter
+    (engines/vllm.py), listed in the registry like static workers: address -> the
+    engines/local.LocalWorker the pool holds in place of a gRPC stub."""
+    if not config.vllm_workers:
+        return {}
+    from prefixgate.engines.local import LocalWorker
+    from prefixgate.engines.vllm import VLLMConfig, start_local_workers
+
+    workers = await start_local_workers(
+        spec, tokenizer, [VLLMConfig.parse(text, metrics_interval_s=config.status_interval_ms / 1e3)
+                          for text in config.vllm_workers], config.block_size)
+    for address in workers:
+        await registry.register(WorkerRecord(address, address), lease_ms=2**62)
+    return {address: LocalWorker(w) for address, w in workers.items()}
 
 
 def _drop_predictions_of_lost_workers(index: PrefixIndex, healthy: list) -> None:

@@ -74,6 +74,29 @@ def test_decode_both_encodings(array_like: bool) -> None:
     assert events[2] == Cleared()
 
 
+def test_decode_a_batch_encoded_by_vllm_itself() -> None:
+    """data/vllm-0.32.0-kv-event-batch.msgpack: vLLM 0.32.0's own KVEventBatch structs,
+    encoded by its msgspec encoder (two chained stores with the cache salt in the first
+    block's extra keys, a removal, a store of a second KV cache group, a clear)."""
+    import hashlib
+    from pathlib import Path
+
+    def h(t):
+        return hashlib.sha256(repr(t).encode()).digest()
+
+    toks = list(range(100, 164))
+    payload = (Path(__file__).parent / "data" / "vllm-0.32.0-kv-event-batch.msgpack").read_bytes()
+    ts, events, skipped = decode_batch(payload)
+    assert ts == 1234.5 and skipped == 1  # the second group's store
+    assert events[0] == Stored((h(toks[:16]), h(toks[:32])), None, tuple(toks[:32]), 16,
+                               "acme", True)
+    assert events[1].parent == h(toks[:32]) and events[1].salt is None
+    assert events[2] == Removed((h(toks[:64]),)) and events[3] == Cleared()
+    m, sink = mapper(16)
+    m.apply(events[:3])
+    assert sink.blocks == set(ours(toks, 16, "acme")[:3])
+
+
 def test_decode_refuses_garbage() -> None:
     with pytest.raises(ValueError):
         decode_batch(b"\xc1not msgpack")

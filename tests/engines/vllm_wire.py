@@ -1,9 +1,9 @@
 """vLLM's KV event wire format, for tests: the msgspec structs as vLLM declares them
-(vllm/distributed/kv_events.py: tagged structs, maps by default, arrays when
-`array_like`), content-addressed block hashes (opaque bytes, as vLLM's sha256-based ones
-are) and a publisher speaking vLLM's ZMQ protocol (PUB frames `(topic, seq as 8 bytes
-big-endian, payload)`; a ROUTER replay socket that answers a start sequence number with
-`(seq, payload)` frames then `(-1, b"")`)."""
+(vllm/distributed/kv_events.py; 0.32: the batch `array_like`, the tagged events maps;
+older releases made the events arrays too), content-addressed block hashes (opaque bytes,
+as vLLM's sha256-based ones are) and a publisher speaking vLLM 0.32's ZMQ protocol (PUB
+frames `(topic, seq as 8 bytes big-endian, payload)`; a ROUTER replay socket that answers
+a start sequence number with `(topic, seq, payload)` frames, then `(b"", -1, b"")`)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import zmq
 
 
 def _structs(array_like: bool):
+    """The structs; `array_like`: the events too are arrays (older vLLM)."""
     class KVCacheEvent(msgspec.Struct, array_like=array_like, omit_defaults=True, gc=False,
                        tag=True):
         pass
@@ -38,7 +39,7 @@ def _structs(array_like: bool):
     class AllBlocksCleared(KVCacheEvent):
         pass
 
-    class KVEventBatch(msgspec.Struct, array_like=array_like, omit_defaults=True, gc=False):
+    class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
         ts: float
         events: list[BlockStored | BlockRemoved | AllBlocksCleared]
         data_parallel_rank: int | None = None
@@ -123,8 +124,10 @@ class Publisher:
         first = int.from_bytes(start, "big")
         for seq, payload in self.buffer:
             if seq >= first:
-                self.router.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self.router.send_multipart((client, b"", (-1).to_bytes(8, "big", signed=True), b""))
+                self.router.send_multipart((client, b"", self.topic, seq.to_bytes(8, "big"),
+                                            payload))
+        self.router.send_multipart((client, b"", b"", (-1).to_bytes(8, "big", signed=True),
+                                    b""))
         return True
 
     def close(self) -> None:
