@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import httpx
+from httpx_sse import EventSource
 
 from prefixgate.v1 import common_pb2
 from prefixgate.wire.client import ChatClient
@@ -194,14 +195,13 @@ class OpenAITarget(Target):
                     clock.fill(rec)
                     rec.status, rec.error = f"HTTP {resp.status_code}", text
                     return rec
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                # Server-sent events parsed by httpx-sse (multi-line data, comments and
+                # keep-alives as the SSE specification has them), not by hand.
+                async for sse in EventSource(resp).aiter_sse():
+                    if sse.data == "[DONE]":
                         complete = True
                         break
-                    event = json.loads(data)
+                    event = json.loads(sse.data)
                     if event.get("usage"):
                         usage = event["usage"]
                     for choice in event.get("choices") or ():

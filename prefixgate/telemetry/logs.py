@@ -8,29 +8,39 @@ stream its caller has since closed. Structured records carry
 their fields in `extra={"fields": {...}, "event": "..."}` (e.g. the gateway's one line per
 turn, gateway/metrics.py) and say them as key=value in their text; the JSON format
 (`--log-format json`) writes one object per line with ts, level, logger, message (the
-event) and the fields as top-level keys.
+event) and the fields as top-level keys, through python-json-logger (the maintained
+JSON formatter for the logging package) rather than a formatter of our own.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
-import time
+from typing import Any
+
+from pythonjsonlogger.json import JsonFormatter as _LibraryJsonFormatter
 
 FORMATS = ("text", "json")
 
 
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        doc = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-               + f".{int(record.msecs):03d}Z", "level": record.levelname,
-               "logger": record.name,
-               "message": getattr(record, "event", None) or record.getMessage()}
-        doc.update(getattr(record, "fields", None) or {})
-        if record.exc_info:
-            doc["exception"] = self.formatException(record.exc_info)
-        return json.dumps(doc, default=str)
+class JsonFormatter(_LibraryJsonFormatter):
+    """python-json-logger's JSON formatter (serialisation of any value, exceptions, extra
+    record attributes) with prefixgate's keys: ts (ISO 8601, UTC), level, logger, message
+    (a structured record's event), and a structured record's fields as top-level keys."""
+
+    def __init__(self) -> None:
+        super().__init__("%(levelname)s %(name)s %(message)s", timestamp="ts",
+                         rename_fields={"levelname": "level", "name": "logger",
+                                        "exc_info": "exception"})
+
+    def add_fields(self, log_data: dict[str, Any], record: logging.LogRecord,
+                   message_dict: dict[str, Any]) -> None:
+        super().add_fields(log_data, record, message_dict)
+        fields = log_data.pop("fields", None) or {}
+        event = log_data.pop("event", None)
+        if event:
+            log_data["message"] = event
+        log_data.update(fields)
 
 
 class StderrHandler(logging.StreamHandler):

@@ -249,3 +249,26 @@ def test_busy_port_is_a_message(which, shared, tmp_path) -> None:
                            text=True, timeout=120, env=cli_env(PREFIXGATE_CACHE_DIR=str(tmp_path)))
     assert r.returncode == 1 and f"cannot listen on 127.0.0.1:{busy}" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_json_log_lines_carry_ts_level_logger_message_and_fields() -> None:
+    import json
+    import logging
+    import sys
+
+    from prefixgate.telemetry.logs import JsonFormatter
+
+    record = logging.LogRecord("prefixgate.turns", logging.INFO, __file__, 1, "turn %s",
+                               ("done",), None)
+    record.event, record.fields = "turn done", {"request_id": "r1", "e2e_ms": 2.5}
+    line = json.loads(JsonFormatter().format(record))
+    assert {k: line[k] for k in ("level", "logger", "message", "request_id", "e2e_ms")} == {
+        "level": "INFO", "logger": "prefixgate.turns", "message": "turn done",
+        "request_id": "r1", "e2e_ms": 2.5}
+    assert line["ts"].startswith(time.strftime("%Y-", time.gmtime())) and "T" in line["ts"]
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        failed = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed", (), sys.exc_info())
+    line = json.loads(JsonFormatter().format(failed))
+    assert line["message"] == "failed" and "ValueError: boom" in line["exception"]

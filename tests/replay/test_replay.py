@@ -302,7 +302,13 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
         chat = self.path == "/v1/chat/completions"
         for piece in ("He", "llo", "!"):
             choice = {"delta": {"content": piece}} if chat else {"text": piece}
-            self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+            doc = json.dumps({'choices': [choice]}, indent=1)
+            if body.get("model") == "sse":  # what the SSE format also allows a server
+                # A comment (keep-alive) line, and an event's data over several lines.
+                lines = "".join(f"data: {line}\n" for line in doc.splitlines())
+                self.wfile.write(f": keep-alive\n\nevent: message\n{lines}\n".encode())
+            else:
+                self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
             self.wfile.flush()
             if body.get("model") == "cut":
                 return
@@ -336,16 +342,19 @@ def test_openai_target_streams_chat_and_token_prompts(fake_openai) -> None:
         cut = OpenAITarget(fake_openai, model="cut")
         dropped = await cut.send(TurnRequest("c", 3, 8, messages=[("user", "hi")]))
         await cut.close()
-        return chat, toks, failed, dropped
+        sse = OpenAITarget(fake_openai, model="sse")
+        multiline = await sse.send(TurnRequest("c", 4, 8, messages=[("user", "hi")]))
+        await sse.close()
+        return chat, toks, failed, dropped, multiline
 
-    chat, toks, failed, dropped = asyncio.run(go())
+    chat, toks, failed, dropped, multiline = asyncio.run(go())
     assert dropped.status == "incomplete" and "after 1 content chunks" in dropped.error
-    for rec in (chat, toks):
+    for rec in (chat, toks, multiline):
         assert rec.ok and rec.completion_tokens == 3 and rec.cached_tokens == 32
         assert len(rec.itl_s) == 2 and all(g > 0.01 for g in rec.itl_s)
         assert 0 < rec.ttft_s < rec.e2e_s
     assert failed.status == "HTTP 503" and "overloaded" in failed.error
-    (p1, b1), (p2, b2), _, _ = _FakeOpenAI.seen
+    (p1, b1), (p2, b2), _, _, _ = _FakeOpenAI.seen
     assert p1 == "/v1/chat/completions" and b1["messages"] == [{"role": "user", "content": "hi"}]
     assert b1["stream"] is True and b1["max_tokens"] == 8
     assert p2 == "/v1/completions" and b2["prompt"] == [5, 6, 7]
