@@ -101,12 +101,26 @@ class _Watch:
     address: str
 
 
-class WorkerStreamFeed(EventFeed):
-    """Follows each worker's WatchEvents stream (see the module docstring)."""
+class _NoProgress(Exception):
+    """A WatchEvents stream that failed or ended before delivering any batch."""
 
-    def __init__(self, index: PrefixIndex, retry_s: float = 0.5) -> None:
+
+class _Unimplemented(Exception):
+    """The worker has no WatchEvents (routing to it uses load only)."""
+
+
+class WorkerStreamFeed(EventFeed):
+    """Follows each worker's WatchEvents stream (see the module docstring). A stream that
+    fails or ends is reopened with exponential backoff and jitter (tenacity), from
+    `retry_s` up to `max_retry_s`: a worker that is down is not asked twice a second for
+    ever, and gateways that lost the same worker do not reconnect in lockstep. A stream
+    that delivered batches starts the backoff over."""
+
+    def __init__(self, index: PrefixIndex, retry_s: float = 0.5,
+                 max_retry_s: float = 10.0) -> None:
         self.index = index
         self.retry_s = retry_s
+        self.max_retry_s = max_retry_s
         self._watches: dict[str, _Watch] = {}
 
     @property
@@ -128,27 +142,46 @@ class WorkerStreamFeed(EventFeed):
                                             w.record.address)
 
     async def _follow(self, w: WorkerHandle) -> None:
-        incarnation, seq = 0, 0
+        from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
+
+        cursor = [0, 0]  # incarnation, last seq: where a reopened stream resumes
         while True:
             try:
-                stream = w.stub.WatchEvents(worker_pb2.WatchEventsRequest(
-                    incarnation=incarnation, after_seq=seq))
-                async for batch in stream:
-                    if batch.snapshot or batch.incarnation != incarnation:
-                        incarnation = batch.incarnation
-                    apply_batch(self.index, w.worker_id, incarnation, batch, "worker")
-                    seq = batch.last_seq
-            except asyncio.CancelledError:
-                raise
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    log.warning("worker %s does not publish KV events; routing to it uses "
-                                "load only", w.worker_id)
-                    return
-                log.debug("event stream of %s: %s", w.worker_id, exc.code().name)
-            except Exception:  # never let one worker's stream take the gateway down
-                log.exception("event stream of %s failed", w.worker_id)
-            await asyncio.sleep(self.retry_s)
+                async for attempt in AsyncRetrying(
+                        wait=wait_exponential_jitter(multiplier=self.retry_s, max=self.max_retry_s,
+                                                     jitter=self.retry_s),
+                        retry=retry_if_exception_type(_NoProgress), reraise=True):
+                    with attempt:
+                        await self._stream(w, cursor)
+            except _Unimplemented:
+                log.warning("worker %s does not publish KV events; routing to it uses "
+                            "load only", w.worker_id)
+                return
+            await asyncio.sleep(self.retry_s)  # it delivered, then ended: reopen soon
+
+    async def _stream(self, w: WorkerHandle, cursor: list[int]) -> None:
+        """One WatchEvents stream, applied to the index until it ends; _NoProgress when
+        it failed or ended before any batch."""
+        progressed = False
+        try:
+            stream = w.stub.WatchEvents(worker_pb2.WatchEventsRequest(
+                incarnation=cursor[0], after_seq=cursor[1]))
+            async for batch in stream:
+                if batch.snapshot or batch.incarnation != cursor[0]:
+                    cursor[0] = batch.incarnation
+                apply_batch(self.index, w.worker_id, cursor[0], batch, "worker")
+                cursor[1] = batch.last_seq
+                progressed = True
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise _Unimplemented() from None
+            log.debug("event stream of %s: %s", w.worker_id, exc.code().name)
+        except Exception:  # never let one worker's stream take the gateway down
+            log.exception("event stream of %s failed", w.worker_id)
+        if not progressed:
+            raise _NoProgress()
 
     async def close(self) -> None:
         for watch in self._watches.values():

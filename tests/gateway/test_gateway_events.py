@@ -138,3 +138,39 @@ def test_chains_rebuild_exactly_the_blocks(edges) -> None:
         assert not seen & set(hs)
         seen.update(hs)
     assert seen == set(blocks)
+
+
+def test_worker_stream_feed_reconnects_with_backoff() -> None:
+    """A worker whose event stream keeps failing is asked again at growing intervals
+    (exponential backoff with jitter), not at a fixed rate; a stream that delivers starts
+    the backoff over."""
+    import time
+
+    calls: list[float] = []
+    deliver = {"from": 6}  # the 6th call delivers a batch, then fails again
+
+    class _Failing:
+        def WatchEvents(self, request):  # noqa: N802
+            calls.append(time.monotonic())
+
+            async def stream():
+                if len(calls) == deliver["from"]:
+                    yield worker_pb2.KVEventBatch(worker_id="x", incarnation=1, last_seq=1,
+                                                  snapshot=True)
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                           grpc.aio.Metadata(), "down")
+            return stream()
+
+    async def scenario() -> None:
+        feed = WorkerStreamFeed(PrefixIndex(), retry_s=0.02, max_retry_s=0.5)
+        await feed.sync([_Handle(WorkerRecord("x", "nowhere"), _Failing(), "x")])
+        await asyncio.sleep(2.0)
+        await feed.close()
+
+    asyncio.run(scenario())
+    gaps = [b - a for a, b in zip(calls, calls[1:])]
+    # Fixed 20 ms retries would make ~80 calls; backoff doubles 20, 40, 80, 160 ms...
+    assert 6 < len(calls) < 25, gaps
+    assert gaps[3] > 2 * gaps[0]
+    # After the delivering 6th call, the wait is back near the first one.
+    assert gaps[5] < gaps[4] / 2, gaps
