@@ -77,21 +77,34 @@ def _quantiles(samples: list[float | None]) -> dict[str, float]:
             "errors": len(samples) - len(ok)}
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) used by process `pid` and its children so far (Linux
-    /proc; 0 elsewhere). Unlike latency, this does not depend on the machine's load."""
+def _cpu_s(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds used by process `pid` and its children so far (Linux
+    /proc; 0 elsewhere). Unlike latency, this does not depend on the machine's load.
+    System time is the kernel's share: loopback TCP sends and receives, wake-ups."""
     ticks = os.sysconf("SC_CLK_TCK")
-    total = 0.0
+    user = system = 0.0
     todo = [pid]
     while todo:
         p = todo.pop()
         try:
             fields = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / ticks
+            user += int(fields[11]) / ticks
+            system += int(fields[12]) / ticks
             todo += [int(c) for c in open(f"/proc/{p}/task/{p}/children").read().split()]
         except (OSError, ValueError, IndexError):
             pass
-    return total
+    return user, system
+
+
+def _cpu_ms(out: dict[str, Any], before: dict[str, tuple[float, float]],
+            pids: dict[str, int], requests: int) -> None:
+    """Record each path's CPU per request since `before`: total, and the kernel's share."""
+    for name, pid in pids.items():
+        user, system = _cpu_s(pid)
+        u0, s0 = before[name]
+        n = max(1, requests)
+        out[f"{name}_cpu_ms_per_request"] = round((user - u0 + system - s0) * 1e3 / n, 3)
+        out[f"{name}_sys_cpu_ms_per_request"] = round((system - s0) * 1e3 / n, 3)
 
 
 class _Client:
@@ -190,9 +203,7 @@ async def _measure(clients: dict[str, _Client], pids: dict[str, int],
             samples[name].append(await client.one(i, client.request(prompts.next())))
         progress.update()
     out["idle"] = _summary(samples)
-    for name, pid in pids.items():
-        out["idle"][f"{name}_cpu_ms_per_request"] = round(
-            (_cpu_s(pid) - cpu0[name]) * 1e3 / max(1, args.idle), 3)
+    _cpu_ms(out["idle"], cpu0, pids, args.idle)
     samples = {name: [] for name in clients}
     cpu0 = {name: _cpu_s(pid) for name, pid in pids.items()}
     for b in range(args.bursts):
@@ -203,9 +214,7 @@ async def _measure(clients: dict[str, _Client], pids: dict[str, int],
                                                     for i, r in enumerate(reqs)))
         progress.update(args.idle // max(1, args.bursts))
     out["burst"] = _summary(samples)
-    for name, pid in pids.items():
-        out["burst"][f"{name}_cpu_ms_per_request"] = round(
-            (_cpu_s(pid) - cpu0[name]) * 1e3 / max(1, args.bursts * args.burst), 3)
+    _cpu_ms(out["burst"], cpu0, pids, args.bursts * args.burst)
     out["queueing_p50_ms"] = round(out["burst"]["added_ms"]["p50"]
                                    - out["idle"]["added_ms"]["p50"], 3)
     return out
