@@ -37,7 +37,6 @@ import asyncio
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -267,82 +266,47 @@ def relay_main(worker: str, port: int) -> None:
     asyncio.run(serve())
 
 
-def _wait_port(address: str, procs: list[subprocess.Popen], timeout_s: float = 120) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while time.monotonic() < deadline:
-            if any(p.poll() is not None for p in procs):
-                raise SystemExit(f"bench gateway: a process it started exited ({address})")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise SystemExit(f"bench gateway: {address} did not become healthy in {timeout_s:.0f} s")
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
     from prefixgate.emulate.model import emulation_model_dir
-    from prefixgate.gateway.processes import die_with_parent
+    from prefixgate.launch.processes import ProcessGroup
     from prefixgate.model.catalog import resolve_model
     from prefixgate.model.tokenizer import ChatTokenizer
     from prefixgate.wire.rpc import free_port
 
     model_dir = emulation_model_dir(args.model)
     vocab_size = ChatTokenizer(resolve_model(str(model_dir))).vocab_size
-    cli = [sys.executable, "-m", "prefixgate"]
     quiet = ["--log-level", "WARNING"]
+    procs = ProcessGroup()
     wport = free_port()
-    worker = subprocess.Popen([*cli, "worker", "--emulate", "--model", str(model_dir),
-                               "--port", str(wport), "--worker-id", "bench-worker",
-                               "--block-size", str(args.block_size), "--num-blocks", "1000000",
-                               "--prefill-tokens-per-s", "1e15", "--decode-s-per-token", "0",
-                               *quiet], preexec_fn=die_with_parent)
-    procs = [worker]
+    procs.start_prefixgate("worker", "worker", "--emulate", "--model", str(model_dir),
+                           "--port", str(wport), "--worker-id", "bench-worker",
+                           "--block-size", str(args.block_size), "--num-blocks", "1000000",
+                           "--prefill-tokens-per-s", "1e15", "--decode-s-per-token", "0",
+                           *quiet)
     relay = None
     if args.relay:
         rport = free_port()
-        relay = subprocess.Popen([sys.executable, "-c", "import sys; from prefixgate.bench."
-                                  "gateway import relay_main; relay_main(sys.argv[1], "
-                                  "int(sys.argv[2]))", f"127.0.0.1:{wport}", str(rport)],
-                                 preexec_fn=die_with_parent)
-        procs.append(relay)
+        relay = procs.start("relay", [sys.executable, "-c", "import sys; from prefixgate.bench."
+                                      "gateway import relay_main; relay_main(sys.argv[1], "
+                                      "int(sys.argv[2]))", f"127.0.0.1:{wport}", str(rport)])
     results: list[dict[str, Any]] = []
     load_before = os.getloadavg()
     paths = 3 if relay is not None else 2
     steps = len(args.processes) * len(args.prompt_tokens) * len(args.kinds) * paths * args.idle
     try:
-        _wait_port(f"127.0.0.1:{wport}", procs)
+        _wait_serving(procs, f"127.0.0.1:{wport}")
         with tqdm(total=steps, desc="bench gateway", file=sys.stderr) as progress:
             for n in args.processes:
                 gport = free_port()
-                gw = subprocess.Popen([*cli, "gateway", "--model", str(model_dir),
-                                       "--worker", f"127.0.0.1:{wport}", "--port", str(gport),
-                                       "--block-size", str(args.block_size),
-                                       "--processes", str(n), "--http-port", "-1", *quiet],
-                                      preexec_fn=die_with_parent)
-                procs.append(gw)
+                gw = procs.start_prefixgate(
+                    "gateway", "gateway", "--model", str(model_dir),
+                    "--worker", f"127.0.0.1:{wport}", "--port", str(gport),
+                    "--block-size", str(args.block_size), "--processes", str(n),
+                    "--http-port", "-1", *quiet)
                 try:
-                    _wait_port(f"127.0.0.1:{gport}", procs)
+                    _wait_serving(procs, f"127.0.0.1:{gport}")
                     for num_tokens in args.prompt_tokens:
                         for kind in args.kinds:
                             prompts = _Prompts(kind, random.Random(args.seed), num_tokens,
@@ -354,14 +318,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                         prompts, progress))
                             results.append({"processes": n, **r})
                 finally:
-                    _stop([gw])
-                    procs.remove(gw)
+                    procs.stop(20, only=["gateway"])
     finally:
-        _stop(procs)
+        procs.stop(20)
     report = _report(args, results, load_before)
     if args.plot:
         plot(report, args.plot)
     return report
+
+
+def _wait_serving(procs, address: str, timeout_s: float = 120) -> None:
+    from prefixgate.launch.processes import ProcessExited
+
+    try:
+        asyncio.run(procs.wait_serving(address, timeout_s))
+    except (ProcessExited, TimeoutError) as exc:
+        raise SystemExit(f"bench gateway: {exc}") from None
 
 
 def plot(result: dict, path: str) -> None:

@@ -85,6 +85,7 @@ async def _run(args: argparse.Namespace) -> dict:
 
     from prefixgate.emulate.fleet import Fleet, FleetConfig
     from prefixgate.emulate.model import emulation_model_dir
+    from prefixgate.emulate.service import ServiceModel
     from prefixgate.model.catalog import resolve_model
     from prefixgate.model.tokenizer import ChatTokenizer
     from prefixgate.wire.client import ChatClient
@@ -93,7 +94,7 @@ async def _run(args: argparse.Namespace) -> dict:
     sizes = [int(s) for s in args.prompt_tokens.split(",") if s]
     http_port = free_port()
     config = FleetConfig(num_workers=1, block_size=16, capacity_blocks=8192,
-                         prefill_tokens_per_s=1e6, decode_s_per_token=0.001,
+                         service=ServiceModel(1e6, 0.001),
                          gateway_flags=("--http-port", str(http_port)))
     results = []
     with tempfile.TemporaryDirectory() as tmp:

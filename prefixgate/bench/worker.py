@@ -75,7 +75,7 @@ def _log(msg: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from prefixgate.cli.worker import passive_omp_wait
+    from prefixgate.worker.startup import passive_omp_wait
 
     passive_omp_wait()  # measure the threads as the worker runs them
     import torch

@@ -1,5 +1,5 @@
-"""What several commands share: the logging, model, listening, drain and context-overflow
-flags, the stop signal, starting a server, metrics.
+"""What several commands share: the logging, model, listening, drain, context-overflow and
+service-model flags.
 
 Imports nothing heavy at top level (the gateway-side commands never import torch).
 """
@@ -7,10 +7,7 @@ Imports nothing heavy at top level (the gateway-side commands never import torch
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import signal
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from prefixgate.cli.flags import flag
@@ -59,38 +56,23 @@ def cache_dir(args: argparse.Namespace) -> Path | None:
     return Path(args.cache_dir) if args.cache_dir else None
 
 
-def stop_event() -> asyncio.Event:
-    """An event set by SIGINT or SIGTERM (call inside the running loop)."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
+def service_flags(p: argparse.ArgumentParser, who: str) -> None:
+    """--prefill-tokens-per-s and --decode-s-per-token: an emulated or simulated worker's
+    speed (`who`: "emulated" or "simulated"), defaults from emulate/service.py."""
+    from prefixgate.emulate.service import ServiceModel
+
+    d = ServiceModel()
+    flag(p, "--prefill-tokens-per-s", type=float, default=d.prefill_tokens_per_s,
+         help=f"{who}: prefill speed per worker (uncached prompt tokens per emulated second)")
+    flag(p, "--decode-s-per-token", type=float, default=d.decode_s_per_token,
+         help=f"{who}: seconds per output token of one sequence (decoding is batched)")
 
 
-async def start_server(serve: Callable[[asyncio.Future[int]], Awaitable[None]]
-                       ) -> tuple[asyncio.Task, int]:
-    """Run `serve(started)` (a gateway's or worker's serve(), which sets `started` to its
-    bound port) as a task; return the task and the port once it listens. A server that
-    fails to start raises its error here: the command ends instead of waiting for a port
-    that will never come."""
-    started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(serve(started))
+def service_model(args: argparse.Namespace):
+    """The ServiceModel the parsed service flags stand for."""
+    from prefixgate.emulate.service import ServiceModel
+
     try:
-        await asyncio.wait({started, task}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    if not started.done():
-        task.result()
-    return task, started.result()
-
-
-def start_metrics(port: int, model_name: str, host: str) -> None:
-    """Serve Prometheus metrics on host:`port` at /metrics (0: off; `host` is the
-    command's --host, so a loopback server keeps its metrics on loopback too), every
-    prefixgate series labelled `model_name` (prefixgate/telemetry/metrics_export.py)."""
-    if port:
-        from prefixgate.telemetry import metrics_export
-        metrics_export.serve(port, model_name, host)
-        log.info("Prometheus metrics on %s:%d/metrics", host, port)
+        return ServiceModel(args.prefill_tokens_per_s, args.decode_s_per_token)
+    except ValueError as exc:
+        raise SystemExit(f"prefixgate {args.command}: {exc}") from None

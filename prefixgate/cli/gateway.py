@@ -1,15 +1,15 @@
 """`prefixgate gateway`: the Chat gateway (prefixgate.v1.ChatService); never imports torch.
 
 Also holds the gateway flag groups `prefixgate up` shares (routing policy, overflow default,
-trace recording) and `gateway_config`, the one place flags become a GatewayConfig.
+trace recording) and `gateway_config` / `gateway_startup`, the one place flags become a
+GatewayConfig and a GatewayStartup (prefixgate/gateway/startup.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from prefixgate.cli import security
 from prefixgate.cli.common import (
@@ -19,8 +19,6 @@ from prefixgate.cli.common import (
     log_flags,
     model_flags,
     overflow_flag,
-    start_metrics,
-    stop_event,
 )
 from prefixgate.cli.flags import flag
 from prefixgate.cli.limits import limit_flags, request_limits
@@ -152,44 +150,20 @@ def gateway_config(args: argparse.Namespace, workers: Sequence[str], port: int):
                          **security.gateway_security(args))
 
 
+def gateway_startup(args: argparse.Namespace, workers: Sequence[str], port: int):
+    """The GatewayStartup (model, registry, metrics, logging and GatewayConfig) of one
+    gateway process the parsed flags stand for."""
+    from prefixgate.gateway.startup import GatewayStartup
+
+    return GatewayStartup(model=args.model, config=gateway_config(args, workers, port),
+                          cache_dir=cache_dir(args), redis_url=args.redis_url,
+                          metrics_port=getattr(args, "metrics_port", 0),
+                          log_level=args.log_level, log_format=args.log_format)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.processes < 1:
         raise SystemExit("prefixgate gateway: --processes must be at least 1")
-    if args.processes == 1:
-        asyncio.run(_serve(args))
-        return 0
-    from prefixgate.gateway import processes
-    from prefixgate.wire.rpc import free_port
-
-    args.port = args.port or free_port(args.host)  # one port for all of them
-    if args.http_port == 0:
-        args.http_port = free_port(args.host)
-    # The processes share their ports (SO_REUSEPORT), which would also share them with
-    # an unrelated listener: refuse a busy port before the first process binds.
-    processes.refuse_busy_ports(args)
-    children = processes.spawn(serve_process, args, args.processes - 1)
-    try:
-        processes.wait_ready(children, timeout_s=300)
-        asyncio.run(_serve(args))
-    finally:
-        processes.stop(children, args.drain_seconds + 5)
-    return 0
-
-
-def serve_process(args: argparse.Namespace, on_listening: Callable[[], None]) -> None:
-    """One of `--processes` gateway processes (prefixgate/gateway/processes.py)."""
-    from prefixgate.telemetry import logs
-    logs.configure(args.log_level, args.log_format)
-    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C reaches every process
-        asyncio.run(_serve(args, on_listening))
-
-
-async def _serve(args: argparse.Namespace, on_listening: Callable[[], None] | None = None
-                 ) -> None:
-    from prefixgate.gateway.server import serve
-    from prefixgate.model.catalog import resolve_model
-    from prefixgate.registry import make_registry
-
     if not args.worker and not args.redis_url and not args.vllm_worker:
         raise SystemExit("prefixgate gateway: give workers with --worker HOST:PORT or "
                          "--vllm-worker URL,EVENTS, or a registry with --redis-url")
@@ -197,10 +171,31 @@ async def _serve(args: argparse.Namespace, on_listening: Callable[[], None] | No
         raise SystemExit("prefixgate gateway: --vllm-worker follows a vLLM server from this "
                          "gateway alone; with --redis-url run `prefixgate worker --engine vllm` "
                          "beside each vLLM server instead, so every gateway sees its blocks")
-    spec = resolve_model(args.model, cache_dir(args))
-    start_metrics(args.metrics_port, spec.name, args.host)
-    started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    if on_listening is not None:
-        started.add_done_callback(lambda _: on_listening())
-    await serve(spec, make_registry(args.redis_url or None),
-                gateway_config(args, args.worker, args.port), stop_event(), started)
+    if args.processes == 1:
+        asyncio.run(_serve(gateway_startup(args, args.worker, args.port)))
+        return 0
+    from prefixgate.gateway import processes
+    from prefixgate.gateway.startup import serve_process
+    from prefixgate.wire.rpc import free_port
+
+    args.port = args.port or free_port(args.host)  # one port for all of them
+    if args.http_port == 0:
+        args.http_port = free_port(args.host)
+    startup = gateway_startup(args, args.worker, args.port)
+    # The processes share their ports (SO_REUSEPORT), which would also share them with
+    # an unrelated listener: refuse a busy port before the first process binds.
+    processes.refuse_busy_ports(startup.config)
+    children = processes.spawn(serve_process, startup, args.processes - 1)
+    try:
+        processes.wait_ready(children, timeout_s=300)
+        asyncio.run(_serve(startup))
+    finally:
+        processes.stop(children, args.drain_seconds + 5)
+    return 0
+
+
+async def _serve(startup) -> None:
+    from prefixgate.gateway.startup import run_gateway
+    from prefixgate.launch.serving import stop_event
+
+    await run_gateway(startup, stop_event())

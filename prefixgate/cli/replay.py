@@ -20,7 +20,7 @@ import asyncio
 import json
 import sys
 
-from prefixgate.cli.common import log_flags
+from prefixgate.cli.common import log_flags, service_flags, service_model
 from prefixgate.cli.flags import flag
 
 HELP = ("replay a recorded trace against a gateway or an OpenAI-compatible server, or "
@@ -33,6 +33,8 @@ DESCRIPTION = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from prefixgate.emulate.service import DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_TRANSFER_BYTES_PER_S
+
     log_flags(p)
     flag(p, "--trace", default="", help="trace file: ShareGPT JSON/JSONL(.gz), Mooncake JSONL, "
                                         "or a gateway's --record-trace file")
@@ -86,22 +88,89 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          help="simulated KV capacity per worker in tokens")
     flag(p, "--sim-block-size", type=int, default=0,
          help="simulated cache block size in tokens (0: the trace's, 16 for chat traces)")
-    flag(p, "--prefill-tokens-per-s", type=float, default=20_000.0,
-         help="simulated prefill speed per worker (uncached prompt tokens per second)")
-    flag(p, "--decode-s-per-token", type=float, default=0.030,
-         help="simulated time per output token of one sequence (decoding is batched)")
-    flag(p, "--transfer-bytes-per-s", type=float, default=12.5e9,
+    service_flags(p, "--simulate/--fleet")
+    flag(p, "--transfer-bytes-per-s", type=float, default=DEFAULT_TRANSFER_BYTES_PER_S,
          help="simulated/emulated: each worker's link for KV block transfers, bytes per "
               "second (default 12.5e9: 100 Gb/s between GPUs; 0: no transfers)")
-    flag(p, "--kv-bytes-per-token", type=int, default=131_072,
+    flag(p, "--kv-bytes-per-token", type=int, default=DEFAULT_KV_BYTES_PER_TOKEN,
          help="simulated/emulated: KV bytes of one token (default 131072: an 8B model, "
               "Llama-3-8B in bf16, the model the default prefill rate stands for)")
     flag(p, "--tokenizer-model", default="smollm2-135m",
          help="simulating a chat trace: the model whose tokenizer and chat template count "
               "its tokens")
-    from prefixgate.replay.fleet import add_arguments as add_fleet_arguments
+    fleet_flags(p)  # --fleet: real gateways in front of emulated workers
 
-    add_fleet_arguments(p)  # --fleet: real gateways in front of emulated workers
+
+def fleet_flags(p: argparse.ArgumentParser) -> None:
+    """The --fleet flags (replay/fleet.py; the workers' model is the simulator's:
+    --capacity-tokens, --sim-block-size, --prefill-tokens-per-s, --decode-s-per-token;
+    --gateways, --fleet-redis and --time-scale also shape --simulate: replay/plan.py)."""
+    flag(p, "--fleet", type=int, default=0,
+         help="replay through real gateways in front of this many emulated workers, all "
+              "started and stopped by this command (0: off; docs/traces.md)")
+    flag(p, "--gateways", action="append", type=int,
+         help="--fleet/--simulate: gateway replicas, one run per count, e.g. 1,2,4 (default: 1)")
+    flag(p, "--fleet-redis", action="store_true",
+         help="--fleet: workers register in and gateways follow a private Redis (else "
+              "gateways list the workers and follow WatchEvents); --simulate: gateways "
+              "share routing predictions")
+    flag(p, "--time-scale", type=float, default=1.0,
+         help="--fleet: emulated seconds per wall second (the whole fleet and the arrivals "
+              "run this much faster; reported times are emulated); --simulate: the same "
+              "fleet's, for the gateways' wall-clock constants")
+    flag(p, "--publish-at", default="prefill", choices=("prefill", "finish"),
+         help="--fleet/--simulate: workers publish a prompt's blocks when its prefill "
+              "completes (as prefixgate's engine does), or only when the request finishes "
+              "(as engines that publish with the reply do)")
+    flag(p, "--no-conversation-ids", action="store_true",
+         help="--fleet/--simulate: send turns without their conversation id, as agents and "
+              "OpenAI-style clients do: a follow-up is routed by its cached prefix alone "
+              "(the race routing predictions cover)")
+    flag(p, "--sim-turnaround-ms", action="append", type=float,
+         help="--simulate: wall milliseconds from a reply's end to its user's next turn "
+              "arriving (x --time-scale), one drawn per turn from these, e.g. 6,9,15 "
+              "(default: the emulated fleet's measured deciles, docs/traces.md; 0: none)")
+    flag(p, "--gateway-args", default="",
+         help="--fleet: more flags for every gateway, given with '=': "
+              "--gateway-args='--prediction-ttl-s 0'")
+    flag(p, "--peer-router", default="",
+         help="--fleet: also run this HTTP router (its command; it gets --host, --port and "
+              "--worker-urls; each {free_port} in it becomes a free port) in place of the "
+              "gateways, e.g. '/path/python -m sglang_router.launch_router --policy "
+              "cache_aware --prometheus-port {free_port}'")
+    flag(p, "--peer-label", default="",
+         help="--fleet: the peer router's name in reports")
+    flag(p, "--fleet-logs", default="",
+         help="--fleet: keep the processes' logs in this directory (default: a temporary one)")
+
+
+def fleet_plan(args: argparse.Namespace):
+    """The FleetPlan (replay/plan.py) the --simulate and --fleet flags stand for."""
+    import shlex
+
+    from prefixgate.replay.plan import FleetPlan
+
+    return FleetPlan(
+        trace_path=args.trace, label=args.label, tokenizer_model=args.tokenizer_model,
+        block_size=args.sim_block_size, capacity_tokens=args.capacity_tokens,
+        service=service_model(args), transfer_bytes_per_s=args.transfer_bytes_per_s,
+        kv_bytes_per_token=args.kv_bytes_per_token, policies=tuple(args.sim_policies or ()),
+        num_workers=args.fleet, worker_counts=tuple(args.sim_workers or ()),
+        gateway_counts=tuple(args.gateways or (1,)), redis=args.fleet_redis,
+        time_scale=args.time_scale, publish_at=args.publish_at,
+        conversation_ids=not args.no_conversation_ids,
+        turnaround_s=(tuple(t / 1e3 for t in args.sim_turnaround_ms)
+                      if args.sim_turnaround_ms else None),
+        gateway_args=tuple(shlex.split(args.gateway_args)),
+        peer_router=tuple(shlex.split(args.peer_router)), peer_label=args.peer_label,
+        logs_dir=args.fleet_logs, timeout_s=args.timeout, progress=not args.no_progress)
+
+
+def limits(args: argparse.Namespace):
+    from prefixgate.replay.loadgen import Limits
+
+    return Limits(args.max_turns, args.max_duration, args.max_tokens, args.max_prompt_tokens,
+                  args.vocab_size)
 
 
 def arrival_config(args: argparse.Namespace, trace):
@@ -123,12 +192,11 @@ def _target(args: argparse.Namespace):
 
 
 async def _replay(args: argparse.Namespace, trace) -> dict:
-    from prefixgate.replay.loadgen import Limits, run_load
+    from prefixgate.replay.loadgen import run_load
     from prefixgate.replay.metrics import summarize
 
     arrival = arrival_config(args, trace)
-    limits = Limits(args.max_turns, args.max_duration, args.max_tokens, args.max_prompt_tokens,
-                    args.vocab_size)
+    turn_limits = limits(args)
     target = _target(args)
     try:
         if hasattr(target, "wait_ready"):
@@ -136,13 +204,14 @@ async def _replay(args: argparse.Namespace, trace) -> dict:
                 await target.wait_ready(10)
             except TimeoutError:
                 raise SystemExit(f"prefixgate replay: no gateway answers at {args.target}") from None
-        result = await run_load(trace, target, arrival, limits, progress=not args.no_progress)
+        result = await run_load(trace, target, arrival, turn_limits,
+                                progress=not args.no_progress)
     finally:
         await target.close()
     summary = summarize(result.records, result.duration_s)
     return {"label": args.label or target.name,
             "config": {"trace": args.trace, "target": args.target, "arrival": vars(arrival),
-                       "limits": vars(limits), "started_unix_s": result.started_unix_s},
+                       "limits": vars(turn_limits), "started_unix_s": result.started_unix_s},
             "summary": summary,
             "ttft_samples_s": sorted(r.ttft_s for r in result.records
                                      if r.ok and r.completion_tokens),
@@ -174,17 +243,14 @@ def run(args: argparse.Namespace) -> int:
         trace = trace.head(args.max_conversations)
         if args.fleet:
             from prefixgate.replay.fleet import run_fleet
-            from prefixgate.replay.loadgen import Limits
 
-            runs = run_fleet(trace, args, arrival_config(args, trace), Limits(
-                args.max_turns, args.max_duration, args.max_tokens, args.max_prompt_tokens,
-                args.vocab_size))
+            runs = run_fleet(trace, fleet_plan(args), arrival_config(args, trace),
+                             limits(args))
         elif args.simulate:
             from prefixgate.replay.simulate import run_simulations
 
-            runs = run_simulations(trace, args, arrival_config(args, trace),
-                                   policies=args.sim_policies, worker_counts=args.sim_workers,
-                                   progress=not args.no_progress)
+            runs = run_simulations(trace, fleet_plan(args), arrival_config(args, trace),
+                                   limits(args))
         else:
             try:
                 runs = [asyncio.run(_replay(args, trace))]

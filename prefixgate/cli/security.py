@@ -89,20 +89,6 @@ def worker_security(args: argparse.Namespace) -> dict:
                                 worker_keyring_file=args.worker_keyring))
 
 
-def worker_keyring(args: argparse.Namespace, worker_id: str):
-    """The worker's keyring (prefixgate.security.identity.Keyring), or None; it must hold a key for
-    `worker_id` (checked here, at start, rather than at each registration attempt)."""
-    from prefixgate.security.identity import Keyring
-
-    if not args.worker_keyring:
-        return None
-    keyring = Keyring.from_file(args.worker_keyring)
-    if keyring.key(worker_id) is None:
-        raise SystemExit(f"prefixgate worker: --worker-keyring {args.worker_keyring} has no "
-                         f"line for worker id {worker_id!r} (nor a '*' master line)")
-    return keyring
-
-
 def client_security(args: argparse.Namespace) -> dict:
     """ChatClient keyword arguments from the client flags."""
     from pathlib import Path

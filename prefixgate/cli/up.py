@@ -8,25 +8,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import dataclasses
 import logging
 import os
-import signal
-import subprocess
 import sys
 import time
 
 from prefixgate.cli import gateway as gateway_cli
 from prefixgate.cli import worker as worker_cli
 from prefixgate.cli.common import (
-    cache_dir,
     listen_flags,
     log,
     log_flags,
     model_flags,
     overflow_flag,
-    start_server,
-    stop_event,
 )
 from prefixgate.cli.flags import flag
 
@@ -66,50 +61,23 @@ def run(args: argparse.Namespace) -> int:
     return asyncio.run(_up(args))
 
 
-def _die_with_parent() -> None:
-    """Child processes get SIGTERM when `prefixgate up` dies, even by SIGKILL (Linux)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-async def _wait_healthy(address: str, deadline: float, procs: list[subprocess.Popen]) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    # Short reconnect backoff: the worker is expected to start listening any moment.
-    options = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 500)]
-    async with grpc.aio.insecure_channel(address, options=options) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            dead = [p for p in procs if p.poll() is not None]
-            if dead:
-                raise SystemExit(f"prefixgate up: a worker exited with code {dead[0].returncode} "
-                                 "during start-up (its log is above)")
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            await asyncio.sleep(0.5)
-    raise SystemExit(f"prefixgate up: {address} did not become healthy in time")
-
-
 async def _up(args: argparse.Namespace) -> int:
+    from prefixgate.launch.processes import ProcessExited, ProcessGroup
+    from prefixgate.launch.serving import start_server, stop_event
     from prefixgate.wire.rpc import free_port
 
     n = args.workers
     if n < 1:
         raise SystemExit("prefixgate up: --workers must be at least 1")
     threads = args.torch_threads or max(1, (os.cpu_count() or 1) // n)
-    procs: list[subprocess.Popen] = []
+    workers = ProcessGroup()  # they log to this terminal; Ctrl-C reaches them too
     addresses = []
     stop = stop_event()
     try:
         for i in range(n):
             port = free_port()
             addresses.append(f"127.0.0.1:{port}")
-            cmd = [sys.executable, "-m", "prefixgate", "worker", "--model", args.model,
+            cmd = ["worker", "--model", args.model,
                    "--port", str(port), "--worker-id", f"worker-{i}",
                    "--torch-threads", str(threads), "--block-size", str(args.block_size),
                    "--context-overflow", args.context_overflow,
@@ -119,35 +87,39 @@ async def _up(args: argparse.Namespace) -> int:
                 cmd += ["--cache-dir", args.cache_dir]
             if args.redis_url:
                 cmd += ["--redis-url", args.redis_url]
-            procs.append(subprocess.Popen(cmd, preexec_fn=_die_with_parent))
+            workers.start_prefixgate(f"worker-{i}", *cmd)
         log.info("starting %d workers (%s); the first start of a model may take a minute", n,
                  args.model)
         deadline = time.monotonic() + args.startup_timeout
         for address in addresses:
-            await _wait_healthy(address, deadline, procs)
-        from prefixgate.gateway.server import serve
-        from prefixgate.model.catalog import resolve_model
-        from prefixgate.registry import make_registry
+            try:
+                await workers.wait_serving(address, max(0.0, deadline - time.monotonic()))
+            except ProcessExited as exc:
+                raise SystemExit(f"prefixgate up: {exc} during start-up") from None
+            except TimeoutError:
+                raise SystemExit(f"prefixgate up: {address} did not become healthy in time"
+                                 ) from None
+        from prefixgate.gateway.startup import run_gateway
 
-        spec = resolve_model(args.model, cache_dir(args))
         static = [] if args.redis_url else addresses
+        startup = gateway_cli.gateway_startup(args, static, args.port)
         gw_stop = asyncio.Event()
         if args.processes > 1:  # shared ports: refuse a busy one before the first bind
             from prefixgate.gateway.processes import refuse_busy_ports
 
-            refuse_busy_ports(args)
-        gateway, port = await start_server(lambda started: serve(
-            spec, make_registry(args.redis_url or None),
-            gateway_cli.gateway_config(args, static, args.port), gw_stop, started))
+            refuse_busy_ports(startup.config)
+        gateway, port = await start_server(lambda started: run_gateway(startup, gw_stop,
+                                                                       started))
         extra: list = []  # the other --processes gateway processes, on the same port
         try:
             address = f"{args.host}:{port}"
             if args.processes > 1:
                 from prefixgate.gateway import processes
+                from prefixgate.gateway.startup import serve_process
 
-                child = argparse.Namespace(**vars(args))
-                child.worker, child.port, child.metrics_port = static, port, 0
-                extra = processes.spawn(gateway_cli.serve_process, child, args.processes - 1)
+                child = dataclasses.replace(startup, config=dataclasses.replace(
+                    startup.config, port=port))
+                extra = processes.spawn(serve_process, child, args.processes - 1)
                 await asyncio.to_thread(processes.wait_ready, extra, args.startup_timeout)
             log.info("prefixgate is up: gateway %s, workers %s", address, ", ".join(addresses))
             if args.demo:
@@ -168,14 +140,7 @@ async def _up(args: argparse.Namespace) -> int:
             gw_stop.set()
             await gateway
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        await asyncio.to_thread(workers.stop, 15)
 
 
 async def _demo(address: str, num_workers: int) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 
 from prefixgate.cli import security
 from prefixgate.cli.common import (
@@ -14,9 +15,8 @@ from prefixgate.cli.common import (
     log_flags,
     model_flags,
     overflow_flag,
-    start_metrics,
-    start_server,
-    stop_event,
+    service_flags,
+    service_model,
 )
 from prefixgate.cli.flags import flag
 from prefixgate.cli.limits import limit_flags, request_limits
@@ -72,9 +72,30 @@ def add_arguments(w: argparse.ArgumentParser) -> None:
               "e.g. tcp://127.0.0.1:5557")
     flag(w, "--vllm-replay", default="",
          help="--engine vllm: its kv-events replay_endpoint, if set (lost events are replayed)")
-    from prefixgate.emulate.worker import add_arguments as add_emulation_arguments
+    emulation_flags(w)  # --emulate: no model (prefixgate/emulate)
 
-    add_emulation_arguments(w)  # --emulate: no model (prefixgate/emulate)
+
+def emulation_flags(w: argparse.ArgumentParser) -> None:
+    """--emulate and its flags (emulate/worker.py EmulatedWorkerConfig; the worker flags
+    give the rest: --model, --block-size, --num-blocks as the cache capacity in blocks,
+    --host/--port/--worker-id, --redis-url/--lease-ms, limits and security)."""
+    from prefixgate.emulate.worker import DEFAULT_CAPACITY_BLOCKS
+
+    flag(w, "--emulate", action="store_true",
+         help="no model: emulate a worker (LRU block cache of --num-blocks blocks, default "
+              f"{DEFAULT_CAPACITY_BLOCKS}; one prefill at a time; docs/traces.md)")
+    service_flags(w, "emulated")
+    flag(w, "--time-scale", type=float, default=1.0,
+         help="emulated: emulated seconds per wall-clock second (service times are divided "
+              "by it; reported timings are emulated)")
+    flag(w, "--emulate-records", default="",
+         help="emulated: on shutdown, write one JSON line per finished request here")
+    flag(w, "--publish-at", default="prefill", choices=("prefill", "finish"),
+         help="emulated: cache and publish a prompt's blocks when its prefill completes, or "
+              "only when the request finishes (as engines that publish with the reply do)")
+    flag(w, "--http-port", type=int, default=-1,
+         help="emulated: also answer OpenAI /v1/completions over HTTP on this port, for HTTP "
+              "routers (0: any free port; -1: off)")
 
 
 def weights_flags(parser: argparse.ArgumentParser) -> None:
@@ -92,26 +113,12 @@ def weights_flags(parser: argparse.ArgumentParser) -> None:
          help="KV cache element type (auto: the compute dtype, bfloat16 under int8 weights)")
 
 
-def passive_omp_wait() -> None:
-    """Make torch's OpenMP threads sleep, not spin, while they wait for work: call before
-    torch is imported. Why: a worker shares its host with the gateway, other workers and
-    its own gRPC threads; with more runnable threads than cores, spinning threads burn
-    the slices the working ones need (measured here, 2 threads on 2 busy cores, SmolLM2
-    int8 decode: 2.8 s per token spinning, 48 ms passive). The cost of passive waiting is
-    a wake-up per parallel operator: it hurt when every decode operator went through
-    OpenMP, but q4_1 decode steps now run on the CPU kernels' own pool (bounded spin,
-    never waits for an unscheduled thread; worker/kernels/cpu_quant.py) and OpenMP serves
-    prefill GEMMs of milliseconds each (docs/benchmarks.md, weight formats: threads).
-    An OMP_WAIT_POLICY the user set wins."""
-    import os
-
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 def run(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
         asyncio.run(_serve_vllm(args))
         return 0
+    from prefixgate.worker.startup import passive_omp_wait
+
     passive_omp_wait()
     asyncio.run(_serve_emulated(args) if args.emulate else _serve(args))
     return 0
@@ -120,8 +127,11 @@ def run(args: argparse.Namespace) -> int:
 async def _serve_vllm(args: argparse.Namespace) -> None:
     """The Worker API for one vLLM server (engines/vllm.py), registered like any worker."""
     from prefixgate.engines.vllm import VLLMConfig, VLLMWorker, worker_id_of
+    from prefixgate.launch.serving import stop_event
     from prefixgate.model.catalog import resolve_model
     from prefixgate.model.tokenizer import ChatTokenizer
+    from prefixgate.telemetry import metrics_export
+    from prefixgate.worker.startup import serve_worker
 
     try:
         vllm = VLLMConfig.parse(",".join(p for p in (args.vllm_url, args.vllm_events,
@@ -130,17 +140,28 @@ async def _serve_vllm(args: argparse.Namespace) -> None:
         raise SystemExit(f"prefixgate worker --engine vllm: --vllm-url and --vllm-events "
                          f"are needed: {exc}") from None
     spec = resolve_model(args.model, cache_dir(args))
-    start_metrics(args.metrics_port, spec.name, args.host)
-    service = VLLMWorker(spec, ChatTokenizer(spec), worker_config(
-        args, args.worker_id or worker_id_of(vllm.url)), vllm)
+    metrics_export.serve(args.metrics_port, spec.name, args.host)
+    config = dataclasses.replace(worker_config(args),
+                                 worker_id=args.worker_id or worker_id_of(vllm.url))
+    service = VLLMWorker(spec, ChatTokenizer(spec), config, vllm)
     await service.start()
-    await serve_worker(service, stop_event(), args, 0)
+    await serve_worker(service, stop_event(), registry_lease(args), 0)
 
 
 async def _serve_emulated(args: argparse.Namespace) -> None:
-    from prefixgate.emulate.worker import serve_emulated
+    from prefixgate.emulate.worker import (
+        DEFAULT_CAPACITY_BLOCKS,
+        EmulatedWorkerConfig,
+        serve_emulated,
+    )
+    from prefixgate.launch.serving import stop_event
 
-    await serve_emulated(args, stop_event())
+    emulation = EmulatedWorkerConfig(
+        model=args.model, cache_dir=cache_dir(args),
+        capacity_blocks=args.num_blocks or DEFAULT_CAPACITY_BLOCKS,
+        service=service_model(args), time_scale=args.time_scale, publish_at=args.publish_at,
+        records_path=args.emulate_records, http_port=args.http_port)
+    await serve_emulated(emulation, worker_config(args), registry_lease(args), stop_event())
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -153,9 +174,11 @@ async def _serve(args: argparse.Namespace) -> None:
             "A gateway-only install runs `prefixgate gateway` and emulated workers "
             "(prefixgate worker --emulate).") from None
 
+    from prefixgate.launch.serving import stop_event
     from prefixgate.model.catalog import resolve_model
     from prefixgate.model.overflow import user_turn_prefix
     from prefixgate.model.tokenizer import ChatTokenizer
+    from prefixgate.telemetry import metrics_export
     from prefixgate.worker.engine import EngineConfig, PagedEngine
     from prefixgate.worker.events import EventLog
     from prefixgate.worker.kv_pool import num_blocks_for_memory
@@ -163,12 +186,13 @@ async def _serve(args: argparse.Namespace) -> None:
     from prefixgate.worker.model_loader import WeightsConfig, load_model
     from prefixgate.worker.model_runner import pool_config_for
     from prefixgate.worker.server import WorkerService
+    from prefixgate.worker.startup import serve_worker
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     stop = stop_event()
     spec = resolve_model(args.model, cache_dir(args))
-    start_metrics(args.metrics_port, spec.name, args.host)
+    metrics_export.serve(args.metrics_port, spec.name, args.host)
     tokenizer = ChatTokenizer(spec)
     device = args.device if args.device != "auto" else (
         "cuda" if torch.cuda.is_available() else "cpu")
@@ -191,39 +215,24 @@ async def _serve(args: argparse.Namespace) -> None:
         turn_prefix=user_turn_prefix(tokenizer), shifted_reuse=args.shifted_reuse,
         blend_tokens=args.blend_tokens, reindex_backend=args.reindex_backend),
         metrics=WorkerMetrics(), event_sink=events)
-    config = worker_config(args, args.worker_id)  # "": worker-<bound port> (server.py)
-    service = WorkerService(engine, spec, config, vocab_size=tokenizer.vocab_size,
+    service = WorkerService(engine, spec, worker_config(args), vocab_size=tokenizer.vocab_size,
                             events=events)
-    await serve_worker(service, stop, args, num_blocks)
+    await serve_worker(service, stop, registry_lease(args), num_blocks)
 
 
-def worker_config(args: argparse.Namespace, worker_id: str):
+def worker_config(args: argparse.Namespace):
     """The WorkerConfig the worker flags describe (real and emulated workers alike)."""
     from prefixgate.worker.server import WorkerConfig
 
-    return WorkerConfig(worker_id=worker_id, host=args.host, port=args.port,
-                        block_size=args.block_size, drain_seconds=args.drain_seconds,
-                        limits=request_limits(args), **security.worker_security(args))
+    # No --worker-id: "" until bound, then worker-<bound port> (worker/server.py).
+    return WorkerConfig(worker_id=args.worker_id, host=args.host, port=args.port, block_size=args.block_size,
+                        drain_seconds=args.drain_seconds, limits=request_limits(args),
+                        **security.worker_security(args))
 
 
-async def serve_worker(service, stop: asyncio.Event, args: argparse.Namespace,
-                       capacity_blocks: int) -> None:
-    """Serve `service` until `stop`; with --redis-url, register under a lease, renew it and
-    publish the service's KV event log (worker/events.py). Real and emulated workers."""
-    from prefixgate.registry import RedisRegistry, WorkerRecord
-    from prefixgate.worker.events import RedisPublisher
-    from prefixgate.worker.server import serve
+def registry_lease(args: argparse.Namespace):
+    """The RegistryLease the --redis-url, --lease-ms and --advertise-address flags give."""
+    from prefixgate.worker.startup import RegistryLease
 
-    server, port = await start_server(lambda started: serve(service, stop, started))
-    if not args.redis_url:
-        await server
-        return
-    worker_id = service.config.worker_id
-    registry = RedisRegistry(args.redis_url, keyring=security.worker_keyring(args, worker_id))
-    address = args.advertise_address or f"{args.host}:{port}"
-    publisher = RedisPublisher(service.events, registry, WorkerRecord(
-        worker_id, address, service.spec.fingerprint, capacity_blocks=capacity_blocks),
-        args.lease_ms)
-    await publisher.run(stop)
-    await server
-    await registry.close()
+    return RegistryLease(redis_url=args.redis_url, lease_ms=args.lease_ms,
+                         advertise_address=args.advertise_address)

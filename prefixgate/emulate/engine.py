@@ -14,7 +14,7 @@ Model of one worker (EmulationConfig; times below are *emulated* seconds, which 
            (they may hold the cache over its capacity until the request ends).
   prefill  one prompt at a time, first come first served. At its start a request matches
            its prompt's leading cached blocks (cached tokens = blocks x block size, at most
-           prompt - 1 tokens), then takes (prompt - cached) / `prefill_tokens_per_s`. The
+           prompt - 1 tokens), then takes (prompt - cached) / `service.prefill_tokens_per_s`. The
            schedule is computed from arrival times (a late timer on a busy host delays what
            the worker sends, never the emulated start of the next prefill or the reported
            timings).
@@ -25,7 +25,7 @@ Model of one worker (EmulationConfig; times below are *emulated* seconds, which 
            that publish with the reply do: the window in which a gateway cannot know them
            from events is the whole request).
   decode   batched, never slowing prefill: the first token at the end of the prefill
-           (TTFT = queue + prefill), the rest `decode_s_per_token` apart; the reply is
+           (TTFT = queue + prefill), the rest `service.decode_s_per_token` apart; the reply is
            streamed as the first token, then the remaining tokens in one chunk at the end
            (the gateway's per-chunk work stays small). Reply token ids are a deterministic
            function of the prompt, so equal prompts give equal replies (as greedy
@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from prefixgate.emulate.cache import BlockCache
+from prefixgate.emulate.service import ServiceModel
 from prefixgate.radix import BlockHasher, Hashers, Node
 from prefixgate.wire.events import KVEventSink
 from prefixgate.worker.api import (
@@ -92,8 +93,7 @@ class EmulationConfig:
 
     capacity_blocks: int = 4000
     block_size: int = 512
-    prefill_tokens_per_s: float = 20_000.0
-    decode_s_per_token: float = 0.030
+    service: ServiceModel = ServiceModel()  # prefill and decode speed (emulate/service.py)
     time_scale: float = 1.0  # emulated seconds per wall-clock second
     model_fingerprint: str = ""
     vocab_size: int = 32000
@@ -108,8 +108,6 @@ class EmulationConfig:
             raise ValueError(f"publish_at must be one of {PUBLISH_AT}, not {self.publish_at!r}")
         if self.capacity_blocks < 1 or self.block_size < 1:
             raise ValueError("capacity_blocks and block_size must be >= 1")
-        if self.prefill_tokens_per_s <= 0 or self.decode_s_per_token < 0:
-            raise ValueError("prefill_tokens_per_s must be > 0 and decode_s_per_token >= 0")
         if self.time_scale <= 0:
             raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
 
@@ -256,7 +254,7 @@ class EmulatedEngine(Engine):
         # the model's, and only arrival times carry the host's delays.
         req.started = max(req.arrival, self._free_at)
         req.first_token = self._free_at = req.started + self._wall(
-            uncached / self.config.prefill_tokens_per_s)
+            self.config.service.prefill_s(uncached))
         self._prefilling, req.stage = req, "prefill"
         req.timer = self._loop.call_at(req.first_token, self._prefill_done, req)
 
@@ -271,8 +269,8 @@ class EmulatedEngine(Engine):
         req.reply = reply_token_ids(req.hashes, req.hasher.root_hash, max_tokens,
                                     self.config.vocab_size)
         req.emit(TokenEvent((req.reply[0],), "x"))
-        req.done_at = req.first_token + self._wall((max_tokens - 1) *
-                                                   self.config.decode_s_per_token)
+        req.done_at = req.first_token + self._wall(
+            self.config.service.decode_s(max_tokens - 1))
         if max_tokens > 1:
             self._decoding[req.request.request_id] = req
             req.timer = self._loop.call_at(req.done_at, self._decode_done, req)

@@ -27,15 +27,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefixgate.gateway.processes import die_with_parent
+from prefixgate.emulate.service import ServiceModel
+from prefixgate.launch.processes import ProcessExited, ProcessGroup
 from prefixgate.wire.rpc import free_port
 
 
@@ -45,8 +42,7 @@ class FleetConfig:
     num_gateways: int = 1
     capacity_blocks: int = 4000  # per worker
     block_size: int = 512  # tokens (the trace's)
-    prefill_tokens_per_s: float = 20_000.0
-    decode_s_per_token: float = 0.030
+    service: ServiceModel = ServiceModel()  # each worker's speed (emulate/service.py)
     time_scale: float = 1.0  # emulated seconds per wall second
     redis: bool = False
     redis_url: str = ""  # use this Redis instead of a private one (implies redis)
@@ -64,16 +60,6 @@ class FleetConfig:
             raise ValueError("a fleet needs at least one worker and one gateway")
 
 
-def _flags_of(command: str) -> set[str]:
-    """The option strings `prefixgate COMMAND` accepts."""
-    import argparse
-
-    from prefixgate.cli import build_parser
-
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return set(sub.choices[command]._option_string_actions)
-
-
 class Fleet:
     def __init__(self, config: FleetConfig, workdir: Path) -> None:
         self.config = config
@@ -82,33 +68,9 @@ class Fleet:
         self.workers: list[str] = []
         self.http_workers: list[str] = []  # with a peer router: the workers' HTTP URLs
         self.redis_url = config.redis_url
-        self._procs: list[tuple[str, subprocess.Popen]] = []
+        self._group: ProcessGroup | None = None
         self._redis = None
         self._records: list[Path] = []
-
-    # ------------------------------------------------------------------ processes
-
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        return self._spawn_command(name, [sys.executable, "-m", "prefixgate", *args])
-
-    def _spawn_command(self, name: str, command: list[str]) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        for key in [k for k in env if k.startswith("PREFIXGATE_")]:
-            del env[key]  # the fleet's flags are explicit; a user's variables must not leak in
-        log = open(self.workdir / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
-        # Its own session (a Ctrl-C reaches the fleet through stop(), in order), and
-        # SIGTERM when this process dies however it dies (no orphaned fleet).
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, preexec_fn=die_with_parent)
-        log.close()
-        self._procs.append((name, proc))
-        return proc
-
-    def _check_alive(self) -> None:
-        for name, proc in self._procs:
-            if proc.poll() is not None:
-                tail = (self.workdir / f"{name}.log").read_text()[-2000:]
-                raise RuntimeError(f"fleet: {name} exited with code {proc.returncode}:\n{tail}")
 
     async def __aenter__(self) -> Fleet:
         from prefixgate.emulate.model import emulation_model_dir
@@ -122,10 +84,11 @@ class Fleet:
         if cfg.cache_dir:
             common += ["--cache-dir", cfg.cache_dir]
         # Token traces carry prompts up to the context: raise the request limits to it.
-        limits = {"--max-prompt-tokens": str(cfg.max_context_tokens),
-                  "--max-request-bytes": str(4 * cfg.max_context_tokens + (1 << 16))}
-        limit_flags = {c: [x for k, v in limits.items() if k in _flags_of(c) for x in (k, v)]
-                       for c in ("worker", "gateway")}
+        limits = ["--max-prompt-tokens", str(cfg.max_context_tokens),
+                  "--max-request-bytes", str(4 * cfg.max_context_tokens + (1 << 16))]
+        # The fleet's flags are explicit (a user's PREFIXGATE_* variables must not leak
+        # in); its own session: a Ctrl-C reaches the fleet through stop(), in order.
+        group = self._group = ProcessGroup(self.workdir, scrub_env=True, new_session=True)
         try:
             if (cfg.redis or cfg.redis_url) and not self.redis_url:
                 from prefixgate.bench.redis_server import RedisServer
@@ -138,11 +101,11 @@ class Fleet:
                 port = free_port()
                 records = self.workdir / f"worker-{i}.served.jsonl"
                 self._records.append(records)
-                args = ["worker", "--emulate", *common, *limit_flags["worker"],
+                args = ["worker", "--emulate", *common, *limits,
                         "--port", str(port),
                         "--worker-id", f"worker-{i}", "--num-blocks", str(cfg.capacity_blocks),
-                        "--prefill-tokens-per-s", str(cfg.prefill_tokens_per_s),
-                        "--decode-s-per-token", str(cfg.decode_s_per_token),
+                        "--prefill-tokens-per-s", str(cfg.service.prefill_tokens_per_s),
+                        "--decode-s-per-token", str(cfg.service.decode_s_per_token),
                         "--time-scale", str(cfg.time_scale), "--emulate-records", str(records),
                         "--publish-at", cfg.publish_at,
                         "--drain-seconds", "1"]
@@ -152,24 +115,24 @@ class Fleet:
                     self.http_workers.append(f"http://127.0.0.1:{http_port}")
                 if self.redis_url:
                     args += ["--redis-url", self.redis_url, "--lease-ms", "5000"]
-                self._spawn(f"worker-{i}", args)
+                group.start_prefixgate(f"worker-{i}", *args)
                 self.workers.append(f"127.0.0.1:{port}")
             for i in range(cfg.num_gateways if not cfg.peer_router else 0):
                 port = free_port()
-                args = ["gateway", *common, *limit_flags["gateway"], "--port", str(port),
+                args = ["gateway", *common, *limits, "--port", str(port),
                         "--drain-seconds", "1",
                         *cfg.gateway_flags]
                 if self.redis_url:
                     args += ["--redis-url", self.redis_url]
                 else:
                     args += ["--worker", ",".join(self.workers)]
-                self._spawn(f"gateway-{i}", args)
+                group.start_prefixgate(f"gateway-{i}", *args)
                 self.gateways.append(f"127.0.0.1:{port}")
             for i in range(cfg.num_gateways if cfg.peer_router else 0):
                 port = free_port()
                 command = [a.replace("{free_port}", str(free_port())) if "{free_port}" in a
                            else a for a in cfg.peer_router]
-                self._spawn_command(f"router-{i}", [
+                group.start(f"router-{i}", [
                     *command, "--host", "127.0.0.1", "--port", str(port),
                     "--worker-urls", *self.http_workers])
                 self.gateways.append(f"http://127.0.0.1:{port}")
@@ -221,23 +184,18 @@ class Fleet:
                                            f"(logs in {self.workdir})")
                     await asyncio.sleep(0.5)
 
+    def _check_alive(self) -> None:
+        assert self._group is not None
+        try:
+            self._group.check_alive()
+        except ProcessExited as exc:
+            raise RuntimeError(f"fleet: {exc}") from None
+
     async def stop(self) -> None:
         """SIGTERM every process (gateways first), wait, SIGKILL the stragglers."""
-        fronts = ("gateway", "router")
-        gateways = [p for n, p in self._procs if n.startswith(fronts)]
-        others = [p for n, p in self._procs if not n.startswith(fronts)]
-        for group in (gateways, others):
-            for p in group:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + self.config.stop_timeout_s
-            for p in group:
-                while p.poll() is None and time.monotonic() < deadline:
-                    await asyncio.sleep(0.05)
-                if p.poll() is None:
-                    p.kill()
-                    p.wait(5)
-        self._procs.clear()
+        if self._group is not None:
+            await asyncio.to_thread(self._group.stop, self.config.stop_timeout_s,
+                                    ("gateway", "router"))
         if self._redis is not None:
             await asyncio.to_thread(self._redis.stop)
             self._redis = None

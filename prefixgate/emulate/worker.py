@@ -1,90 +1,82 @@
 """`prefixgate worker --emulate`: an `EmulatedEngine` behind the real WorkerService.
 
-Contract: `add_arguments(parser)` adds the emulation flags (the worker command's own flags
-give the rest: --model, --block-size, --num-blocks as the cache capacity in blocks,
---host/--port/--worker-id, --redis-url/--lease-ms). `serve_emulated(args, stop)` serves
-until `stop` is set through the worker command's own `serve_worker` (with `--redis-url`:
-registration under a lease and KV events published exactly as a real worker does, and
-the same request limits and security flags); it never imports torch. With
-`--emulate-records PATH` it writes one JSON line per finished request there on shutdown
-(`ServedRecord`: hit and worker-side TTFT as the worker saw them). With `--http-port` it also
-answers OpenAI completions over HTTP (emulate/http.py) from the same engine.
+Contract: `await serve_emulated(emulation, worker, lease, stop)` serves until `stop` is
+set, through the same start-up as a real worker (worker/startup.py: with a Redis lease,
+registration and KV events published exactly as a real worker does; the same request
+limits and security, `worker`: its WorkerConfig). It never imports torch.
+`EmulatedWorkerConfig` holds the rest (the command's emulation flags): the model whose
+tokenizer and fingerprint it serves, its cache capacity in blocks, its service model
+(emulate/service.py) and clock; with `records_path` it writes one JSON line per finished
+request there on shutdown (`ServedRecord`: hit and worker-side TTFT as the worker saw
+them); with `http_port` >= 0 it also answers OpenAI completions over HTTP
+(emulate/http.py) from the same engine.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from prefixgate.cli.flags import flag
+from prefixgate.emulate.service import ServiceModel
+from prefixgate.worker.startup import RegistryLease
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CAPACITY_BLOCKS = 4000
 
-
-def add_arguments(w: argparse.ArgumentParser) -> None:
-    flag(w, "--emulate", action="store_true",
-         help="no model: emulate a worker (LRU block cache of --num-blocks blocks, default "
-              f"{DEFAULT_CAPACITY_BLOCKS}; one prefill at a time; docs/traces.md)")
-    flag(w, "--prefill-tokens-per-s", type=float, default=20_000.0,
-         help="emulated: prefill speed (uncached prompt tokens per emulated second)")
-    flag(w, "--decode-s-per-token", type=float, default=0.030,
-         help="emulated: seconds per output token of one sequence (decoding is batched)")
-    flag(w, "--time-scale", type=float, default=1.0,
-         help="emulated: emulated seconds per wall-clock second (service times are divided "
-              "by it; reported timings are emulated)")
-    flag(w, "--emulate-records", default="",
-         help="emulated: on shutdown, write one JSON line per finished request here")
-    flag(w, "--publish-at", default="prefill", choices=("prefill", "finish"),
-         help="emulated: cache and publish a prompt's blocks when its prefill completes, or "
-              "only when the request finishes (as engines that publish with the reply do)")
-    flag(w, "--http-port", type=int, default=-1,
-         help="emulated: also answer OpenAI /v1/completions over HTTP on this port, for HTTP "
-              "routers (0: any free port; -1: off)")
+__all__ = ["DEFAULT_CAPACITY_BLOCKS", "EmulatedWorkerConfig", "serve_emulated"]
 
 
-async def serve_emulated(args: argparse.Namespace, stop: asyncio.Event) -> None:
-    from prefixgate.cli.worker import serve_worker, worker_config
+@dataclass(frozen=True)
+class EmulatedWorkerConfig:
+    model: str = "smollm2-135m"
+    cache_dir: Path | None = None
+    capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS
+    service: ServiceModel = ServiceModel()
+    time_scale: float = 1.0  # emulated seconds per wall-clock second
+    publish_at: str = "prefill"  # "prefill" | "finish" (emulate/engine.py)
+    records_path: str = ""  # "" : none written
+    http_port: int = -1  # -1: no HTTP face; 0: any free port
+
+
+async def serve_emulated(emulation: EmulatedWorkerConfig, worker, lease: RegistryLease,
+                         stop: asyncio.Event) -> None:
+    """Serve an emulated worker (module docstring); `worker`: its WorkerConfig."""
     from prefixgate.emulate.engine import EmulatedEngine, EmulationConfig
     from prefixgate.model.catalog import resolve_model
     from prefixgate.model.tokenizer import ChatTokenizer
     from prefixgate.worker.events import EventLog
     from prefixgate.worker.server import WorkerService
+    from prefixgate.worker.startup import serve_worker
 
-    spec = resolve_model(args.model, Path(args.cache_dir) if args.cache_dir else None)
+    spec = resolve_model(emulation.model, emulation.cache_dir)
     vocab_size = ChatTokenizer(spec).vocab_size
-    capacity = args.num_blocks or DEFAULT_CAPACITY_BLOCKS
     events = EventLog()
     engine = EmulatedEngine(EmulationConfig(
-        capacity_blocks=capacity, block_size=args.block_size,
-        prefill_tokens_per_s=args.prefill_tokens_per_s,
-        decode_s_per_token=args.decode_s_per_token, time_scale=args.time_scale,
+        capacity_blocks=emulation.capacity_blocks, block_size=worker.block_size,
+        service=emulation.service, time_scale=emulation.time_scale,
         model_fingerprint=spec.fingerprint, vocab_size=vocab_size,
-        max_context_tokens=spec.max_context_tokens, publish_at=args.publish_at), events)
-    config = worker_config(args, args.worker_id)  # "": worker-<bound port> (server.py)
-    service = WorkerService(engine, spec, config, vocab_size=vocab_size, events=events)
+        max_context_tokens=spec.max_context_tokens, publish_at=emulation.publish_at), events)
+    service = WorkerService(engine, spec, worker, vocab_size=vocab_size, events=events)
     log.info("emulated worker %s: %d blocks of %d tokens, %.0f prefill tok/s, %.3f s/token, "
-             "time x%g", args.worker_id or "(id from its port)", capacity, args.block_size,
-             args.prefill_tokens_per_s,
-             args.decode_s_per_token, args.time_scale)
+             "time x%g", worker.worker_id or "(id from its port)", emulation.capacity_blocks, worker.block_size,
+             emulation.service.prefill_tokens_per_s, emulation.service.decode_s_per_token,
+             emulation.time_scale)
     http = None
-    if args.http_port >= 0:
+    if emulation.http_port >= 0:
         from prefixgate.emulate.http import serve_http
 
-        http = asyncio.create_task(serve_http(engine, args.host, args.http_port, spec.name,
-                                              stop))
+        http = asyncio.create_task(serve_http(engine, worker.host, emulation.http_port,
+                                              spec.name, stop))
     try:
-        await serve_worker(service, stop, args, capacity)
+        await serve_worker(service, stop, lease, emulation.capacity_blocks)
         if http is not None:
             await http
     finally:
-        if args.emulate_records:
-            with open(args.emulate_records, "w") as f:
+        if emulation.records_path:
+            with open(emulation.records_path, "w") as f:
                 for r in engine.records:
-                    f.write(json.dumps({"worker": service.config.worker_id, **asdict(r)})
-                            + "\n")
+                    f.write(json.dumps({"worker": worker.worker_id, **asdict(r)}) + "\n")

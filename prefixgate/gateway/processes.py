@@ -13,9 +13,10 @@ WatchEvents, or the Redis event stream) and its own status streams, so their ind
 as replicas' do; each counts only its own turns in flight (the pushed worker status counts
 everyone's). With `--metrics-port P` process i serves its metrics on P + i.
 
-Contract: `spawn(target, args, n)` starts n processes (spawn start method: no state
-inherited but the pickled args), each running `target(args_i, on_listening)` where
-`args_i` is a copy of `args` with `metrics_port` offset by i + 1 (when set); the children
+Contract: `spawn(target, startup, n)` starts n processes (spawn start method: no state
+inherited but the pickled `startup`, a frozen dataclass such as gateway/startup.py's
+GatewayStartup), each running `target(startup_i, on_listening)` where `startup_i` is
+`startup` with `metrics_port` offset by i + 1 (when set); the children
 get SIGTERM when the parent dies (Linux), and the parent logs an error when a child exits
 before `stop` is called (the port then has one listener fewer). `wait_ready` returns once
 each has called `on_listening`; `prefixgate gateway` then binds process 0 last, so a
@@ -27,19 +28,16 @@ SO_REUSEPORT also means that a gateway started on a port another gateway (or any
 that set it: gRPC does by default) already listens on would silently join it and take a
 share of its connections. `refuse_busy_port(host, port)` probes the port with a plain
 bind first and raises `rpc.BindError` when anything listens there; a launcher calls
-`refuse_busy_ports(args)` (each of `SHARED_PORTS`) before the first process binds, with
-one process or N.
+`refuse_busy_ports(config)` (each of the GatewayConfig's `SHARED_PORTS`) before the first
+process binds, with one process or N.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import copy
+import dataclasses
 import logging
 import multiprocessing
 import os
-import signal
 import socket
 import threading
 import time
@@ -48,15 +46,17 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_any
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event
+from typing import Any
 
+from prefixgate.launch.processes import die_with_parent
 from prefixgate.wire.rpc import BindError
 
 log = logging.getLogger(__name__)
 
-SHARED_PORTS = ("port", "http_port", "health_port")  # args listened on by every process
+SHARED_PORTS = ("port", "http_port", "health_port")  # GatewayConfig's, on every process
 
-__all__ = ["Child", "SHARED_PORTS", "die_with_parent", "refuse_busy_port", "refuse_busy_ports",
-           "spawn", "stop", "wait_ready"]
+__all__ = ["Child", "SHARED_PORTS", "refuse_busy_port", "refuse_busy_ports", "spawn", "stop",
+           "wait_ready"]
 
 
 def refuse_busy_port(host: str, port: int) -> None:
@@ -84,28 +84,17 @@ def refuse_busy_port(host: str, port: int) -> None:
                     "connections: choose another port, or stop that server") from None
 
 
-def refuse_busy_ports(args: argparse.Namespace) -> None:
-    """`refuse_busy_port` for each of `SHARED_PORTS` that `args` sets (> 0)."""
+def refuse_busy_ports(config: Any) -> None:
+    """`refuse_busy_port` for each of `SHARED_PORTS` that `config` (a GatewayConfig) sets
+    (> 0)."""
     for name in SHARED_PORTS:
-        refuse_busy_port(args.host, max(0, getattr(args, name, 0) or 0))
+        refuse_busy_port(config.host, max(0, getattr(config, name, 0) or 0))
 
 
-def die_with_parent(parent_pid: int | None = None) -> None:
-    """Get SIGTERM when the parent process dies, even by SIGKILL (Linux; a no-op elsewhere).
-    With `parent_pid`, exit at once if that parent is already gone (it died before this
-    call, when the signal could not be asked for yet)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if parent_pid is not None and os.getppid() != parent_pid:
-        raise SystemExit(0)
-
-
-def _child(target: Callable[[argparse.Namespace, Callable[[], None]], object],
-           args: argparse.Namespace, ready: Event, parent_pid: int) -> None:
+def _child(target: Callable[[Any, Callable[[], None]], object], startup: Any, ready: Event,
+           parent_pid: int) -> None:
     die_with_parent(parent_pid)
-    target(args, ready.set)
+    target(startup, ready.set)
 
 
 @dataclass
@@ -129,18 +118,19 @@ def _watch(children: list[Child]) -> None:
                           c.process.exitcode, len(running) + 1, len(children) + 1)
 
 
-def spawn(target: Callable[[argparse.Namespace, Callable[[], None]], object],
-          args: argparse.Namespace, n: int) -> list[Child]:
-    """Start `n` processes running `target(args_i, on_listening)` (a module-level function
-    that calls `on_listening()` once its server is bound). It checks no port: the caller
-    may already listen there (`prefixgate up` binds process 0 first); a launcher calls
-    `refuse_busy_ports(args)` before anything binds."""
+def spawn(target: Callable[[Any, Callable[[], None]], object], startup: Any,
+          n: int) -> list[Child]:
+    """Start `n` processes running `target(startup_i, on_listening)` (a module-level
+    function that calls `on_listening()` once its server is bound; `startup` a frozen
+    dataclass with a `metrics_port`). It checks no port: the caller may already listen
+    there (`prefixgate up` binds process 0 first); a launcher calls `refuse_busy_ports`
+    before anything binds."""
     ctx = multiprocessing.get_context("spawn")
     children = []
     for i in range(n):
-        child = copy.copy(args)
-        if getattr(child, "metrics_port", 0):
-            child.metrics_port = args.metrics_port + i + 1
+        child = startup
+        if startup.metrics_port:
+            child = dataclasses.replace(startup, metrics_port=startup.metrics_port + i + 1)
         ready = ctx.Event()
         p = ctx.Process(target=_child, args=(target, child, ready, os.getpid()),
                         name=f"prefixgate-gateway-{i + 1}")

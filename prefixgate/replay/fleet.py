@@ -1,19 +1,18 @@
 """`prefixgate replay --fleet N`: replay a trace through real gateways in front of an
 emulated fleet (prefixgate/emulate), brought up and torn down by the command.
 
-Contract: `run_fleet(trace, args, arrival, limits)` returns one report run (the dict
-`prefixgate replay` writes) per gateway count in `--gateways` and per policy in
-`--sim-policies` (default: prefix; "none": no prefixgate run), then, with `--peer-router
-CMD`, per gateway count with that many replicas of that HTTP router (e.g. sglang-router)
-in place of the gateways; each on a fresh fleet (empty caches):
+Contract: `run_fleet(trace, plan, arrival, limits)` returns one report run (the dict
+`prefixgate replay` writes) per gateway count in `plan.gateway_counts` and per policy in
+`plan.policies` (default: prefix; "none": no prefixgate run), then, with
+`plan.peer_router`, per gateway count with that many replicas of that HTTP router (e.g.
+sglang-router) in place of the gateways; each on a fresh fleet (empty caches):
 
-  * `--fleet` emulated workers (`--capacity-tokens` / block size = cache capacity,
-    `--prefill-tokens-per-s`, `--decode-s-per-token`: the simulator's flags, so
-    `--simulate` and `--fleet` model the same workers), optionally behind Redis
-    (`--fleet-redis`);
+  * `plan.num_workers` emulated workers (`capacity_tokens` / block size = cache
+    capacity, `plan.service`: the simulator's FleetPlan, so `--simulate` and `--fleet`
+    model the same workers, replay/plan.py), optionally behind Redis (`plan.redis`);
   * the trace replayed under `arrival` with turns spread round-robin over the gateways.
 
-Time: `--time-scale S` runs the whole fleet S times faster than the emulated clock:
+Time: `plan.time_scale` S runs the whole fleet S times faster than the emulated clock:
 workers divide service times by S, arrivals (already divided by --speedup) and think
 times are divided by S, gateways push status every 50 ms / S (at least 10 ms:
 `status_interval_ms`), and every reported time is emulated (wall-clock figures x S). At
@@ -28,19 +27,18 @@ gateway predicted to hold the longest cached prefix, and the cached tokens lost)
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
 import itertools
 import logging
-import shlex
 import sys
 import tempfile
 from pathlib import Path
 
 from prefixgate.replay.loadgen import ArrivalConfig, Limits, run_load
 from prefixgate.replay.metrics import distribution, summarize
+from prefixgate.replay.plan import FleetPlan, fleet_model, status_interval_ms
 from prefixgate.replay.targets import (
     GatewayTarget,
     OpenAITarget,
@@ -49,67 +47,6 @@ from prefixgate.replay.targets import (
     TurnRequest,
 )
 from prefixgate.replay.traces import Trace
-
-CHAT_BLOCK_SIZE = 16
-
-
-def status_interval_ms(time_scale: float) -> int:
-    """The status interval gateways get in a fleet running `time_scale` times faster: the
-    deployed interval (GatewayConfig's) in emulated time, as far as the workers' floor
-    (prefixgate/wire/status.py MIN_INTERVAL_S) allows (at 20x, 10 ms of wall time: 200 ms
-    emulated instead of the 1 s the unscaled 50 ms would be). A wall-clock constant left
-    unscaled would make load look 20 times staler than in the deployment the fleet stands
-    for; `--gateway-args='--status-interval-ms N'` overrides."""
-    from prefixgate.gateway.server import GatewayConfig
-    from prefixgate.wire.status import MIN_INTERVAL_S
-
-    return max(round(MIN_INTERVAL_S * 1e3),
-               round(GatewayConfig.status_interval_ms / time_scale))
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The --fleet flags of `prefixgate replay` (the workers' model is the simulator's:
-    --capacity-tokens, --sim-block-size, --prefill-tokens-per-s, --decode-s-per-token;
-    --gateways, --fleet-redis and --time-scale also shape --simulate)."""
-    from prefixgate.cli.flags import flag
-
-    flag(p, "--fleet", type=int, default=0,
-         help="replay through real gateways in front of this many emulated workers, all "
-              "started and stopped by this command (0: off; docs/traces.md)")
-    flag(p, "--gateways", action="append", type=int,
-         help="--fleet/--simulate: gateway replicas, one run per count, e.g. 1,2,4 (default: 1)")
-    flag(p, "--fleet-redis", action="store_true",
-         help="--fleet: workers register in and gateways follow a private Redis (else "
-              "gateways list the workers and follow WatchEvents); --simulate: gateways "
-              "share routing predictions")
-    flag(p, "--time-scale", type=float, default=1.0,
-         help="--fleet: emulated seconds per wall second (the whole fleet and the arrivals "
-              "run this much faster; reported times are emulated); --simulate: the same "
-              "fleet's, for the gateways' wall-clock constants")
-    flag(p, "--publish-at", default="prefill", choices=("prefill", "finish"),
-         help="--fleet/--simulate: workers publish a prompt's blocks when its prefill "
-              "completes (as prefixgate's engine does), or only when the request finishes "
-              "(as engines that publish with the reply do)")
-    flag(p, "--no-conversation-ids", action="store_true",
-         help="--fleet/--simulate: send turns without their conversation id, as agents and "
-              "OpenAI-style clients do: a follow-up is routed by its cached prefix alone "
-              "(the race routing predictions cover)")
-    flag(p, "--sim-turnaround-ms", action="append", type=float,
-         help="--simulate: wall milliseconds from a reply's end to its user's next turn "
-              "arriving (x --time-scale), one drawn per turn from these, e.g. 6,9,15 "
-              "(default: the emulated fleet's measured deciles, docs/traces.md; 0: none)")
-    flag(p, "--gateway-args", default="",
-         help="--fleet: more flags for every gateway, given with '=': "
-              "--gateway-args='--prediction-ttl-s 0'")
-    flag(p, "--peer-router", default="",
-         help="--fleet: also run this HTTP router (its command; it gets --host, --port and "
-              "--worker-urls; each {free_port} in it becomes a free port) in place of the "
-              "gateways, e.g. '/path/python -m sglang_router.launch_router --policy "
-              "cache_aware --prometheus-port {free_port}'")
-    flag(p, "--peer-label", default="",
-         help="--fleet: the peer router's name in reports")
-    flag(p, "--fleet-logs", default="",
-         help="--fleet: keep the processes' logs in this directory (default: a temporary one)")
 
 
 class RoundRobin(Target):
@@ -297,76 +234,48 @@ async def fleet_run(trace: Trace, fleet_config, arrival: ArrivalConfig, limits: 
                       for w in (at_worker.get((r.conversation_id, r.turn_index)),)]}
 
 
-def fleet_context_tokens(trace: Trace, max_tokens: int) -> int:
-    """The context the fleet's model gets: a power of two holding the trace's longest
-    prompt and a reply (at least 16k; a chat prompt's UTF-8 bytes bound its tokens under a
-    byte-level tokenizer, plus the template's few tokens per message)."""
-    longest = max((t.num_prompt_tokens or sum(len(m.encode()) + 16 for _, m in c.messages(i))
-                   for c in trace.conversations for i, t in enumerate(c.turns)), default=0)
-    return 1 << max(14, (longest + max_tokens + 1).bit_length())
-
-
-def fleet_model(trace: Trace, args: argparse.Namespace):
-    """(ModelSpec, block size) of the fleet `run_fleet` brings up for `trace`: the
-    --tokenizer-model's tokenizer with a context for the trace (emulate/model.py)."""
-    from prefixgate.emulate.model import emulation_model_dir
-    from prefixgate.model.catalog import resolve_model
-
-    block_size = args.sim_block_size or trace.block_size or CHAT_BLOCK_SIZE
-    if trace.block_size and block_size != trace.block_size:
-        raise SystemExit(f"prefixgate replay: {trace.kind} traces have blocks of "
-                         f"{trace.block_size} tokens; --sim-block-size must be that or 0")
-    cache = getattr(args, "cache_dir", None)
-    model_dir = emulation_model_dir(args.tokenizer_model,
-                                    fleet_context_tokens(trace, args.max_tokens),
-                                    Path(cache) if cache else None)
-    return resolve_model(str(model_dir), Path(cache) if cache else None), block_size
-
-
-def run_fleet(trace: Trace, args: argparse.Namespace, arrival: ArrivalConfig,
+def run_fleet(trace: Trace, plan: FleetPlan, arrival: ArrivalConfig,
               limits: Limits) -> list[dict]:
     """The --fleet runs of `prefixgate replay` (module docstring)."""
     from prefixgate.emulate.fleet import FleetConfig
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
-    spec, block_size = fleet_model(trace, args)
+    spec, block_size = fleet_model(trace, plan, limits.max_tokens)
     context = spec.max_context_tokens
     # "none": no prefixgate runs (only the --peer-router's).
-    policies = [p for p in (args.sim_policies or ["prefix"]) if p != "none"]
-    fronts = [(g, policy, ()) for g in (args.gateways or [1]) for policy in policies]
-    peer = tuple(shlex.split(args.peer_router))
-    if peer:
-        fronts += [(g, "", peer) for g in (args.gateways or [1])]
+    policies = [p for p in (plan.policies or ("prefix",)) if p != "none"]
+    fronts = [(g, policy, ()) for g in plan.gateway_counts for policy in policies]
+    if plan.peer_router:
+        fronts += [(g, "", plan.peer_router) for g in plan.gateway_counts]
     runs = []
     for gateways, policy, router in fronts:
         config = FleetConfig(
-            num_workers=args.fleet, num_gateways=gateways,
-            capacity_blocks=args.capacity_tokens // block_size, block_size=block_size,
-            prefill_tokens_per_s=args.prefill_tokens_per_s,
-            decode_s_per_token=args.decode_s_per_token, time_scale=args.time_scale,
-            redis=args.fleet_redis and not router, model=args.tokenizer_model,
-            max_context_tokens=context, peer_router=router, publish_at=args.publish_at,
+            num_workers=plan.num_workers, num_gateways=gateways,
+            capacity_blocks=plan.capacity_tokens // block_size, block_size=block_size,
+            service=plan.service, time_scale=plan.time_scale,
+            redis=plan.redis and not router, model=plan.tokenizer_model,
+            max_context_tokens=context, peer_router=router, publish_at=plan.publish_at,
             gateway_flags=() if router else (
-                "--status-interval-ms", str(status_interval_ms(args.time_scale)),
-                *policy_flags(policy), *shlex.split(args.gateway_args)),
-            cache_dir=getattr(args, "cache_dir", None) or "")
+                "--status-interval-ms", str(status_interval_ms(plan.time_scale)),
+                *policy_flags(policy), *plan.gateway_args),
+            cache_dir=str(plan.cache_dir or ""))
         plural = "s" if gateways > 1 else ""
         if router:
-            label = f"{args.peer_label or 'peer router'}, {gateways} replica{plural}"
+            label = f"{plan.peer_label or 'peer router'}, {gateways} replica{plural}"
         else:
             label = (f"prefixgate {policy}, {gateways} gateway{plural}"
                      f"{' (Redis)' if config.redis else ''}")
-        label = f"{args.label} {label}" if args.label else label
-        print(f"prefixgate replay: {label} in front of {args.fleet} emulated workers",
+        label = f"{plan.label} {label}" if plan.label else label
+        print(f"prefixgate replay: {label} in front of {plan.num_workers} emulated workers",
               file=sys.stderr)
         with contextlib.ExitStack() as stack:
-            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(
-                prefix="prefixgate-fleet-"))) if not args.fleet_logs else Path(args.fleet_logs)
+            workdir = Path(plan.logs_dir) if plan.logs_dir else Path(stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="prefixgate-fleet-")))
             try:
                 runs.append(asyncio.run(fleet_run(
-                    trace, config, arrival, limits, timeout_s=args.timeout, workdir=workdir,
-                    label=label, progress=not args.no_progress,
-                    conversation_ids=not args.no_conversation_ids)))
+                    trace, config, arrival, limits, timeout_s=plan.timeout_s, workdir=workdir,
+                    label=label, progress=plan.progress,
+                    conversation_ids=plan.conversation_ids)))
             except RuntimeError as exc:  # a fleet that did not come up: report, go on
                 print(f"prefixgate replay: {label}: {exc}", file=sys.stderr)
     if not runs:

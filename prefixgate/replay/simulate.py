@@ -68,7 +68,6 @@ knowledge could expect of that memory; LRU is not optimal, so a policy may land 
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import itertools
 import random
@@ -82,6 +81,11 @@ import xxhash
 
 from prefixgate.emulate.cache import BlockCache
 from prefixgate.emulate.engine import PUBLISH_AT, prefill_computed
+from prefixgate.emulate.service import (
+    DEFAULT_KV_BYTES_PER_TOKEN,
+    DEFAULT_TRANSFER_BYTES_PER_S,
+    ServiceModel,
+)
 from prefixgate.gateway.index import PrefixIndex
 from prefixgate.gateway.routing import (
     POLICIES,
@@ -92,8 +96,9 @@ from prefixgate.gateway.routing import (
     queued_prefill_tokens,
 )
 from prefixgate.radix import BlockHasher, packed
-from prefixgate.replay.loadgen import ArrivalConfig
+from prefixgate.replay.loadgen import ArrivalConfig, Limits
 from prefixgate.replay.metrics import summarize
+from prefixgate.replay.plan import FleetPlan, fleet_model, status_interval_ms
 from prefixgate.replay.targets import TurnRecord
 from prefixgate.replay.traces import Trace, synth_prompt_array
 from prefixgate.wire.events import KVEventSink
@@ -113,12 +118,6 @@ REDIS_EVENT_DELAY_S = 0.012
 # event is decided by these and REDIS_EVENT_DELAY_S together.
 FLEET_TURNAROUND_S = (0.0068, 0.0082, 0.0089, 0.0095, 0.0103, 0.0113, 0.0127, 0.0141,
                       0.0171, 0.0266)
-# What block transfer stands for by default: 100 Gb/s between GPUs (12.5 GB/s) and an 8B
-# model's KV (Llama-3-8B: 32 layers x 8 KV heads x 128 dims x 2 (K and V) x 2 bytes (bf16)
-# = 131,072 bytes per token), the model the default prefill rate (20k tokens/s) stands for:
-# 95k tokens/s over the link, 4.8x the prefill rate.
-DEFAULT_TRANSFER_BYTES_PER_S = 12.5e9
-DEFAULT_KV_BYTES_PER_TOKEN = 131_072
 
 
 @dataclass(frozen=True)
@@ -126,8 +125,7 @@ class SimConfig:
     num_workers: int = 8
     capacity_tokens: int = 2_048_000  # per worker
     block_size: int = 512  # tokens per block (= the prepared turns' block size)
-    prefill_tokens_per_s: float = 20_000.0
-    decode_s_per_token: float = 0.030
+    service: ServiceModel = ServiceModel()  # each worker's speed (emulate/service.py)
     routing: RoutingConfig = RoutingConfig()
     arrival: ArrivalConfig = ArrivalConfig(mode="open")
     max_output_tokens: int = 0  # reply cap (the replay's --max-tokens); 0: none
@@ -151,8 +149,6 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.num_workers < 1 or self.capacity_tokens < self.block_size or self.block_size < 1:
             raise ValueError("need num_workers >= 1 and capacity_tokens >= block_size >= 1")
-        if self.prefill_tokens_per_s <= 0 or self.decode_s_per_token < 0:
-            raise ValueError("prefill_tokens_per_s must be > 0 and decode_s_per_token >= 0")
         if self.publish_at not in PUBLISH_AT:
             raise ValueError(f"publish_at must be prefill or finish, not {self.publish_at!r}")
         if self.reply_blocks not in ("private", "recorded"):
@@ -528,7 +524,7 @@ class _Sim:
         req.transferred = max(0, min(m, req.pull_to) - req.pull_from) * bs
         req.cached = m * bs - req.transferred
         uncached = req.turn.num_prompt_tokens - req.cached - req.transferred
-        dur = 0.0 if self.ideal else uncached / self.cfg.prefill_tokens_per_s
+        dur = 0.0 if self.ideal else self.cfg.service.prefill_s(uncached)
         req.prefill_start, req.prefill_end = self.now, self.now + dur
         w.prefilling = req
         self.at(self.now + dur, self.prefill_done, req)
@@ -547,7 +543,7 @@ class _Sim:
         g.prefilled_since[w.wid] = g.prefilled_since.get(w.wid, 0) + req.pending
         if req.num_output_tokens > 1:
             w.running += 1
-            dur = (req.num_output_tokens - 1) * self.cfg.decode_s_per_token
+            dur = self.cfg.service.decode_s(req.num_output_tokens - 1)
             self.at(self.now + dur, self.decode_done, req)
         else:
             self.decode_done(req)
@@ -573,9 +569,9 @@ class _Sim:
         g.finished_since[w.wid] = g.finished_since.get(w.wid, 0) + 1
         # The worker measures its rates on finished requests (worker/rates.py thresholds).
         if t.num_prompt_tokens - req.cached - req.transferred >= 32:
-            w.prefill_rate = cfg.prefill_tokens_per_s
-        if req.num_output_tokens > 1 and cfg.decode_s_per_token:
-            w.decode_step_s = cfg.decode_s_per_token
+            w.prefill_rate = cfg.service.prefill_tokens_per_s
+        if req.num_output_tokens > 1 and cfg.service.decode_s_per_token:
+            w.decode_step_s = cfg.service.decode_s_per_token
         g.router.record(req.routed, w.wid)
         self.records.append(TurnRecord(
             t.conversation_id, t.turn_index, start_s=req.arrival, ttft_s=req.ttft,
@@ -670,62 +666,51 @@ def routing_config(spec: str, seed: int | None = None) -> RoutingConfig:
     return RoutingConfig(policy=name, seed=seed, **kwargs)
 
 
-def run_simulations(trace: Trace, args: argparse.Namespace, arrival: ArrivalConfig, *,
-                    policies: Sequence[str] = (), worker_counts: Sequence[int] = (),
-                    progress: bool = True) -> list[dict]:
-    """Every policy (default: all the gateway has) at every worker count (default: 8) on
-    `trace` under `arrival`; one run each. `args` holds the replay command's simulator
-    flags (prefixgate/cli/replay.py)."""
+def run_simulations(trace: Trace, plan: FleetPlan, arrival: ArrivalConfig,
+                    limits: Limits) -> list[dict]:
+    """Every policy of `plan` (default: all the gateway has) at every worker count
+    (default: 8) on `trace` under `arrival`; one run each."""
     from tqdm import tqdm
 
-    from prefixgate.replay.fleet import decision_summary, status_interval_ms
+    from prefixgate.replay.fleet import decision_summary
 
-    policies = list(policies) or list(POLICIES)
+    policies = list(plan.policies) or list(POLICIES)
     try:
-        routings = {p: routing_config(p, args.seed) for p in policies}
+        routings = {p: routing_config(p, arrival.seed) for p in policies}
     except ValueError as exc:
         raise SystemExit(f"prefixgate replay: {exc}") from None
-    counts = list(worker_counts) or [8]
+    counts = list(plan.worker_counts) or [8]
     # Hash as the emulated fleet's gateways do (prefixgate replay --fleet: same model, so
     # the same fingerprint and the same keys), so the two can be compared turn by turn.
-    from prefixgate.replay.fleet import fleet_model
-
-    spec, block_size = fleet_model(trace, args)
+    spec, block_size = fleet_model(trace, plan, limits.max_tokens)
     hasher = BlockHasher(block_size, spec.fingerprint)
     if trace.is_chat:
         from prefixgate.model.catalog import resolve_model
         from prefixgate.model.tokenizer import ChatTokenizer
 
-        tokenizer = ChatTokenizer(resolve_model(args.tokenizer_model))
-        convs = prepare_turns(trace, block_size, tokenizer, progress, hasher=hasher)
+        tokenizer = ChatTokenizer(resolve_model(plan.tokenizer_model, plan.cache_dir))
+        convs = prepare_turns(trace, block_size, tokenizer, plan.progress, hasher=hasher)
     else:
-        convs = prepare_turns(trace, hasher=hasher, vocab_size=args.vocab_size,
-                              max_prompt_tokens=args.max_prompt_tokens)
-    gateway_counts = list(getattr(args, "gateways", None) or []) or [1]
-    turnaround_ms = getattr(args, "sim_turnaround_ms", None)
-    turnaround = (tuple(t / 1e3 for t in turnaround_ms) if turnaround_ms
-                  else FLEET_TURNAROUND_S)
+        convs = prepare_turns(trace, hasher=hasher, vocab_size=limits.vocab_size,
+                              max_prompt_tokens=limits.max_prompt_tokens)
+    gateway_counts = list(plan.gateway_counts) or [1]
+    turnaround = FLEET_TURNAROUND_S if plan.turnaround_s is None else plan.turnaround_s
     runs = []
     bar = tqdm(total=len(counts) * (len(policies) * len(gateway_counts) + 1), desc="simulating",
-               unit="run", file=sys.stderr, disable=not progress)
+               unit="run", file=sys.stderr, disable=not plan.progress)
     for n in counts:
-        base = SimConfig(num_workers=n, capacity_tokens=args.capacity_tokens,
-                         block_size=block_size, prefill_tokens_per_s=args.prefill_tokens_per_s,
-                         decode_s_per_token=args.decode_s_per_token, arrival=arrival,
-                         max_output_tokens=args.max_tokens,
-                         shared_predictions=getattr(args, "fleet_redis", False),
-                         event_delay_s=(REDIS_EVENT_DELAY_S if getattr(args, "fleet_redis", False)
-                                        else 0.0),
-                         time_scale=getattr(args, "time_scale", 1.0),
-                         status_interval_s=status_interval_ms(
-                             getattr(args, "time_scale", 1.0)) / 1e3,
-                         publish_at=getattr(args, "publish_at", "prefill"),
-                         conversation_ids=not getattr(args, "no_conversation_ids", False),
+        base = SimConfig(num_workers=n, capacity_tokens=plan.capacity_tokens,
+                         block_size=block_size, service=plan.service, arrival=arrival,
+                         max_output_tokens=limits.max_tokens,
+                         shared_predictions=plan.redis,
+                         event_delay_s=REDIS_EVENT_DELAY_S if plan.redis else 0.0,
+                         time_scale=plan.time_scale,
+                         status_interval_s=status_interval_ms(plan.time_scale) / 1e3,
+                         publish_at=plan.publish_at,
+                         conversation_ids=plan.conversation_ids,
                          turnaround_s=turnaround,
-                         transfer_bytes_per_s=getattr(args, "transfer_bytes_per_s",
-                                                      DEFAULT_TRANSFER_BYTES_PER_S),
-                         kv_bytes_per_token=getattr(args, "kv_bytes_per_token",
-                                                    DEFAULT_KV_BYTES_PER_TOKEN))
+                         transfer_bytes_per_s=plan.transfer_bytes_per_s,
+                         kv_bytes_per_token=plan.kv_bytes_per_token)
         bnd = bounds(convs, base)
         bar.update(1)
         for policy, gateways in itertools.product(policies, gateway_counts):
@@ -740,11 +725,11 @@ def run_simulations(trace: Trace, args: argparse.Namespace, arrival: ArrivalConf
             runs.append({
                 "label": f"{policy} x{n}" + (f", {gateways} gateway{plural}"
                                              if len(gateway_counts) > 1 else ""),
-                "config": {"trace": args.trace, "simulate": True, "policy": policy,
+                "config": {"trace": plan.trace_path, "simulate": True, "policy": policy,
                            "num_workers": n, "num_gateways": gateways,
                            "capacity_tokens": cfg.capacity_tokens, "block_size": block_size,
-                           "prefill_tokens_per_s": cfg.prefill_tokens_per_s,
-                           "decode_s_per_token": cfg.decode_s_per_token,
+                           "prefill_tokens_per_s": cfg.service.prefill_tokens_per_s,
+                           "decode_s_per_token": cfg.service.decode_s_per_token,
                            "transfer_bytes_per_s": cfg.transfer_bytes_per_s,
                            "kv_bytes_per_token": cfg.kv_bytes_per_token,
                            "time_scale": cfg.time_scale,

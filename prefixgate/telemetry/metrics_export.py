@@ -4,13 +4,14 @@ Gateway and worker metrics are defined once, process-wide, without a model label
 process serves one model). `ModelLabelled(model_name)` is a collector that re-exposes the
 default registry's `prefixgate:*` series with `model_name="<model>"` added, as vLLM labels
 its series, so dashboards can tell models apart and join gateway and worker series.
-Other series (process_*, python_*) pass through unchanged. `serve(port, model_name)` runs
+Other series (process_*, python_*) pass through unchanged. `serve(port, model_name, host)` runs
 the standalone /metrics server (`--metrics-port`); `exposition(model_name)` returns the
 text the gateway's HTTP front serves at /metrics.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest, start_http_server
@@ -52,5 +53,10 @@ def exposition(model_name: str) -> bytes:
 
 
 def serve(port: int, model_name: str, host: str = "") -> None:
-    """Serve /metrics on `port` in a background thread (prometheus_client's server)."""
+    """Serve /metrics on host:`port` in a background thread (prometheus_client's server;
+    port 0: off). `host` is the server's own --host, so a loopback server keeps its
+    metrics on loopback too."""
+    if not port:
+        return
     start_http_server(port, addr=host or "0.0.0.0", registry=registry_for(model_name))
+    logging.getLogger("prefixgate").info("Prometheus metrics on %s:%d/metrics", host, port)

@@ -11,6 +11,7 @@ import time
 import grpc
 import pytest
 
+from prefixgate.emulate.service import ServiceModel
 from prefixgate.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.helpers import start_emulated_worker, start_worker
 
@@ -43,8 +44,7 @@ def pair(loop_thread, tiny_spec, tiny_model):
     real_log, emu_log = EventLog(), EventLog()
     real, stop_real = start_worker(loop_thread, tiny_spec, tiny_model, "real", events=real_log)
     emu, stop_emu, engine = start_emulated_worker(
-        loop_thread, tiny_spec, "emulated", events=emu_log, prefill_tokens_per_s=1e6,
-        decode_s_per_token=0.0)
+        loop_thread, tiny_spec, "emulated", events=emu_log, service=ServiceModel(1e6, 0.0))
     yield {"real": real, "emu": emu, "real_log": real_log, "emu_log": emu_log,
            "engine": engine}
     for stop in (stop_real, stop_emu):
@@ -74,7 +74,7 @@ def test_emulated_worker_publishes_the_real_workers_block_hashes(pair) -> None:
 def test_emulated_final_reports_worker_side_timings(loop_thread, tiny_spec) -> None:
     # 2,000 tokens/s emulated, time x10: 320 uncached tokens take 0.16 s emulated.
     address, stop, engine = start_emulated_worker(
-        loop_thread, tiny_spec, "timed", prefill_tokens_per_s=2000.0, decode_s_per_token=0.01,
+        loop_thread, tiny_spec, "timed", service=ServiceModel(2000.0, 0.01),
         time_scale=10.0)
     try:
         final = _generate(address, PROMPT_320, max_tokens=4)
@@ -97,8 +97,8 @@ def test_blocks_are_published_when_the_prefill_completes(loop_thread, tiny_spec)
     log = EventLog()
     # 320 tokens at 200 tokens/s: the prefill takes 1.6 s (time x1).
     address, stop, engine = start_emulated_worker(
-        loop_thread, tiny_spec, "slow", events=log, prefill_tokens_per_s=200.0,
-        decode_s_per_token=0.0)
+        loop_thread, tiny_spec, "slow", events=log, service=ServiceModel(200.0,
+        0.0))
     try:
         with grpc.insecure_channel(address) as channel:
             stub = worker_pb2_grpc.WorkerServiceStub(channel)
@@ -123,8 +123,8 @@ def test_publish_at_finish_holds_the_blocks_back_until_the_reply_ends(loop_threa
     log = EventLog()
     # A 10-token reply at 0.2 s per token: the request ends 1.8 s after its first token.
     address, stop, _ = start_emulated_worker(
-        loop_thread, tiny_spec, "late", events=log, prefill_tokens_per_s=1e6,
-        decode_s_per_token=0.2, publish_at="finish")
+        loop_thread, tiny_spec, "late", events=log, service=ServiceModel(1e6,
+        0.2), publish_at="finish")
     try:
         with grpc.insecure_channel(address) as channel:
             stub = worker_pb2_grpc.WorkerServiceStub(channel)
@@ -141,8 +141,7 @@ def test_http_face_serves_completions_from_the_same_cache(loop_thread, tiny_spec
     import httpx
 
     _, stop, engine = start_emulated_worker(loop_thread, tiny_spec, "http",
-                                                  prefill_tokens_per_s=1e6,
-                                                  decode_s_per_token=0.0)
+                                           service=ServiceModel(1e6, 0.0))
     started = loop_thread.run(_start_http(engine, stop))
     try:
         url = f"http://127.0.0.1:{started}"

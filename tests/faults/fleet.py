@@ -23,11 +23,10 @@ from pathlib import Path
 import grpc
 
 from prefixgate.bench.redis_server import RedisServer
+from prefixgate.launch.processes import ProcessGroup
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2
 from prefixgate.wire.rpc import free_port
 from tests.helpers import REPO, cli_env, wait_for
-
-PG = [sys.executable, "-m", "prefixgate"]
 
 
 def report(name: str, **figures) -> None:
@@ -112,17 +111,28 @@ def concurrently(fn, args: list, timeout_s: float = 120) -> list:
 
 @dataclass
 class Fleet:
-    """redis-server + workers + one gateway, as processes on loopback ports."""
+    """redis-server + workers + one gateway, as processes on loopback ports (started
+    through prefixgate.launch, as `prefixgate up` and the emulated fleet start theirs)."""
 
     workdir: Path
     redis: RedisServer | None = None
-    workers: dict[str, subprocess.Popen] = field(default_factory=dict)
     worker_ports: dict[str, int] = field(default_factory=dict)
-    gateway: subprocess.Popen | None = None
     gateway_port: int = 0
     lease_ms: int = 1500
     extra_worker_args: tuple[str, ...] = ()
     log_level: str = "WARNING"
+    procs: ProcessGroup = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.procs = ProcessGroup(self.workdir, scrub_env=True, cwd=REPO)
+
+    @property
+    def workers(self) -> dict[str, subprocess.Popen]:
+        return {n: p for n, p in self.procs.procs.items() if n != "gateway"}
+
+    @property
+    def gateway(self) -> subprocess.Popen | None:
+        return self.procs.procs.get("gateway")
 
     @property
     def env(self) -> dict[str, str]:
@@ -148,24 +158,18 @@ class Fleet:
 
     def start_worker(self, worker_id: str, *extra: str) -> None:
         port = self.worker_ports.setdefault(worker_id, free_port())
-        log = open(self.workdir / f"{worker_id}.log", "a")  # noqa: SIM115 (the process owns it)
-        self.workers[worker_id] = subprocess.Popen(
-            [*PG, "worker", "--port", str(port), "--worker-id", worker_id,
-             "--lease-ms", str(self.lease_ms), "--num-blocks", "512", "--torch-threads", "1",
-             "--drain-seconds", "5", *self.extra_worker_args, *extra],
-            env=self.env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        self.procs.start_prefixgate(
+            worker_id, "worker", "--port", str(port), "--worker-id", worker_id,
+            "--lease-ms", str(self.lease_ms), "--num-blocks", "512", "--torch-threads", "1",
+            "--drain-seconds", "5", *self.extra_worker_args, *extra, env=self.env)
 
     def signal_worker(self, worker_id: str, sig: int = signal.SIGKILL, wait_s: float = 30) -> None:
-        proc = self.workers.pop(worker_id)
-        proc.send_signal(sig)
-        proc.wait(wait_s)
+        self.procs.signal(worker_id, sig, wait_s)
 
     def start_gateway(self, *extra: str) -> None:
         self.gateway_port = self.gateway_port or free_port()
-        log = open(self.workdir / "gateway.log", "a")  # noqa: SIM115
-        self.gateway = subprocess.Popen(
-            [*PG, "gateway", "--port", str(self.gateway_port), *extra],
-            env=self.env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        self.procs.start_prefixgate("gateway", "gateway", "--port", str(self.gateway_port),
+                                    *extra, env=self.env)
 
     def num_workers(self) -> int:
         try:
@@ -184,11 +188,8 @@ class Fleet:
         return all(p is not None and p.poll() is None for p in procs)
 
     def stop(self) -> None:
-        for proc in [*self.workers.values(), self.gateway]:
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-        self.workers.clear()
+        for name in list(self.procs.procs):
+            self.procs.signal(name, signal.SIGKILL, 10)
         if self.redis is not None:
             self.redis.stop()
 

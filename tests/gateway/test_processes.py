@@ -4,17 +4,27 @@ caller's port join it, and a child that exits after listening is reported by the
 
 from __future__ import annotations
 
-import argparse
 import logging
 import socket
 import time
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 import pytest
 
 from prefixgate.gateway import processes
+from prefixgate.gateway.server import GatewayConfig
 from prefixgate.wire.rpc import BindError
+
+
+@dataclass(frozen=True)
+class Startup:
+    """What `spawn` hands each child (as gateway/startup.py's GatewayStartup)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0
 
 
 def listen_reuseport() -> socket.socket:
@@ -55,43 +65,40 @@ def test_a_grpc_server_port_is_refused() -> None:
 @pytest.mark.parametrize("which", ["port", "http_port", "health_port"])
 def test_every_shared_port_is_checked(which) -> None:
     with listen_reuseport() as other:
-        args = argparse.Namespace(host="127.0.0.1", port=0, http_port=-1, health_port=0)
-        setattr(args, which, other.getsockname()[1])
+        config = GatewayConfig(**{"host": "127.0.0.1", "port": 0, "http_port": -1,
+                                  "health_port": 0, which: other.getsockname()[1]})
         with pytest.raises(BindError, match=str(other.getsockname()[1])):
-            processes.refuse_busy_ports(args)
-    processes.refuse_busy_ports(args)
+            processes.refuse_busy_ports(config)
+    processes.refuse_busy_ports(config)
 
 
 def test_spawn_joins_a_port_the_caller_already_listens_on() -> None:
     # `prefixgate up` binds process 0 first, then spawns the others onto its port.
     with listen_reuseport() as parent:
-        args = argparse.Namespace(host="127.0.0.1", port=parent.getsockname()[1],
-                                  metrics_port=0)
-        children = processes.spawn(_listen, args, 1)
+        children = processes.spawn(_listen, Startup(port=parent.getsockname()[1]), 1)
         try:
             processes.wait_ready(children, timeout_s=60)
         finally:
             processes.stop(children, 5)
 
 
-def _listen(args: argparse.Namespace, on_listening) -> None:
+def _listen(startup: Startup, on_listening) -> None:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        s.bind((args.host, args.port))
+        s.bind((startup.host, startup.port))
         s.listen()
         on_listening()
         time.sleep(60)
 
 
-def _listen_then_exit(args: argparse.Namespace, on_listening) -> None:
+def _listen_then_exit(startup: Startup, on_listening) -> None:
     on_listening()
     raise SystemExit(3)
 
 
 def test_a_child_that_exits_after_listening_is_logged(caplog) -> None:
     caplog.set_level(logging.ERROR, logger=processes.__name__)
-    args = argparse.Namespace(host="127.0.0.1", port=0, metrics_port=0)
-    children = processes.spawn(_listen_then_exit, args, 1)
+    children = processes.spawn(_listen_then_exit, Startup(), 1)
     try:
         processes.wait_ready(children, timeout_s=60)
         deadline = time.monotonic() + 30

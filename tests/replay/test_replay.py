@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prefixgate.emulate.service import ServiceModel
 from prefixgate.gateway.routing import RoutingConfig
 from prefixgate.radix import BlockHasher
 from prefixgate.replay.loadgen import ArrivalConfig, Limits, build_request, run_load
@@ -391,8 +392,8 @@ def _repeating_trace(num_convs: int = 24, turns: int = 4, block_size: int = 4) -
 
 def test_simulator_prefix_beats_round_robin_and_bounds_hold() -> None:
     convs = prepare_turns(_repeating_trace())
-    base = dict(num_workers=4, capacity_tokens=400, block_size=4, prefill_tokens_per_s=2000,
-                decode_s_per_token=0.01)
+    base = dict(num_workers=4, capacity_tokens=400, block_size=4,
+                service=ServiceModel(prefill_tokens_per_s=2000, decode_s_per_token=0.01))
     hits = {}
     for policy in ("prefix", "round-robin", "random", "least-loaded", "session"):
         res = simulate(convs, SimConfig(**base, routing=RoutingConfig(policy=policy, seed=1)))
@@ -609,8 +610,9 @@ def test_simulated_transfer_moves_kv_instead_of_work() -> None:
     for c in range(6):
         blocks = prefix + tuple(10_000 * (c + 1) + i for i in range(25))
         convs.append([SimTurn(f"c{c}", 0, len(blocks) * 4, 1, blocks, blocks, 1.0)])
-    base = dict(num_workers=4, capacity_tokens=10_000, block_size=4, prefill_tokens_per_s=1000,
-                decode_s_per_token=0.01, arrival=ArrivalConfig("open"),
+    base = dict(num_workers=4, capacity_tokens=10_000, block_size=4,
+                service=ServiceModel(prefill_tokens_per_s=1000, decode_s_per_token=0.01),
+                arrival=ArrivalConfig("open"),
                 transfer_bytes_per_s=1e6, kv_bytes_per_token=100)
     runs = {t: simulate(convs, SimConfig(**base, routing=RoutingConfig(transfer=t)))
             for t in (True, False)}
