@@ -7,6 +7,12 @@ a model materialises that file once, under the model directory's lock:
   tiny-random  initialise with a fixed seed,
 and later starts load the safetensors file in seconds. Every worker of one model thus
 loads bit-identical weights, which is what makes their fingerprints comparable.
+The folder is a Hugging Face checkpoint as other engines read it (vLLM serves it as it
+is): a tied output embedding is stored once, under the input embedding's name
+(`model.embed_tokens.weight`), as `save_pretrained` does. Engines that load checkpoints
+themselves skip `lm_head.weight` when the config ties it, so a file holding only that
+name leaves their embedding unset (vLLM then answers every token with logprob
+log(1/vocab)). A file written in that layout by an earlier version is rewritten once.
 
 Weight formats (`WeightsConfig`, the worker's `--weights` / `--kv-dtype`):
   float32   the reference; every other format is measured against it
@@ -42,10 +48,12 @@ element type (`model_runner.pool_config_for` reads it; without it, the model's d
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -57,14 +65,14 @@ log = logging.getLogger(__name__)
 
 
 def materialize_weights(spec: ModelSpec) -> None:
-    """Write `spec.weights_path` if it does not exist yet (no-op for checkpoint dirs)."""
+    """Write `spec.weights_path` if it does not exist yet, or put an earlier version's
+    file into the layout above (no-op for checkpoint dirs)."""
     if spec.source == "hf-dir":
         return
     with locked(spec.model_dir):
         if spec.weights_path.is_file():
+            _store_tied_under_input_name(spec.weights_path)
             return
-        from safetensors.torch import save_model
-
         start = time.monotonic()
         if spec.source == "gguf":
             assert spec.gguf_path is not None
@@ -76,11 +84,48 @@ def materialize_weights(spec: ModelSpec) -> None:
             config = LlamaConfig.from_pretrained(str(spec.model_dir))
             torch.manual_seed(TINY_RANDOM_SEED)
             model = LlamaForCausalLM(config)
-        tmp = spec.weights_path.with_suffix(".tmp")
-        # save_model (not save_file) handles tied embeddings, which share storage.
-        save_model(model, str(tmp))
-        tmp.replace(spec.weights_path)
+        save_checkpoint(model, spec.weights_path)
         log.info("materialised %s weights in %.1f s", spec.name, time.monotonic() - start)
+
+
+def save_checkpoint(model: torch.nn.Module, path) -> None:
+    """Write `model`'s weights to the safetensors file `path` (atomically) in Hugging
+    Face's layout: a tensor shared by several names (tied embeddings) is stored once,
+    under the first name in the state dict (the input embedding's, before lm_head)."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        tensors[name] = tensor.contiguous()
+    tmp = Path(path).with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(path)
+
+
+def _store_tied_under_input_name(path: Path) -> None:
+    """Rewrite a file that holds a tied embedding only as `lm_head.weight` (safetensors'
+    save_model, used by earlier versions, kept that name) under the input embedding's name;
+    a no-op for any other file. Takes a second: no dequantization."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(path), "pt") as f:
+        names = set(f.keys())
+    if "lm_head.weight" not in names or "model.embed_tokens.weight" in names:
+        return
+    config = json.loads((path.parent / "config.json").read_text())
+    if not config.get("tie_word_embeddings", False):
+        return
+    tensors = load_file(str(path))
+    tensors["model.embed_tokens.weight"] = tensors.pop("lm_head.weight")
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(path)
+    log.info("%s: tied embedding stored under model.embed_tokens.weight", path)
 
 
 @dataclass(frozen=True)

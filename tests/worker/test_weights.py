@@ -98,3 +98,67 @@ def test_paged_logits_within_tolerance_of_float32(fmt, smollm2_spec, smollm2_mod
     top1 = (want.argmax(-1) == got.argmax(-1)).float().mean()
     assert float(kl.mean()) <= KL_MAX, f"{fmt}: mean KL {float(kl.mean()):.4f}"
     assert float(top1) >= TOP1_MIN, f"{fmt}: top-1 agreement {float(top1):.3f}"
+
+
+def _tied_checkpoint(tmp_path, tiny_spec):
+    """tiny-random's files with tied embeddings, and a seeded model of that config."""
+    import json
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from prefixgate.model.catalog import ModelSpec
+
+    d = tmp_path / "tied"
+    shutil.copytree(tiny_spec.model_dir, d, ignore=shutil.ignore_patterns("*.lock", "*.safetensors"))
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(LlamaConfig.from_pretrained(str(d))).eval()
+    spec = ModelSpec(name="tied", model_dir=d, fingerprint="f", max_context_tokens=2048,
+                     source="tiny-random")
+    return spec, model
+
+
+def _names(path) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return set(f.keys())
+
+
+def _same_logits(spec, model) -> None:
+    ids = torch.tensor([[5, 77, 130, 9, 260]])
+    with torch.no_grad():
+        expected = model(ids).logits
+        got = load_model(spec)(ids).logits
+    assert torch.equal(got, expected)
+
+
+def test_tied_embedding_is_stored_under_the_input_name(tmp_path, tiny_spec) -> None:
+    """The checkpoint holds a tied embedding once, as model.embed_tokens.weight (what
+    engines that load checkpoints themselves read, vLLM among them), and loads back to
+    the same logits."""
+    from prefixgate.worker.model_loader import save_checkpoint
+
+    spec, model = _tied_checkpoint(tmp_path, tiny_spec)
+    save_checkpoint(model, spec.weights_path)
+    names = _names(spec.weights_path)
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    _same_logits(spec, model)
+
+
+def test_a_file_of_the_earlier_layout_is_rewritten_once(tmp_path, tiny_spec) -> None:
+    """A file that holds the tied embedding only as lm_head.weight (safetensors'
+    save_model) is rewritten in place by materialize_weights, without a new model."""
+    from safetensors.torch import save_model
+
+    from prefixgate.worker.model_loader import materialize_weights
+
+    spec, model = _tied_checkpoint(tmp_path, tiny_spec)
+    save_model(model, str(spec.weights_path))
+    assert "model.embed_tokens.weight" not in _names(spec.weights_path)
+    materialize_weights(spec)
+    names = _names(spec.weights_path)
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    _same_logits(spec, model)
