@@ -11,6 +11,9 @@ stream (one output token), in two ways against that same worker over real gRPC:
 * relay: client -> a grpc.aio `Chat` server that only relays (`relay_main`: builds the
   worker request, calls `Generate`, re-wraps the replies; no validation, hashing, routing,
   index, feeds or metrics) -> worker: the floor of a Python gRPC gateway, one process.
+  `--relay-impls` adds the same relay on uvloop's event loop (`relay_uvloop`) and on
+  grpcio's thread-pool server with blocking client calls (`relay_sync`): which Python gRPC
+  stack has the lowest floor.
 
 added = gateway (or relay) latency - direct latency, per quantile (p50, p99), for prompts of 1k and
 12k tokens, of two kinds: `fresh` (random ids, every block new to the gateway's index: its
@@ -24,6 +27,12 @@ burst's added p50 minus the idle one (what the burst makes a request wait in the
 (/proc): unlike latencies it does not depend on what else the machine runs, and a burst
 of B requests on N processes queues for about B / N times it (`burst_cpu_ms_per_process`,
 where each process has a core of its own; the median request waits about half of it).
+
+CPU per request is also split: `*_sys_cpu_ms_per_request` is the kernel's share
+(loopback TCP sends and receives, wake-ups). `--sustain-rates R1 R2 ...` offers turns
+open loop at each rate to the gateway and to the worker directly and reports the highest
+rate the gateway sustains before its p99 latency doubles against the lowest rate's
+(`sustain.gateway.sustained_turns_per_s`).
 
 Targets (issue 11): added p50 <= 1 ms at 12k-token prompts under the burst, and no queueing
 behind a burst (queueing p50 <= 1 ms). The load average is reported beside the figures:
@@ -42,6 +51,7 @@ import time
 from typing import Any
 
 TARGETS = {"added_p50_ms_12k_burst": 1.0, "queueing_p50_ms_12k": 1.0}
+RELAY_IMPLS = ("aio", "uvloop", "sync")
 KINDS = ("turn", "fresh")
 
 
@@ -64,6 +74,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--relay", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure a gRPC relay with no gateway logic (the floor)")
+    parser.add_argument("--relay-impls", nargs="+", choices=RELAY_IMPLS, default=["aio"],
+                        help="relays to measure (paths 'relay' for aio, 'relay_<impl>' for "
+                             "the others): aio = grpc.aio server and client on asyncio; "
+                             "uvloop = the same on uvloop's event loop; sync = grpcio's "
+                             "thread-pool server with blocking client calls")
+    parser.add_argument("--sustain-rates", type=float, nargs="*", default=[],
+                        help="also offer turns at these rates (turns/s, open loop, rising) "
+                             "to the gateway and directly to the worker, and report the "
+                             "highest rate the gateway sustains before its p99 latency "
+                             "doubles against the lowest rate's")
+    parser.add_argument("--sustain-seconds", type=float, default=4.0,
+                        help="how long each sustain rate is offered")
     parser.add_argument("--plot", default="",
                         help="write a PNG: added latency idle and under the burst, by prompt, "
                              "kind and number of gateway processes")
@@ -224,35 +246,62 @@ def _summary(samples: dict[str, list[float | None]]) -> dict[str, Any]:
     d = q["direct"]
     out: dict[str, Any] = {f"{name}_ms": v for name, v in q.items()}
     out["added_ms"] = {k: round(q["gateway"][k] - d[k], 3) for k in ("p50", "p99")}
-    if "relay" in q:
-        out["relay_added_ms"] = {k: round(q["relay"][k] - d[k], 3) for k in ("p50", "p99")}
+    for name in q:
+        if name.startswith("relay"):
+            out[f"{name}_added_ms"] = {k: round(q[name][k] - d[k], 3) for k in ("p50", "p99")}
     return out
 
 
-def relay_main(worker: str, port: int) -> None:
-    """The `relay` path: a grpc.aio ChatService on 127.0.0.1:`port` that only relays to
-    `worker` (the floor a Python gRPC gateway costs per turn; see the module docstring)."""
+def relay_main(worker: str, port: int, impl: str = "aio") -> None:
+    """The `relay` paths: a ChatService on 127.0.0.1:`port` that only relays to `worker`
+    (builds the worker request, calls `Generate`, re-wraps the replies; the floor a Python
+    gRPC gateway costs per turn; see the module docstring), on grpc.aio (`impl` "aio", or
+    "uvloop": the same on uvloop's loop) or on grpcio's thread-pool server ("sync")."""
     import grpc
 
     from prefixgate.v1 import chat_pb2, chat_pb2_grpc, worker_pb2, worker_pb2_grpc
 
     big = 64 << 20
 
+    def worker_request(request):
+        return worker_pb2.GenerateRequest(packed_prompt_token_ids=request.packed_prompt_token_ids,
+                                          sampling=request.sampling)
+
+    def chat_event(ev):
+        if ev.HasField("chunk"):
+            c = ev.chunk
+            return chat_pb2.ChatEvent(delta=chat_pb2.ChatDelta(
+                text=c.text, token_ids=c.token_ids, index=c.index))
+        return chat_pb2.ChatEvent(final=chat_pb2.ChatFinal(usage=ev.final.usage))
+
+    if impl == "sync":
+        from concurrent.futures import ThreadPoolExecutor
+
+        class SyncRelay(chat_pb2_grpc.ChatServiceServicer):
+            def __init__(self, stub: worker_pb2_grpc.WorkerServiceStub) -> None:
+                self.stub = stub
+
+            def Chat(self, request, context):  # noqa: N802 (the RPC's name)
+                for ev in self.stub.Generate(worker_request(request)):
+                    yield chat_event(ev)
+
+        channel = grpc.insecure_channel(worker, options=[("grpc.max_send_message_length", big)])
+        server = grpc.server(ThreadPoolExecutor(max_workers=64),
+                             options=[("grpc.max_receive_message_length", big)])
+        chat_pb2_grpc.add_ChatServiceServicer_to_server(
+            SyncRelay(worker_pb2_grpc.WorkerServiceStub(channel)), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        server.start()
+        server.wait_for_termination()
+        return
+
     class Relay(chat_pb2_grpc.ChatServiceServicer):
         def __init__(self, stub: worker_pb2_grpc.WorkerServiceStub) -> None:
             self.stub = stub
 
         async def Chat(self, request, context):  # noqa: N802 (the RPC's name)
-            gen = worker_pb2.GenerateRequest(
-                packed_prompt_token_ids=request.packed_prompt_token_ids,
-                sampling=request.sampling)
-            async for ev in self.stub.Generate(gen):
-                if ev.HasField("chunk"):
-                    c = ev.chunk
-                    yield chat_pb2.ChatEvent(delta=chat_pb2.ChatDelta(
-                        text=c.text, token_ids=c.token_ids, index=c.index))
-                else:
-                    yield chat_pb2.ChatEvent(final=chat_pb2.ChatFinal(usage=ev.final.usage))
+            async for ev in self.stub.Generate(worker_request(request)):
+                yield chat_event(ev)
 
     async def serve() -> None:
         channel = grpc.aio.insecure_channel(worker, options=[("grpc.max_send_message_length", big)])
@@ -263,7 +312,12 @@ def relay_main(worker: str, port: int) -> None:
         await server.start()
         await server.wait_for_termination()
 
-    asyncio.run(serve())
+    if impl == "uvloop":
+        import uvloop
+
+        uvloop.run(serve())
+    else:
+        asyncio.run(serve())
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -285,15 +339,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "--block-size", str(args.block_size), "--num-blocks", "1000000",
                            "--prefill-tokens-per-s", "1e15", "--decode-s-per-token", "0",
                            *quiet)
-    relay = None
-    if args.relay:
+    relays: dict[str, tuple[int, Any]] = {}  # path -> (port, process)
+    for impl in (args.relay_impls if args.relay else []):
         rport = free_port()
-        relay = procs.start("relay", [sys.executable, "-c", "import sys; from prefixgate.bench."
-                                      "gateway import relay_main; relay_main(sys.argv[1], "
-                                      "int(sys.argv[2]))", f"127.0.0.1:{wport}", str(rport)])
+        name = "relay" if impl == "aio" else f"relay_{impl}"
+        relays[name] = (rport, procs.start(name, [
+            sys.executable, "-c", "import sys; from prefixgate.bench.gateway import "
+            "relay_main; relay_main(sys.argv[1], int(sys.argv[2]), sys.argv[3])",
+            f"127.0.0.1:{wport}", str(rport), impl]))
     results: list[dict[str, Any]] = []
     load_before = os.getloadavg()
-    paths = 3 if relay is not None else 2
+    paths = 2 + len(relays)
     steps = len(args.processes) * len(args.prompt_tokens) * len(args.kinds) * paths * args.idle
     try:
         _wait_serving(procs, f"127.0.0.1:{wport}")
@@ -312,8 +368,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             prompts = _Prompts(kind, random.Random(args.seed), num_tokens,
                                                vocab_size, args.burst, args.new_tokens)
                             servers = {"gateway": (f"127.0.0.1:{gport}", gw.pid)}
-                            if relay is not None:
-                                servers["relay"] = (f"127.0.0.1:{rport}", relay.pid)
+                            for name, (rport, relay) in relays.items():
+                                servers[name] = (f"127.0.0.1:{rport}", relay.pid)
                             r = asyncio.run(_one_config(f"127.0.0.1:{wport}", servers, args,
                                                         prompts, progress))
                             results.append({"processes": n, **r})
@@ -389,11 +445,48 @@ async def _one_config(worker: str, servers: dict[str, tuple[str, int]],
     try:
         for client in clients.values():
             await client.ready()
-        return await _measure(clients, {name: pid for name, (_, pid) in servers.items()},
-                              args, prompts, progress)
+        out = await _measure(clients, {name: pid for name, (_, pid) in servers.items()},
+                             args, prompts, progress)
+        if args.sustain_rates:
+            out["sustain"] = {name: await _sustain(clients[name], args, prompts)
+                              for name in ("direct", "gateway")}
+        return out
     finally:
         for client in clients.values():
             await client.close()
+
+
+async def _sustain(client: _Client, args: argparse.Namespace,
+                   prompts: _Prompts) -> dict[str, Any]:
+    """Offer turns at each of `--sustain-rates` (open loop: turn i is sent at i / rate
+    seconds whether or not earlier ones finished, and timed from then, so queueing in
+    front of the server counts) for `--sustain-seconds`; per rate the achieved rate and the
+    latency quantiles, and the highest rate whose p99 stays within twice the lowest
+    rate's (with at least 95 % of the offered rate achieved and no errors)."""
+    rows = []
+    pool = [client.request(prompts.next()) for _ in range(64)]  # made before the clock runs
+    for rate in sorted(args.sustain_rates):
+        n = max(1, int(rate * args.sustain_seconds))
+        t0 = time.perf_counter() + 0.05
+        loop = asyncio.get_running_loop()
+
+        async def one(i: int, t0: float, rate: float) -> float | None:
+            start = t0 + i / rate
+            await asyncio.sleep(max(0.0, start - time.perf_counter()))
+            return await client.one(i, pool[i % len(pool)], start)
+
+        tasks = [loop.create_task(one(i, t0, rate)) for i in range(n)]
+        samples = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+        q = _quantiles(samples)
+        rows.append({"offered_per_s": rate, "achieved_per_s": round(q["n"] / wall, 1), **q})
+    sustained = 0.0
+    for r in rows:  # the rates below the first one that fails
+        if (r["errors"] or r["p99"] > 2 * rows[0]["p99"]
+                or r["achieved_per_s"] < 0.95 * r["offered_per_s"]):
+            break
+        sustained = r["offered_per_s"]
+    return {"rates": rows, "sustained_turns_per_s": sustained}
 
 
 def _report(args: argparse.Namespace, results: list[dict[str, Any]],
@@ -415,10 +508,12 @@ def _report(args: argparse.Namespace, results: list[dict[str, Any]],
             "met": r["burst"]["added_ms"]["p50"] <= TARGETS["added_p50_ms_12k_burst"]
             and r["queueing_p50_ms"] <= TARGETS["queueing_p50_ms_12k"],
         }
-        if "relay_cpu_ms_per_request" in r["burst"]:  # the floor, same run
-            targets[f"{n}_processes_{r['kind']}"].update(
-                relay_cpu_ms_per_request=r["burst"]["relay_cpu_ms_per_request"],
-                relay_added_p50_ms_12k_burst=r["burst"]["relay_added_ms"]["p50"])
+        for name in [k[: -len("_cpu_ms_per_request")] for k in r["burst"]
+                     if k.startswith("relay") and k.endswith("_cpu_ms_per_request")
+                     and not k.endswith("_sys_cpu_ms_per_request")]:  # the floor, same run
+            targets[f"{n}_processes_{r['kind']}"].update({
+                f"{name}_cpu_ms_per_request": r["burst"][f"{name}_cpu_ms_per_request"],
+                f"{name}_added_p50_ms_12k_burst": r["burst"][f"{name}_added_ms"]["p50"]})
     return {
         "benchmark": "gateway",
         "config": {k: v for k, v in vars(args).items() if not k.startswith("_")

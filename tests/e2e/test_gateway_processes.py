@@ -129,3 +129,21 @@ def test_bench_gateway_runs_and_reports_both_kinds(capsys) -> None:
         for shape in ("idle", "burst"):
             for path in ("direct_ms", "gateway_ms", "relay_ms"):  # relay: the floor
                 assert r[shape][path]["errors"] == 0 and r[shape][path]["p50"] > 0
+
+
+def test_bench_gateway_sustain_and_relay_variants(capsys) -> None:
+    """`bench gateway --sustain-rates` reports each offered rate for the gateway and the
+    direct path; `--relay-impls` measures each relay variant as its own path."""
+    from prefixgate.cli import main
+
+    assert main(["bench", "gateway", "--processes", "1", "--prompt-tokens", "64", "--idle", "2",
+                 "--bursts", "1", "--burst", "2", "--new-tokens", "16", "--kinds", "turn",
+                 "--relay-impls", "aio", "sync", "--sustain-rates", "4", "8",
+                 "--sustain-seconds", "0.5", "--json"]) == 0
+    (r,) = json.loads(capsys.readouterr().out)["results"]
+    for path in ("relay_ms", "relay_sync_ms"):
+        assert r["idle"][path]["errors"] == 0 and r["idle"][path]["p50"] > 0
+    for path in ("gateway", "direct"):
+        rows = r["sustain"][path]["rates"]
+        assert [row["offered_per_s"] for row in rows] == [4, 8]
+        assert all(row["errors"] == 0 and row["n"] >= 2 for row in rows)
