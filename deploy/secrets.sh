@@ -4,23 +4,31 @@
 #   prefixgate-redis         password (Redis administrator), gateway-password, worker-password
 #   prefixgate-tls           tls.crt, tls.key, ca.crt: the Chat API's certificate
 #   prefixgate-internal-tls  ca.crt, worker.crt/.key (server), gateway.crt/.key (client)
-#   prefixgate-auth          tokens (hashed), internal-token, worker-keyring
+#   prefixgate-auth          tokens (hashed), internal-token, worker-keyring (gateways':
+#                            each worker's Ed25519 public key, and the gateways' own key)
+#   prefixgate-worker-keys   one key per worker pod, named by the pod (prefixgate-worker-0,
+#                            ...): that worker's Ed25519 private key; each worker pod sees
+#                            only its own (a subPathExpr mount of its name)
 # A Secret that already exists is left alone (bring your own certificate by creating
 # prefixgate-tls first, e.g. with cert-manager). Prints the first client token, bound to
 # the namespace TENANT (default: "default"), once: it is stored nowhere else.
 #
-#   bash deploy/secrets.sh [-n NAMESPACE]     # kubectl create secret ... in NAMESPACE
-#   bash deploy/secrets.sh --dir DIR          # write the files to DIR instead
+#   bash deploy/secrets.sh [-n NAMESPACE] [--workers N]  # kubectl create secret ... in NAMESPACE
+#   bash deploy/secrets.sh --dir DIR                     # write the files to DIR instead
+# --workers N (default 16): keys for worker pods 0 .. N-1, the most the StatefulSet may be
+# scaled to without adding keys (`prefixgate token --worker-key prefixgate-worker-N`).
 # Needs openssl 1.1.1 or newer (and kubectl without --dir).
 set -euo pipefail
 
 namespace=prefixgate
 out_dir=""
+workers=16
 while [ $# -gt 0 ]; do
     case "$1" in
         -n|--namespace) namespace="$2"; shift 2 ;;
         --dir) out_dir="$2"; shift 2 ;;
-        *) echo "usage: $0 [-n NAMESPACE] [--dir DIR]" >&2; exit 2 ;;
+        --workers) workers="$2"; shift 2 ;;
+        *) echo "usage: $0 [-n NAMESPACE] [--dir DIR] [--workers N]" >&2; exit 2 ;;
     esac
 done
 tenant="${TENANT:-default}"
@@ -62,8 +70,23 @@ digest="$(printf '%s' "$token" | openssl dgst -sha256 -r | cut -d' ' -f1)"
 printf '# sha256:<hash of the token> <namespace> [<label>]; `prefixgate token` adds more\nsha256:%s %s\n' \
     "$digest" "$tenant" > tokens
 printf 'pg_%s\n' "$(hex 32)" > internal-token
-printf '# * <master key>: each worker id gets HMAC(master, id) (prefixgate/security/identity.py)\n* %s\n' \
-    "$(hex 32)" > worker-keyring
+# One Ed25519 key per worker pod (prefixgate/security/identity.py): the pod gets its private
+# line, gateways every public line and the gateways' key. Raw keys are the last 32 bytes of
+# the DER forms (PKCS#8 private key, SubjectPublicKeyInfo).
+raw32() { tail -c 32 | od -An -v -tx1 | tr -d ' \n'; }
+printf '# gateways only: workers'"'"' public keys, and the gateways'"'"' key (predictions, reaps)\n' \
+    > worker-keyring
+printf '@gateways hmac:%s\n' "$(hex 32)" >> worker-keyring
+mkdir worker-keys
+for i in $(seq 0 $((workers - 1))); do
+    id="prefixgate-worker-$i"
+    openssl genpkey -algorithm ed25519 -out key.pem 2>/dev/null
+    printf '%s ed25519-private:%s\n' "$id" "$(openssl pkey -in key.pem -outform DER | raw32)" \
+        > "worker-keys/$id"
+    printf '%s ed25519:%s\n' "$id" "$(openssl pkey -in key.pem -pubout -outform DER | raw32)" \
+        >> worker-keyring
+done
+rm -f key.pem
 hex 24 > redis-password
 hex 24 > redis-gateway-password
 hex 24 > redis-worker-password
@@ -97,6 +120,9 @@ secret prefixgate-internal-tls Opaque ca.crt=internal-ca.crt worker.crt=worker.c
     worker.key=worker.key gateway.crt=gateway.crt gateway.key=gateway.key
 secret prefixgate-auth Opaque tokens=tokens internal-token=internal-token \
     worker-keyring=worker-keyring
+worker_keys=()
+for f in worker-keys/*; do worker_keys+=("$(basename "$f")=$f"); done
+secret prefixgate-worker-keys Opaque "${worker_keys[@]}"
 if [ -z "$out_dir" ]; then
     kubectl -n "$namespace" get secret prefixgate-tls -o jsonpath='{.data.ca\.crt}' \
         | base64 -d > prefixgate-ca.crt 2>/dev/null && cp prefixgate-ca.crt "$OLDPWD/" || true

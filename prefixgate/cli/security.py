@@ -31,8 +31,8 @@ def _internal_flag(p: argparse.ArgumentParser) -> None:
 
 def _keyring_flag(p: argparse.ArgumentParser, who: str) -> None:
     flag(p, "--worker-keyring", default="",
-         help=f"'<worker id> <hex key>' lines; {who} (Redis registry only; see "
-              "prefixgate/security/identity.py)")
+         help=f"per-worker Ed25519 key lines (prefixgate token --worker-key ID); {who} "
+              "(Redis registry only; see prefixgate/security/identity.py)")
 
 
 def gateway_flags(g: argparse.ArgumentParser) -> None:
@@ -46,13 +46,15 @@ def gateway_flags(g: argparse.ArgumentParser) -> None:
     flag(g, "--worker-tls-cert", default="",
          help="PEM client certificate presented to workers (mutual TLS)")
     flag(g, "--worker-tls-key", default="", help="PEM private key of --worker-tls-cert")
-    _keyring_flag(g, "workers must sign their registration and ownership with their key")
+    _keyring_flag(g, "the workers' public lines (and the '@gateways' line): workers must "
+                     "sign their registration and ownership with their own key")
 
 
 def worker_flags(w: argparse.ArgumentParser) -> None:
     _server_tls_flags(w, "worker API")
     _internal_flag(w)
-    _keyring_flag(w, "this worker signs what it writes to Redis with its own line's key")
+    _keyring_flag(w, "this worker's own private line only: it signs what it writes to "
+                     "Redis with it")
 
 
 def client_flags(c: argparse.ArgumentParser) -> None:

@@ -71,6 +71,9 @@ class WorkerHandle:
     absent_since: float | None = None  # monotonic time it was first missing from the registry
     heard_at: float = 0.0  # monotonic time of its last pushed status (0: never)
     said_down: bool = False  # its being down or unreachable was logged (once per outage)
+    # The fastest prefill this gateway has seen the worker deliver (tokens per second; 0:
+    # none yet). Its self-reported rate counts only up to this.
+    observed_prefill_tokens_per_s: float = 0.0
 
     def lease(self, prompt_tokens: int) -> Lease:
         """Count one turn sent here, with `prompt_tokens` of prefill queued for it, in this
@@ -114,9 +117,17 @@ class WorkerHandle:
         return max(polled - self.finished_since_status, self.in_flight)
 
     # The worker's measured rates (routing by cost; 0 = not measured) and cache fill.
+    # A worker's own figure is a claim: a worker that reported 10^9 tokens/s drew every
+    # new conversation. The prefill rate counts up to the fastest this gateway has seen
+    # the worker deliver, and as unmeasured (its peers' mean) before it has seen any. What
+    # the gateway sees is below the true rate (the time to a first token also holds
+    # transport and interleaved decode steps), but it is measured alike for every worker,
+    # so an honest worker loses nothing against its peers and a lying one gains nothing;
+    # a lower report (a worker that slowed down) still counts as it is.
     @property
     def prefill_tokens_per_s(self) -> float:
-        return self.status.prefill_tokens_per_s if self.status is not None else 0.0
+        reported = self.status.prefill_tokens_per_s if self.status is not None else 0.0
+        return min(reported, self.observed_prefill_tokens_per_s)
 
     @property
     def decode_step_s(self) -> float:
@@ -146,20 +157,31 @@ class Lease:
     """One turn's share of a worker's load as this gateway counts it (`WorkerHandle`'s
     in-flight counters), held from sending the turn until it ends there, whatever the
     outcome. `first_token()`: the turn's prefill is done (its prompt tokens leave the queue
-    and count as prefill ended since the last status); closing does that too if it never
-    came (a failed prefill is no longer queued either), and ends the turn. Use as a
-    context manager, so that every path out of a turn gives the load back exactly once."""
+    and count as prefill ended since the last status; the prefill this took, with the
+    queue it waited behind, is what the gateway saw the worker deliver); closing does that
+    too if it never came (a failed prefill is no longer queued either), and ends the turn.
+    Use as a context manager, so that every path out of a turn gives the load back
+    exactly once."""
 
-    __slots__ = ("worker", "pending")
+    __slots__ = ("worker", "pending", "ahead", "sent_at")
 
     def __init__(self, worker: WorkerHandle, prompt_tokens: int) -> None:
         self.worker, self.pending = worker, prompt_tokens
+        # This gateway's own prefill queued ahead of this turn (first come, first served:
+        # done before its first token too). Not the worker's reported queue: a worker that
+        # claimed a long queue would look as fast as it liked.
+        self.ahead = worker.in_flight_prompt_tokens
+        self.sent_at = time.monotonic()
         worker.in_flight += 1
         worker.in_flight_prompt_tokens += prompt_tokens
 
     def first_token(self) -> None:
         w, pending = self.worker, self.pending
         if pending:
+            elapsed = time.monotonic() - self.sent_at
+            if elapsed > 0:
+                w.observed_prefill_tokens_per_s = max(w.observed_prefill_tokens_per_s,
+                                                      (self.ahead + pending) / elapsed)
             w.in_flight_prompt_tokens -= pending
             w.prefilled_since_status += pending
             self.pending = 0
@@ -167,8 +189,11 @@ class Lease:
     def close(self) -> None:
         if self.worker is None:
             return
-        self.first_token()
         w = self.worker
+        if self.pending:  # no first token came: nothing was seen delivered
+            w.in_flight_prompt_tokens -= self.pending
+            w.prefilled_since_status += self.pending
+            self.pending = 0
         w.in_flight -= 1
         w.finished_since_status += 1
         self.worker = None  # type: ignore[assignment]

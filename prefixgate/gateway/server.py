@@ -272,9 +272,16 @@ def _worker_keyring(registry: Registry, config: auth.AuthConfig) -> identity.Key
                     "in Redis are not verified (anyone who can write to Redis can register a "
                     "worker and receive turns)")
         return None
-    keyring = identity.Keyring.from_file(config.worker_keyring_file)
+    keyring = identity.Keyring.from_file(config.worker_keyring_file).for_gateway(
+        config.worker_keyring_file)
     registry.keyring = keyring  # the feed reads only ownership signed by its worker
-    log.info("gateway: registered workers must prove their identity (%d keys)", len(keyring))
+    log.info("gateway: registered workers must prove their identity (%d public keys)",
+             len(keyring))
+    if keyring.gateway_key is None:
+        log.warning("gateway: --worker-keyring has no '%s' line: this gateway's routing "
+                    "predictions and reaps are unsigned, and other gateways ignore them "
+                    "(`prefixgate token --gateway-key` prints one; give every gateway the "
+                    "same)", identity.GATEWAYS)
     return keyring
 
 

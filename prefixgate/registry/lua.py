@@ -21,22 +21,24 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
-# Remove a worker: `leave` only when the caller's epoch is still current (a restarted
-# worker with the same id must not be removed by its predecessor's late shutdown); `reap`
-# only when its lease is gone or no longer its epoch. Idempotent: a second call finds
+# Remove a worker of epoch ARGV[3]: only while that is still its epoch (a restarted
+# worker with the same id must not be removed by its predecessor's late shutdown, nor by
+# a reap decided on the older record); `reap` only when its lease is gone or no longer
+# its epoch. ARGV[5]: the entry's signature ("" unsigned; prefixgate.security.identity:
+# the worker's for leave, the gateways' for reap). Idempotent: a second call finds
 # nothing and writes no entry.
 REMOVE = """
 local epoch = redis.call('HGET', KEYS[2], 'epoch')
 if not epoch or redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 0 then return 0 end
-if ARGV[2] == 'leave' then
-  if epoch ~= ARGV[3] then return 0 end
-elseif redis.call('GET', KEYS[3]) == epoch then
-  return 0
-end
+if epoch ~= ARGV[3] then return 0 end
+if ARGV[2] ~= 'leave' and redis.call('GET', KEYS[3]) == epoch then return 0 end
 redis.call('SREM', KEYS[1], ARGV[1])
 redis.call('DEL', KEYS[2], KEYS[4])
 if ARGV[2] == 'leave' then redis.call('DEL', KEYS[3]) end
-redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[4], '*', 'w', ARGV[1], 'e', epoch, 'k', ARGV[2])
+local entry = {'XADD', KEYS[5], 'MAXLEN', '~', ARGV[4], '*', 'w', ARGV[1], 'e', epoch,
+               'k', ARGV[2]}
+if ARGV[5] ~= '' then entry[#entry + 1] = 's'; entry[#entry + 1] = ARGV[5] end
+redis.call(unpack(entry))
 return 1
 """
 # Apply one batch of ownership events, fenced by the lease's epoch, and append it to the

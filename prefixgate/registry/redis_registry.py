@@ -31,16 +31,19 @@ in-memory index and never query Redis to route.
 The scripts are in registry/lua.py.
 
 With a `keyring` (prefixgate.security.identity) the registry signs what a worker writes with that
-worker's key (registration, each batch, the held-block set) and, for gateways, reads only
-ownership that verifies: a batch entry whose MAC fails, or whose (epoch, sequence number)
-is not after the last one this registry accepted for the worker (a replayed copy; the
-snapshot sets where each worker's batches resume), is skipped, a worker whose pg:kv does
-not match its held-set MAC is left out of `ownership_snapshot` (both logged), and
-"join" entries are skipped: Redis writes them unsigned, and a forged one with a high epoch
-would fence off the worker's genuine batches. Nothing is lost, since a worker's first
-batch after registering is a signed "clear" under its new epoch, which resets it.
-Gateways sign their "predict" entries too (`publish_predictions`), and apply another
-gateway's only when it verifies and is newer than that gateway's last.
+worker's private key (registration, each batch, the held-block set, its leave) and, for
+gateways, reads only entries that verify against the worker's public key: a batch whose
+signature fails, or whose (epoch, sequence number) is not after the last one this
+registry applied for the worker or runs far ahead of it (`identity.position_refused`: a
+replayed copy, a far-future number; the snapshot sets where each worker's batches resume)
+is skipped without changing what is expected next; a worker whose pg:kv does not match its
+signed held set is left out of `ownership_snapshot` (both logged); unsigned or forged
+"leave" and "reap" entries are skipped; and "join" entries are skipped: Redis writes them
+unsigned, and a forged one with a high epoch would fence off the worker's genuine
+batches. Nothing is lost, since a worker's first batch after registering is a signed
+"clear" under its new epoch, which resets it. Gateways sign their "predict" and "reap"
+entries with the gateways' key, and apply another gateway's prediction only when it
+verifies and is newer than that gateway's last (and not far ahead of it).
 Registrations are verified by the gateway's WorkerPool (it says why it refuses one).
 """
 
@@ -125,9 +128,10 @@ class RedisRegistry(Registry):
             return None
         signer = self._signers.get(worker_id)
         if signer is None:
-            key = self.keyring.key(worker_id)
+            key = self.keyring.private_key(worker_id)
             if key is None:
-                raise ValueError(f"worker {worker_id!r} has no key in --worker-keyring")
+                raise ValueError(f"worker {worker_id!r} has no private key in "
+                                 "--worker-keyring")
             signer = self._signers[worker_id] = identity.OwnershipSigner(key, worker_id)
         return signer
 
@@ -135,14 +139,17 @@ class RedisRegistry(Registry):
         return bool(await self._renew(keys=[self._key("lease", record.worker_id)],
                                       args=[record.epoch, lease_ms]))
 
-    async def _remove_worker(self, worker_id: str, kind: str, epoch: int = 0) -> bool:
+    async def _remove_worker(self, worker_id: str, kind: str, epoch: int,
+                             signature: bytes = b"") -> bool:
         return bool(await self._remove(
             keys=[self._key("workers"), self._key("worker", worker_id),
                   self._key("lease", worker_id), self._key("kv", worker_id), self.events_key],
-            args=[worker_id, kind, epoch, self.stream_maxlen]))
+            args=[worker_id, kind, epoch, self.stream_maxlen, signature]))
 
     async def deregister(self, record: WorkerRecord) -> None:
-        await self._remove_worker(record.worker_id, "leave", record.epoch)
+        signer = self._signer(record.worker_id)
+        await self._remove_worker(record.worker_id, "leave", record.epoch,
+                                  b"" if signer is None else signer.leave(record.epoch))
 
     async def reap_expired(self) -> list[str]:
         """Remove every listed worker whose lease expired (its blocks too); returns the ids
@@ -153,11 +160,17 @@ class RedisRegistry(Registry):
         async with self.redis.pipeline(transaction=False) as pipe:
             for wid in ids:
                 pipe.exists(self._key("lease", wid))
-            alive = await pipe.execute()
+                pipe.hget(self._key("worker", wid), "epoch")
+            replies = await pipe.execute()
+        gateway_key = self.keyring.gateway_key if self.keyring is not None else None
         reaped = []
-        for wid, live in zip(ids, alive, strict=True):
-            # A lease may also hold a stale epoch only transiently; the script decides.
-            if not live and await self._remove_worker(wid, "reap"):
+        for wid, live, epoch in zip(ids, replies[::2], replies[1::2], strict=True):
+            # A lease may also hold a stale epoch only transiently; the script decides
+            # (and reaps only the epoch read here: the one the signature names).
+            if live or epoch is None:
+                continue
+            sig = b"" if gateway_key is None else identity.reap_mac(gateway_key, wid, int(epoch))
+            if await self._remove_worker(wid, "reap", int(epoch), sig):
                 reaped.append(wid)
         return reaped
 
@@ -191,8 +204,8 @@ class RedisRegistry(Registry):
         if signer is None:
             bmac, kvmac, seq = b"", "", ""
         else:
-            bmac, mac = signer.sign(record.epoch, events, wire)
-            kvmac, seq = mac.hex(), str(signer.seq)
+            bmac, held_sig = signer.sign(record.epoch, events, wire)
+            kvmac, seq = held_sig.hex(), str(signer.seq)
         args: list = [record.worker_id, record.epoch, self.stream_maxlen, bmac, kvmac, seq]
         for fields in wire:
             args += fields
@@ -205,8 +218,8 @@ class RedisRegistry(Registry):
                                   source: str) -> None:
         """Tell every gateway that `source` routed turns: for each (worker record, the
         prompt's block hashes) one "predict" entry on the event stream (nothing else
-        changes: predictions are not ownership). One round trip for the lot. With a
-        keyring each is signed with the key of the worker it names."""
+        changes: predictions are not ownership). One round trip for the lot. With the
+        gateways' key (keyring) each is signed with it."""
         if not items:
             return
         async with self.raw.pipeline(transaction=False) as pipe:
@@ -214,7 +227,7 @@ class RedisRegistry(Registry):
                 wid, packed = record.worker_id, pack_hashes(hashes)
                 fields = {"w": wid, "e": record.epoch, "k": "predict", "g": source,
                           "h": packed}
-                key = self.keyring.key(wid) if self.keyring is not None else None
+                key = self.keyring.gateway_key if self.keyring is not None else None
                 if key is not None:
                     self._prediction_seq += 1
                     fields["q"] = self._prediction_seq
@@ -277,9 +290,8 @@ class RedisRegistry(Registry):
 
     def _held_set_verifies(self, wid: str, epoch: int, seq: int,
                            blocks: dict[int, int | None], kvmac: bytes | None) -> bool:
-        key = self.keyring.key(wid) if self.keyring is not None else None
-        if key is not None and kvmac is not None and identity.hmac.compare_digest(
-                identity.kv_set_mac(key, wid, epoch, seq, blocks).hex().encode(), kvmac):
+        if self.keyring is not None and identity.verify_held_set(self.keyring, wid, epoch, seq,
+                                                                 blocks, kvmac):
             return True
         if blocks:
             log.warning("ignoring the %d blocks Redis lists for worker %s: they are not "
@@ -288,52 +300,69 @@ class RedisRegistry(Registry):
         return not blocks
 
     def _batch_verifies(self, f: dict[bytes, bytes]) -> bool:
+        assert self.keyring is not None
         wid = f[b"w"].decode(errors="replace")
-        key = self.keyring.key(wid) if self.keyring is not None else None
-        if key is not None and b"s" in f and b"q" in f:
+        if b"s" in f and b"q" in f:
             position = (int(f[b"e"]), int(f[b"q"]))
             wire = [(f[b"k%d" % i], f[b"p%d" % i], f[b"h%d" % i]) for i in range(int(f[b"n"]))]
-            mac = identity.batch_mac(key, identity.batch_message(wid, *position, wire))
-            if identity.hmac.compare_digest(mac, f[b"s"]):
+            if identity.verify_batch(self.keyring, wid,
+                                     identity.batch_message(wid, *position, wire), f[b"s"]):
                 last = self._accepted.get(wid)
-                if last is None or position > last:
+                why = identity.position_refused(last, position)
+                if not why:
                     self._accepted[wid] = position
                     return True
-                # Older than what was applied: a copy put back on the stream, or (after a
-                # snapshot) a batch the snapshot already holds.
-                log.debug("skipping batch %s of worker %s epoch %d: not after batch %d of "
-                          "epoch %d", f[b"q"].decode(), wid[:64], position[0], last[1], last[0])
+                # A copy put back on the stream, a batch a snapshot already holds, or a
+                # number far ahead: what is expected next does not move.
+                log.log(logging.DEBUG if last is not None and position <= last
+                        else logging.WARNING, "skipping batch %d of worker %s epoch %d: %s",
+                        position[1], wid[:64], position[0], why)
                 return False
         log.warning("ignoring an ownership batch for worker %s: not signed with its key "
                     "(forged, or written without --worker-keyring)", wid[:64])
         return False
 
     def _prediction_verifies(self, f: dict[bytes, bytes]) -> bool:
+        assert self.keyring is not None
         wid = f[b"w"].decode(errors="replace")
-        key = self.keyring.key(wid) if self.keyring is not None else None
+        key = self.keyring.gateway_key
         if key is not None and b"s" in f and b"q" in f:
             source, seq = f[b"g"].decode(errors="replace"), int(f[b"q"])
             mac = identity.prediction_mac(key, wid, int(f[b"e"]), source, seq, f[b"h"])
             if identity.hmac.compare_digest(mac, f[b"s"]):
-                if seq <= self._predictions_seen.get(source, 0):
-                    return False  # a copy put back on the stream
+                last = self._predictions_seen.get(source)
+                if identity.position_refused(None if last is None else (0, last), (0, seq)):
+                    return False  # a copy put back on the stream, or far ahead
                 if len(self._predictions_seen) >= 4096:  # gateway ids seen (restarts)
                     self._predictions_seen.clear()
                 self._predictions_seen[source] = seq
                 return True
-        log.warning("ignoring a routing prediction for worker %s: not signed by a gateway "
-                    "holding its key", wid[:64])
+        # Debug, not warning: a gateway without the gateways' key publishes every routed
+        # turn unsigned (its predictions are then its own only; it warned at start).
+        log.debug("ignoring a routing prediction for worker %s: not signed with the "
+                  "gateways' key", wid[:64])
+        return False
+
+    def _lifecycle_verifies(self, f: dict[bytes, bytes]) -> bool:
+        assert self.keyring is not None
+        wid, kind = f[b"w"].decode(errors="replace"), f[b"k"].decode(errors="replace")
+        if identity.verify_lifecycle(self.keyring, kind, wid, int(f[b"e"]), f.get(b"s", b"")):
+            return True
+        log.warning("ignoring a %s entry for worker %s: not signed by %s", kind, wid[:64],
+                    "the worker" if kind == "leave" else "a gateway (the gateways' key)")
         return False
 
     def _trusted(self, f: dict[bytes, bytes]) -> bool:
         """With a keyring, whether entry `f` may change the index (see the module
-        docstring): a verified batch or prediction, a leave or reap."""
+        docstring): a verified batch, prediction, leave or reap."""
         kind = f.get(b"k")
         if kind == b"batch":
             return self._batch_verifies(f)
         if kind == b"predict":
             return self._prediction_verifies(f)
-        return kind != b"join"
+        if kind in (b"leave", b"reap"):
+            return self._lifecycle_verifies(f)
+        return False  # join (unsigned: Redis writes it), or a kind this version does not know
 
     async def read_events(self, after_id: bytes, block_ms: int, count: int = 1000,
                           ) -> list[StreamEntry]:

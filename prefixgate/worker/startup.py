@@ -34,17 +34,16 @@ class RegistryLease:
 
 def worker_keyring(path: str, worker_id: str):
     """The worker's keyring (prefixgate.security.identity.Keyring) from `path`, or None
-    without one; it must hold a key for `worker_id` (checked at start, rather than at each
-    registration attempt)."""
+    without one; it must hold this worker's own private key and no other (checked at
+    start, rather than at each registration attempt)."""
     from prefixgate.security.identity import Keyring
 
     if not path:
         return None
-    keyring = Keyring.from_file(path)
-    if keyring.key(worker_id) is None:
-        raise SystemExit(f"prefixgate worker: --worker-keyring {path} has no line for "
-                         f"worker id {worker_id!r} (nor a '*' master line)")
-    return keyring
+    try:
+        return Keyring.from_file(path).for_worker(worker_id, path)
+    except ValueError as exc:
+        raise SystemExit(f"prefixgate worker: --worker-keyring: {exc}") from None
 
 
 async def serve_worker(service, stop: asyncio.Event, lease: RegistryLease,

@@ -47,7 +47,8 @@ KUBERNETES_VERSIONS = ("1.35.0", "1.30.0")
 # Kinds from operators' CRDs: no bundled schema; checked structurally below instead.
 CRD_GROUPS = ("monitoring.coreos.com/",)
 # Secrets an overlay expects to exist in the cluster (deploy/secrets.sh makes them).
-SECRETS = {"prefixgate-redis", "prefixgate-tls", "prefixgate-internal-tls", "prefixgate-auth"}
+SECRETS = {"prefixgate-redis", "prefixgate-tls", "prefixgate-internal-tls", "prefixgate-auth",
+           "prefixgate-worker-keys"}
 EXTERNAL_SECRETS = {"cpu-dev": SECRETS, "gpu": SECRETS}
 # Variables the manifests set that are not prefixgate flags (Kubernetes downward API, the
 # parts the Redis URL is built from, $HOME for torch's caches, redis-cli's auth).
@@ -457,15 +458,20 @@ def made_secrets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _secret_files(pod: dict, spec: dict) -> dict[str, tuple[str, str]]:
-    """Path in the container -> (Secret, key), for the container's Secret volume mounts."""
+def _secret_files(pod: dict, spec: dict, pod_name: str) -> dict[str, tuple[str, str]]:
+    """Path in the container -> (Secret, key), for the container's Secret volume mounts
+    of pod `pod_name` (a subPathExpr mount shows the container the one key it names)."""
     volumes = {v["name"]: v["secret"] for v in pod["spec"]["volumes"] if "secret" in v}
     out = {}
     for m in spec.get("volumeMounts", []):
         secret = volumes.get(m["name"])
         if secret is not None:
-            assert secret.get("items"), f"{m['name']}: mount only the keys this pod needs"
             assert m.get("readOnly") is True
+            if "subPathExpr" in m:
+                out[m["mountPath"]] = (secret["secretName"],
+                                       m["subPathExpr"].replace("$(POD_NAME)", pod_name))
+                continue
+            assert secret.get("items"), f"{m['name']}: mount only the keys this pod needs"
             for item in secret["items"]:
                 out[f"{m['mountPath']}/{item['path']}"] = (secret["secretName"], item["key"])
     return out
@@ -480,17 +486,21 @@ CREDENTIALS = {
                 "worker_tls_key": "prefixgate-internal-tls"},
     "worker": {"tls_cert": "prefixgate-internal-tls", "tls_key": "prefixgate-internal-tls",
                "tls_client_ca": "prefixgate-internal-tls",
-               "internal_token_file": "prefixgate-auth", "worker_keyring": "prefixgate-auth"},
+               "internal_token_file": "prefixgate-auth",
+               "worker_keyring": "prefixgate-worker-keys"},
 }
 
 
 def test_secure_by_default(containers, made_secrets) -> None:
     """TLS, tokens, mutual TLS with the internal credential, and worker keys are on in every
     overlay, each flag naming a mounted key of the right Secret that secrets.sh makes, and
-    no pod mounts what it does not use (workers never see the client tokens)."""
+    no pod mounts what it does not use (workers never see the client tokens; each worker
+    pod sees its own private key only, gateways only public keys)."""
+    from prefixgate.security.identity import Keyring
+
     for overlay, cs in containers.items():
         for command, c in cs.items():
-            files = _secret_files(c.pod, c.spec)
+            files = _secret_files(c.pod, c.spec, "prefixgate-worker-0")
             for option, secret in CREDENTIALS[command].items():
                 path = getattr(c.args, option)
                 assert path, f"{overlay} {command}: --{option.replace('_', '-')} is off"
@@ -500,6 +510,13 @@ def test_secure_by_default(containers, made_secrets) -> None:
                 assert (made_secrets / name / key).is_file(), f"secrets.sh makes no {name}/{key}"
             used = {getattr(c.args, o) for o in CREDENTIALS[command]}
             assert set(files) <= used, f"{overlay} {command} mounts unused {set(files) - used}"
+            name, key = files[c.args.worker_keyring]
+            ring = Keyring.from_file(made_secrets / name / key)
+            if command == "worker":
+                ring.for_worker("prefixgate-worker-0", key)  # its own, nothing else
+            else:
+                assert ring.for_gateway(key).gateway_key is not None
+                assert {f"prefixgate-worker-{i}" for i in range(16)} <= set(ring.public)
             assert c.args.health_port and c.port("health") == c.args.health_port
         # Secrets read through variables exist too.
         for c in cs.values():
@@ -573,7 +590,7 @@ def test_redis_acl_users_have_the_least_rights(rendered, tmp_path: Path) -> None
     import redis
 
     from prefixgate.registry import RedisRegistry, WorkerRecord
-    from prefixgate.security.identity import Keyring
+    from prefixgate.security.identity import Keyring, new_gateway_key, new_worker_key
     from prefixgate.wire.events import OwnershipEvent
     from prefixgate.wire.rpc import free_port
 
@@ -597,9 +614,9 @@ def test_redis_acl_users_have_the_least_rights(rendered, tmp_path: Path) -> None
         return f"redis://{user}:{user}-pw@127.0.0.1:{port}/0"
 
     async def roles() -> None:
-        keys = Keyring({"w0": b"k" * 32})
-        w, g = RedisRegistry(url("worker"), keyring=keys), RedisRegistry(url("gateway"),
-                                                                           keyring=keys)
+        private, public = new_worker_key("w0")
+        w = RedisRegistry(url("worker"), keyring=Keyring.parse(private))
+        g = RedisRegistry(url("gateway"), keyring=Keyring.parse(f"{public}\n{new_gateway_key()}"))
         try:
             rec = await w.register(WorkerRecord("w0", "a:1", "fp"), 2000)
             assert await w.renew(rec, 2000)

@@ -39,8 +39,19 @@ def test_credentials_load_and_bind_the_first_token(secrets) -> None:
     assert tokens.authenticate(f"Bearer {token}").namespace == "acme"
     assert token not in (out / "prefixgate-auth" / "tokens").read_text()
     InternalCredential.from_file(out / "prefixgate-auth" / "internal-token")
-    keyring = Keyring.from_file(out / "prefixgate-auth" / "worker-keyring")
-    assert keyring.key("prefixgate-worker-0") != keyring.key("prefixgate-worker-1")
+    # Gateways: every worker's public key and the gateways' key, no private key. Each
+    # worker: its own private key only, matching the public one gateways hold.
+    gateways = Keyring.from_file(out / "prefixgate-auth" / "worker-keyring").for_gateway("g")
+    assert gateways.gateway_key is not None
+    keys = sorted((out / "prefixgate-worker-keys").iterdir())
+    assert [k.name for k in keys] == sorted(f"prefixgate-worker-{i}" for i in range(16))
+    raw = set()
+    for k in keys:
+        own = Keyring.from_file(k).for_worker(k.name, str(k))
+        raw.add(own.private_key(k.name).private_bytes_raw())
+        assert (own.public_key(k.name).public_bytes_raw()
+                == gateways.public_key(k.name).public_bytes_raw())
+    assert len(raw) == 16
     # Every role's Redis password is its own.
     passwords = {p.read_text() for p in (out / "prefixgate-redis").iterdir()}
     assert len(passwords) == 3

@@ -12,6 +12,7 @@ import grpc
 import redis
 
 from prefixgate.security.auth import hash_token, new_token
+from prefixgate.security.identity import new_gateway_key, new_worker_key
 from prefixgate.wire.client import ChatClient
 from prefixgate.wire.rpc import TLSConfig, free_port
 from tests.e2e.test_security import make_pki
@@ -26,11 +27,12 @@ def test_secure_worker_gateway_and_chat(tmp_path, redis_flush) -> None:
     (tmp_path / "tokens").write_text(f"{hash_token(token)} acme\n")
     (tmp_path / "token").write_text(token + "\n")
     (tmp_path / "internal").write_text(new_token() + "\n")
-    (tmp_path / "keyring").write_text(f"* {'5a' * 32}\n")
+    private, public_line = new_worker_key("sw0")
+    (tmp_path / "worker-keyring").write_text(private + "\n")
+    (tmp_path / "gateway-keyring").write_text(f"{public_line}\n{new_gateway_key()}\n")
     env = cli_env(PREFIXGATE_CACHE_DIR=str(tmp_path), PREFIXGATE_MODEL="tiny-random",
                   PREFIXGATE_REDIS_URL=redis_flush, PREFIXGATE_LOG_LEVEL="WARNING",
-                  PREFIXGATE_INTERNAL_TOKEN_FILE=str(tmp_path / "internal"),
-                  PREFIXGATE_WORKER_KEYRING=str(tmp_path / "keyring"))
+                  PREFIXGATE_INTERNAL_TOKEN_FILE=str(tmp_path / "internal"))
     gw_port, worker_port = free_port(), free_port()
     procs = []
     try:
@@ -38,13 +40,15 @@ def test_secure_worker_gateway_and_chat(tmp_path, redis_flush) -> None:
             [*PG, "worker", "--port", str(worker_port), "--worker-id", "sw0",
              "--num-blocks", "256", "--torch-threads", "1", "--drain-seconds", "1",
              "--tls-cert", internal["server_cert"], "--tls-key", internal["server_key"],
-             "--tls-client-ca", internal["ca"]], env=env, cwd=REPO))
+             "--tls-client-ca", internal["ca"],
+             "--worker-keyring", str(tmp_path / "worker-keyring")], env=env, cwd=REPO))
         procs.append(subprocess.Popen(
             [*PG, "gateway", "--port", str(gw_port), "--drain-seconds", "1",
              "--tls-cert", public["server_cert"], "--tls-key", public["server_key"],
              "--tokens-file", str(tmp_path / "tokens"),
              "--worker-tls-ca", internal["ca"], "--worker-tls-cert", internal["client_cert"],
-             "--worker-tls-key", internal["client_key"]], env=env, cwd=REPO))
+             "--worker-tls-key", internal["client_key"],
+             "--worker-keyring", str(tmp_path / "gateway-keyring")], env=env, cwd=REPO))
         r = redis.Redis.from_url(redis_flush)
         wait_for(lambda: r.hget("pg:worker:sw0", "sig"), timeout=120,
                  what="the worker to register, signed")

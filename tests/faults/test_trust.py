@@ -1,39 +1,53 @@
-"""Faults: a rogue worker and forged ownership in a shared Redis (real redis-server, real
-workers and gateways over gRPC on loopback, tiny-random).
+"""Faults: the attacks on a shared Redis, made with one worker pod's files in hand (its
+private key, its Redis user), against real redis-server, real workers and gateways over
+gRPC on loopback (tiny-random).
 
-Both attacks worked before workers proved their identity (issue 13: a rogue worker got 30
-of 30 turns; ownership forged with another worker's epoch steered 8 of 8). Each test also
-runs a gateway without the keyring beside the one with it, to show the attack is real in
-the test and that only the keyring stops it.
+Before per-worker keys every pod held one `*` master keyring: with it a rogue worker got 30
+of 30 turns, ownership forged for another worker steered 8 of 8, and one batch numbered
+10^12 fenced off a worker's genuine batches; a worker reporting 10^9 prefill tokens/s drew
+30 of 30 new conversations. Each test also runs a gateway without the keyring beside the
+one with it, to show the attack is real in the test and that only the keys stop it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import secrets
 from collections import Counter
 
 import grpc
 import pytest
 import redis
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from prefixgate.gateway.index import PrefixIndex
 from prefixgate.radix import BlockHasher
 from prefixgate.registry import RedisRegistry, WorkerRecord
 from prefixgate.security.auth import AuthConfig
-from prefixgate.security.identity import Keyring
+from prefixgate.security.identity import Keyring, new_gateway_key, new_worker_key
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from prefixgate.wire.events import OwnershipEvent
+from tests.faults.fleet import report
 from tests.helpers import start_worker, wait_for
 
 BLOCK = 16
 
 
 @pytest.fixture
-def keyring_file(tmp_path) -> str:
-    path = tmp_path / "keyring"
-    path.write_text("".join(f"{w} {secrets.token_hex(32)}\n" for w in ("w0", "w1")))
-    return str(path)
+def keys(tmp_path) -> dict:
+    """Worker w0's and w1's own keyrings (their pods' files) and the gateways' keyring
+    file (public keys and the gateways' key)."""
+    lines = {w: new_worker_key(w) for w in ("w0", "w1")}
+    path = tmp_path / "gateways.keyring"
+    path.write_text("".join(public + "\n" for _, public in lines.values())
+                    + new_gateway_key() + "\n")
+    return {"gateways": str(path), **{w: Keyring.parse(private)
+                                      for w, (private, _) in lines.items()}}
+
+
+def _as(worker_id: str, stolen: Keyring, owner: str) -> Keyring:
+    """A keyring that signs as `worker_id` with `owner`'s key (a rogue holding owner's
+    files, claiming another identity)."""
+    return Keyring(private={worker_id: stolen.private_key(owner)})
 
 
 def _redis_worker(loop_thread, spec, model, worker_id, url, keyring=None):
@@ -82,51 +96,71 @@ def _prompts(n, salt, length=64):
     return [[3 + (salt * 31 + 7 * i + j) % 250 for j in range(length)] for i in range(n)]
 
 
+def _generate(address: str, ids: list[int]) -> None:
+    """One request straight to a worker (its stored event follows on the stream)."""
+    with grpc.insecure_channel(address) as wc:
+        list(worker_pb2_grpc.WorkerServiceStub(wc).Generate(worker_pb2.GenerateRequest(
+            prompt_token_ids=ids, sampling=common_pb2.SamplingParams(max_tokens=1)),
+            timeout=60))
+
+
 def _stop_all(loop_thread, *stops):
     for stop in stops:
         loop_thread.loop.call_soon_threadsafe(stop.set)
 
 
-def test_a_rogue_worker_without_a_valid_credential_gets_no_turns(
-        loop_thread, tiny_spec, tiny_model, redis_flush, keyring_file) -> None:
-    url, keys = redis_flush, Keyring.from_file(keyring_file)
-    _, s0, _, _ = _redis_worker(loop_thread, tiny_spec, tiny_model, "w0", url, keys)
-    _, s1, _, _ = _redis_worker(loop_thread, tiny_spec, tiny_model, "w1", url, keys)
-    # The rogue: the public model fingerprint, a real worker process, no key at all.
-    _, sr, rogue_events, _ = _redis_worker(loop_thread, tiny_spec, tiny_model, "rogue", url)
-    # ... and one signing with a key the gateways do not hold.
-    stranger = Keyring({"rogue-2": secrets.token_bytes(32)})
-    _, sr2, rogue2_events, _ = _redis_worker(loop_thread, tiny_spec, tiny_model, "rogue-2",
-                                             url, stranger)
-    guarded, gstop, _ = _gateway(loop_thread, tiny_spec, url, keyring_file)
+def test_a_rogue_worker_with_a_worker_pods_files_gets_no_turns(
+        loop_thread, tiny_spec, tiny_model, redis_flush, keys) -> None:
+    url = redis_flush
+    _, s0, _, _ = _redis_worker(loop_thread, tiny_spec, tiny_model, "w0", url, keys["w0"])
+    _, s1, _, _ = _redis_worker(loop_thread, tiny_spec, tiny_model, "w1", url, keys["w1"])
+    # The rogues: the public model fingerprint, real worker processes. One with no key,
+    # one with a key of its own, one signing a new identity with w1's key (w1's files).
+    rogues = {"rogue": None, "rogue-2": Keyring(private={"rogue-2": Ed25519PrivateKey.generate()}),
+              "rogue-3": _as("rogue-3", keys["w1"], "w1")}
+    started = {rid: _redis_worker(loop_thread, tiny_spec, tiny_model, rid, url, ring)
+               for rid, ring in rogues.items()}
+    guarded, gstop, _ = _gateway(loop_thread, tiny_spec, url, keys["gateways"])
     open_gw, ostop, _ = _gateway(loop_thread, tiny_spec, url)
+    stops = [gstop, ostop, s0, s1, *(r[1] for r in started.values())]
     try:
         with grpc.insecure_channel(guarded) as c, grpc.insecure_channel(open_gw) as o:
             stub, open_stub = chat_pb2_grpc.ChatServiceStub(c), chat_pb2_grpc.ChatServiceStub(o)
-            # Without the keyring all four are routable: the rogues are really registered.
-            wait_for(lambda: _num_workers(open_stub) == 4, what="the open gateway to list 4")
+            # Without the keyring all five are routable: the rogues are really registered.
+            wait_for(lambda: _num_workers(open_stub) == 5, what="the open gateway to list 5")
             wait_for(lambda: _num_workers(stub) == 2, what="the guarded gateway to list 2")
             served = Counter(_turn(stub, ids, f"c{i}").worker_id
                              for i, ids in enumerate(_prompts(30, salt=1)))
-            assert served["rogue"] == served["rogue-2"] == 0
-            assert sum(served.values()) == 30 and set(served) <= {"w0", "w1"}
+            # The rogue with w1's files claims to be w0, at its own address: w1's key does
+            # not sign for w0, so the gateway keeps routing to the genuine w0 only.
+            impostor = RedisRegistry(url, keyring=_as("w0", keys["w1"], "w1"))
+            loop_thread.run(impostor.register(
+                WorkerRecord("w0", started["rogue"][0], tiny_spec.fingerprint), 2000))
+            loop_thread.run(impostor.close())
+            served.update(_turn(stub, ids, f"d{i}").worker_id
+                          for i, ids in enumerate(_prompts(10, salt=5)))
+            rogue_turns = sum(r[2].snapshot()[1] for r in started.values())
+            report("rogue_worker_with_a_pods_files", turns=sum(served.values()),
+                   rogue_turns=rogue_turns, served=dict(served))
+            assert sum(served.values()) == 40 and set(served) <= {"w0", "w1"}
             # Nothing ever reached the rogues' engines.
-            assert rogue_events.snapshot()[1] == 0 and rogue2_events.snapshot()[1] == 0
+            assert rogue_turns == 0
     finally:
-        _stop_all(loop_thread, gstop, ostop, s0, s1, sr, sr2)
+        _stop_all(loop_thread, *stops)
 
 
 def _forged_owner(index, hasher, ids) -> int:
     return index.match(hasher.hash_blocks(ids)).cached_blocks.get("w1", 0)
 
 
-def test_forged_ownership_for_another_worker_steers_no_turns(
-        loop_thread, tiny_spec, tiny_model, redis_flush, keyring_file) -> None:
-    url, keys = redis_flush, Keyring.from_file(keyring_file)
-    _, s0, _, _ = _redis_worker(loop_thread, tiny_spec, tiny_model, "w0", url, keys)
+def test_forged_ownership_with_a_worker_pods_files_steers_no_turns(
+        loop_thread, tiny_spec, tiny_model, redis_flush, keys) -> None:
+    url = redis_flush
+    w0_address, s0, _, pub0 = _redis_worker(loop_thread, tiny_spec, tiny_model, "w0", url,
+                                            keys["w0"])
     w1_address, s1, _, pub1 = _redis_worker(loop_thread, tiny_spec, tiny_model, "w1", url,
-                                            keys)
-    guarded, gstop, index = _gateway(loop_thread, tiny_spec, url, keyring_file)
+                                            keys["w1"])
+    guarded, gstop, index = _gateway(loop_thread, tiny_spec, url, keys["gateways"])
     open_gw, ostop, open_index = _gateway(loop_thread, tiny_spec, url)
     hasher = BlockHasher(BLOCK, model_fingerprint=tiny_spec.fingerprint)
     forged = _prompts(8, salt=2)
@@ -136,14 +170,24 @@ def test_forged_ownership_for_another_worker_steers_no_turns(
             stub = chat_pb2_grpc.ChatServiceStub(c)
             wait_for(lambda: _num_workers(stub) == 2, what="the gateway to list w0 and w1")
             wait_for(lambda: pub1.record.epoch > 0, what="w1 to register")
-            # The attacker writes ownership for w1 with w1's current epoch (it can read it
-            # from Redis), claiming the blocks of 8 prompts: unsigned, through the same
-            # fenced script a worker uses.
-            attacker = RedisRegistry(url)
+            w1_own = _prompts(1, salt=11)[0]  # blocks w1 really holds, indexed
+            _generate(w1_address, w1_own)
+            wait_for(lambda: _forged_owner(index, hasher, w1_own) >= 3, what="w1's own blocks")
+            # The attacker holds w0's pod files: it writes ownership for w1 with w1's
+            # current epoch (it can read it from Redis), claiming the blocks of 8 prompts,
+            # signed with w0's key, through the same fenced script a worker uses.
+            attacker = RedisRegistry(url, keyring=_as("w1", keys["w0"], "w0"))
             record = WorkerRecord("w1", "anywhere", tiny_spec.fingerprint, pub1.record.epoch)
             events = [OwnershipEvent("store", hasher.hash_blocks(ids)) for ids in forged]
             assert loop_thread.run(attacker.publish(record, events))
             loop_thread.run(attacker.close())
+            # As w0 itself (its key is in hand), a batch numbered 10^12: it may not move
+            # what gateways expect of w0 next.
+            far = RedisRegistry(url, keyring=keys["w0"])
+            far._signer("w0").seq = 10**12 - 1
+            assert loop_thread.run(far.publish(pub0.record, [OwnershipEvent(
+                "store", hasher.hash_blocks(_prompts(1, salt=9)[0]))]))
+            loop_thread.run(far.close())
             # A genuine turn after the forgery: once the guarded gateway indexed it, it has
             # read the forged entry too (the stream is ordered).
             genuine = _prompts(1, salt=3)[0]
@@ -152,30 +196,91 @@ def test_forged_ownership_for_another_worker_steers_no_turns(
                 wait_for(lambda ix=ix: ix.match(hasher.hash_blocks(genuine)).cached_blocks
                          .get(served, 0) >= 3, what="the genuine turn to be indexed")
             # Without the keyring the forgery steers all 8; with it, none.
-            assert sum(_forged_owner(open_index, hasher, ids) > 0 for ids in forged) == 8
-            assert sum(_forged_owner(index, hasher, ids) > 0 for ids in forged) == 0
+            open_steered = sum(_forged_owner(open_index, hasher, ids) > 0 for ids in forged)
+            steered = sum(_forged_owner(index, hasher, ids) > 0 for ids in forged)
             finals = [_turn(stub, ids + [5], f"f{i}") for i, ids in enumerate(forged)]
+            report("forged_ownership_with_a_pods_files", forged=8, steered=steered,
+                   steered_without_keys=open_steered,
+                   cached_tokens=sum(f.usage.cached_tokens for f in finals))
+            assert open_steered == 8 and steered == 0
             assert all(f.usage.cached_tokens == 0 for f in finals)
+            # Unsigned leave and reap entries for w1 (anyone who can XADD): without keys
+            # they make gateways forget w1's blocks; with keys, nothing.
+            r = redis.Redis.from_url(url)
+            for kind in ("leave", "reap"):
+                r.xadd("pg:events", {"w": "w1", "e": pub1.record.epoch, "k": kind})
+            r.close()
+            # The far-future batch fenced nothing: w0's genuine batches still apply, and
+            # the forged leave/reap removed nothing of w1's.
+            assert index.match(hasher.hash_blocks(_prompts(1, salt=9)[0])).cached_blocks \
+                .get("w0", 0) == 0
+            w0_next = _prompts(1, salt=10)[0]
+            _generate(w0_address, w0_next)
+            wait_for(lambda: index.match(hasher.hash_blocks(w0_next)).cached_blocks
+                     .get("w0", 0) >= 3, what="w0's genuine batch after one numbered 10^12")
+            assert _forged_owner(index, hasher, w1_own) >= 3  # no forged leave/reap applied
             # A forged "join" with a far higher epoch would fence off w1's genuine batches
             # (unsigned: Redis writes joins); the guarded gateway skips joins.
             r = redis.Redis.from_url(url)
             r.xadd("pg:events", {"w": "w1", "e": pub1.record.epoch + 100, "k": "join"})
             r.close()
             later = _prompts(1, salt=4)[0]  # served by w1 directly: its signed batch follows
-            with grpc.insecure_channel(w1_address) as wc:
-                list(worker_pb2_grpc.WorkerServiceStub(wc).Generate(worker_pb2.GenerateRequest(
-                    prompt_token_ids=later, sampling=common_pb2.SamplingParams(max_tokens=1)),
-                    timeout=60))
+            _generate(w1_address, later)
             wait_for(lambda: _forged_owner(index, hasher, later) >= 3,
                      what="w1's genuine blocks after a forged join")
         # A gateway that starts now rebuilds from the pg:kv hashes, where the forged
-        # blocks are too: it leaves out w1's unverifiable set instead of trusting it.
-        late, lstop, late_index = _gateway(loop_thread, tiny_spec, url, keyring_file)
+        # blocks are too: it leaves out w1's unverifiable set instead of trusting it (and
+        # w0's, which the batch numbered 10^12 wrote to as well), then follows both.
+        late, lstop, late_index = _gateway(loop_thread, tiny_spec, url, keys["gateways"])
         stops.append(lstop)
         with grpc.insecure_channel(late) as c:
             wait_for(lambda: _num_workers(chat_pb2_grpc.ChatServiceStub(c)) == 2,
                      what="the late gateway to list w0 and w1")
-        wait_for(lambda: late_index.epoch_of("w0") > 0, what="the late gateway's rebuild")
+        marker = _prompts(1, salt=12)[0]
+        _generate(w1_address, marker)
+        wait_for(lambda: _forged_owner(late_index, hasher, marker) >= 3,
+                 what="the late gateway to follow w1's genuine batches")
         assert sum(_forged_owner(late_index, hasher, ids) > 0 for ids in forged) == 0
     finally:
         _stop_all(loop_thread, *stops)
+
+
+class _ClaimsFastPrefill:
+    """A worker's ServiceRates that reports 10^9 prefill tokens/s whatever it measured
+    (the worker's own figure, pushed in its status)."""
+
+    prefill_tokens_per_s = 1e9
+    decode_step_s = 0.030  # the emulated decode step, as the honest worker measures it
+
+    def observe(self, final) -> None:
+        pass
+
+
+def test_a_worker_reporting_a_huge_prefill_rate_draws_no_extra_turns(
+        loop_thread, tiny_spec, monkeypatch) -> None:
+    """Two emulated workers alike (20,000 prefill tokens/s), one of which reports 10^9:
+    the gateway credits a reported rate only up to what it saw the worker deliver, so the
+    liar draws no more new conversations than the honest one would."""
+    import concurrent.futures
+
+    import prefixgate.worker.server as worker_server
+    from tests.helpers import start_emulated_worker, start_gateway
+
+    honest, s_honest, _ = start_emulated_worker(loop_thread, tiny_spec, "honest")
+    with monkeypatch.context() as m:
+        m.setattr(worker_server, "ServiceRates", _ClaimsFastPrefill)
+        liar, s_liar, _ = start_emulated_worker(loop_thread, tiny_spec, "liar")
+    gw, gstop = start_gateway(loop_thread, tiny_spec, [honest, liar])
+    try:
+        with grpc.insecure_channel(gw) as c:
+            stub = chat_pb2_grpc.ChatServiceStub(c)
+            wait_for(lambda: _num_workers(stub) == 2, what="the gateway to list both")
+            prompts = _prompts(30, salt=7, length=400)
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:  # some load at once
+                served = Counter(f.worker_id for f in pool.map(
+                    lambda i: _turn(stub, prompts[i], f"new{i}"), range(30)))
+        report("worker_reporting_1e9_prefill_tokens_per_s", turns=30, served=dict(served))
+        assert sum(served.values()) == 30
+        assert served["liar"] <= 20, served
+    finally:
+        _stop_all(loop_thread, gstop, s_honest, s_liar)

@@ -38,3 +38,26 @@ def test_a_failed_turn_gives_its_queued_prefill_back() -> None:
         assert (h.in_flight, h.in_flight_prompt_tokens) == (1, 300)
         raise RuntimeError("the worker failed before its first token")
     assert (h.in_flight, h.in_flight_prompt_tokens, h.finished_since_status) == (0, 0, 2)
+
+
+def test_a_reported_rate_counts_only_up_to_what_the_gateway_saw() -> None:
+    """A worker's self-reported prefill rate is a claim: before the gateway has seen it
+    deliver a first token it counts as unmeasured (0: the peers' mean), after that at most
+    the fastest prefill seen (own queued tokens ahead included), and a turn that never got
+    its first token shows nothing."""
+    import time
+
+    h = _handle()
+    h.set_status(worker_pb2.WorkerStatus(prefill_tokens_per_s=1e9))
+    assert h.prefill_tokens_per_s == 0.0
+    with h.lease(500):
+        pass  # failed before its first token
+    assert h.prefill_tokens_per_s == 0.0
+    with h.lease(300), h.lease(200) as second:  # 300 tokens queued ahead of the second
+        time.sleep(0.05)
+        second.first_token()
+    seen = h.observed_prefill_tokens_per_s
+    assert 0 < seen <= 500 / 0.05
+    assert h.prefill_tokens_per_s == seen < 1e9
+    h.set_status(worker_pb2.WorkerStatus(prefill_tokens_per_s=seen / 2))  # slower: as said
+    assert h.prefill_tokens_per_s == seen / 2

@@ -266,12 +266,10 @@ def test_a_replayed_signed_batch_is_refused(redis_flush) -> None:
     XADD can do it) is not applied again, by a gateway following the stream from its start
     nor by one that rebuilt from pg:kv before the copy: a replayed "store" would list
     blocks the worker has since evicted and steer turns there."""
-    from prefixgate.security.identity import Keyring
-
-    keyring = Keyring({"w": bytes(range(32))})
+    worker_ring, keyring = _keyrings()
 
     async def scenario() -> None:
-        worker = RedisRegistry(redis_flush, keyring=keyring)
+        worker = RedisRegistry(redis_flush, keyring=worker_ring)
         rec = await worker.register(WorkerRecord("w", "h:1", "fp"), lease_ms=10_000)
         hs = hashes(0, 16)
         assert await worker.publish(rec, [OwnershipEvent("store", hs)])
@@ -322,15 +320,13 @@ def test_a_malformed_stream_entry_does_not_stop_the_feed(redis_flush) -> None:
 
 
 def test_with_a_keyring_only_signed_predictions_count(redis_flush) -> None:
-    """Routing predictions are signed by the gateway that made them (with the key of the
-    worker they are for): a forged "predict" entry, or a genuine one copied back onto the
-    stream, steers nothing; another gateway's genuine one is applied."""
-    from prefixgate.security.identity import Keyring
-
-    keyring = Keyring({"w": bytes(range(32))})
+    """Routing predictions are signed by the gateway that made them (with the gateways'
+    key): a forged "predict" entry, or a genuine one copied back onto the stream, steers
+    nothing; another gateway's genuine one is applied."""
+    worker_ring, keyring = _keyrings()
 
     async def scenario() -> None:
-        reg = RedisRegistry(redis_flush, keyring=keyring)
+        reg = RedisRegistry(redis_flush, keyring=worker_ring)
         w = await reg.register(WorkerRecord("w", "h:1", "fp"), lease_ms=10_000)
         idx_a, idx_b = PrefixIndex(), PrefixIndex()
         feed_a = RedisStreamFeed(idx_a, RedisRegistry(redis_flush, keyring=keyring),
@@ -388,3 +384,79 @@ def test_worker_that_cannot_reach_redis_says_so_once(caplog) -> None:
         asyncio.run(scenario())
     said = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
     assert len(said) == 1 and url in said[0] and "w-alone" in said[0], said
+
+
+def _keyrings():
+    """(worker "w"'s own keyring, the gateways' keyring: w's public key, the gateways' key)."""
+    from prefixgate.security.identity import Keyring, new_gateway_key, new_worker_key
+
+    private, public = new_worker_key("w")
+    return Keyring.parse(private), Keyring.parse(f"{public}\n{new_gateway_key()}")
+
+
+def test_far_future_sequence_numbers_are_refused_and_fence_nothing(redis_flush) -> None:
+    """A batch signed by the worker's own key but numbered 10^12 (its key's holder, or a
+    bug) is refused, and the worker's genuine next batch still applies: what a gateway
+    expects next never jumps."""
+    worker_ring, keyring = _keyrings()
+
+    async def scenario() -> None:
+        worker = RedisRegistry(redis_flush, keyring=worker_ring)
+        rec = await worker.register(WorkerRecord("w", "h:1", "fp"), lease_ms=10_000)
+        hs = hashes(0, 16)
+        assert await worker.publish(rec, [OwnershipEvent("store", hs[:1])])
+        gateway = RedisRegistry(redis_flush, keyring=keyring)
+        entries = await gateway.read_events(b"0-0", block_ms=100)
+        signer = worker._signers["w"]
+        for seq in (10**12, signer.seq + (1 << 17)):
+            signer.seq = seq - 1  # sign the next batch under this number
+            assert await worker.publish(rec, [OwnershipEvent("store", hs[1:2])])
+            signer.seq = 1
+            (far,) = await gateway.read_events(entries[-1].entry_id, block_ms=100)
+            assert far.events == [], seq
+            entries.append(far)
+        assert await worker.publish(rec, [OwnershipEvent("store", hs[2:3])])  # number 2
+        (genuine,) = await gateway.read_events(entries[-1].entry_id, block_ms=100)
+        assert [e.kind for e in genuine.events] == ["store"]
+        for r in (worker, gateway):
+            await r.close()
+
+    asyncio.run(scenario())
+
+
+def test_unsigned_leave_and_reap_entries_are_refused(redis_flush) -> None:
+    """With keys, a "leave" or "reap" entry written by anyone who can XADD (it would make
+    gateways forget a live worker's blocks) is refused; the worker's own signed leave and a
+    gateway's signed reap are applied."""
+    worker_ring, keyring = _keyrings()
+
+    async def scenario() -> None:
+        worker = RedisRegistry(redis_flush, keyring=worker_ring)
+        rec = await worker.register(WorkerRecord("w", "h:1", "fp"), lease_ms=10_000)
+        hs = hashes(0, 16)
+        assert await worker.publish(rec, [OwnershipEvent("store", hs)])
+        index = PrefixIndex()
+        feed = RedisStreamFeed(index, RedisRegistry(redis_flush, keyring=keyring), block_ms=100)
+        await follow(feed)
+        await until(lambda: index.match(hs).cached_blocks == {"w": 4}, what="w's blocks")
+        for kind in ("leave", "reap"):
+            await worker.raw.xadd(worker.events_key, {"w": "w", "e": rec.epoch, "k": kind})
+            await worker.raw.xadd(worker.events_key, {"w": "w", "e": rec.epoch, "k": kind,
+                                                      "s": b"x" * 64})
+        assert await worker.publish(rec, [OwnershipEvent("store", hashes(50, 4))])  # marker
+        await until(lambda: index.match(hashes(50, 4)).cached_blocks == {"w": 1},
+                    what="the marker after the forged entries")
+        assert index.match(hs).cached_blocks == {"w": 4}
+        await worker.deregister(rec)  # signed by w
+        await until(lambda: index.match(hs).cached_blocks == {}, what="w's signed leave")
+        # A gateway's signed reap of an expired lease.
+        rec = await worker.register(WorkerRecord("w", "h:1", "fp"), lease_ms=150)
+        assert await worker.publish(rec, [OwnershipEvent("store", hs)])
+        await until(lambda: index.match(hs).cached_blocks == {"w": 4}, what="w again")
+        await asyncio.sleep(0.3)
+        assert await feed.registry.reap_expired() == ["w"]
+        await until(lambda: index.match(hs).cached_blocks == {}, what="the signed reap")
+        await feed.close()
+        await worker.close()
+
+    asyncio.run(scenario())
