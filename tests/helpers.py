@@ -187,6 +187,9 @@ def start_emulated_worker(loop_thread: LoopThread, spec: ModelSpec, worker_id: s
         vocab_size=vocab_size, events=events)
 
     async def start() -> tuple[int, asyncio.Event]:
+        from prefixgate.emulate.worker import attach_transfer
+
+        attach_transfer(engine, service, asyncio.get_running_loop())
         stop = asyncio.Event()
         started = asyncio.get_running_loop().create_future()
         asyncio.create_task(serve(service, stop, started))

@@ -68,6 +68,23 @@ def service_flags(p: argparse.ArgumentParser, who: str) -> None:
          help=f"{who}: seconds per output token of one sequence (decoding is batched)")
 
 
+def transfer_flags(p: argparse.ArgumentParser, who: str) -> None:
+    """--transfer-bytes-per-s and --kv-bytes-per-token: an emulated or simulated worker's
+    block-transfer link and the KV bytes of one token of the model it stands for,
+    defaults from emulate/service.py (100 Gb/s, an 8B model)."""
+    from prefixgate.emulate.service import (
+        DEFAULT_KV_BYTES_PER_TOKEN,
+        DEFAULT_TRANSFER_BYTES_PER_S,
+    )
+
+    flag(p, "--transfer-bytes-per-s", type=float, default=DEFAULT_TRANSFER_BYTES_PER_S,
+         help=f"{who}: each worker's link for KV block transfers, bytes per emulated second "
+              "(default 12.5e9: 100 Gb/s between GPUs; 0: no transfers)")
+    flag(p, "--kv-bytes-per-token", type=int, default=DEFAULT_KV_BYTES_PER_TOKEN,
+         help=f"{who}: KV bytes of one token (default 131072: an 8B model, Llama-3-8B in "
+              "bf16, the model the default prefill rate stands for)")
+
+
 def service_model(args: argparse.Namespace):
     """The ServiceModel the parsed service flags stand for."""
     from prefixgate.emulate.service import ServiceModel

@@ -20,7 +20,7 @@ import asyncio
 import json
 import sys
 
-from prefixgate.cli.common import log_flags, service_flags, service_model
+from prefixgate.cli.common import log_flags, service_flags, service_model, transfer_flags
 from prefixgate.cli.flags import flag
 
 HELP = ("replay a recorded trace against a gateway or an OpenAI-compatible server, or "
@@ -33,8 +33,6 @@ DESCRIPTION = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from prefixgate.emulate.service import DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_TRANSFER_BYTES_PER_S
-
     log_flags(p)
     flag(p, "--trace", default="", help="trace file: ShareGPT JSON/JSONL(.gz), Mooncake JSONL, "
                                         "or a gateway's --record-trace file")
@@ -89,12 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag(p, "--sim-block-size", type=int, default=0,
          help="simulated cache block size in tokens (0: the trace's, 16 for chat traces)")
     service_flags(p, "--simulate/--fleet")
-    flag(p, "--transfer-bytes-per-s", type=float, default=DEFAULT_TRANSFER_BYTES_PER_S,
-         help="simulated/emulated: each worker's link for KV block transfers, bytes per "
-              "second (default 12.5e9: 100 Gb/s between GPUs; 0: no transfers)")
-    flag(p, "--kv-bytes-per-token", type=int, default=DEFAULT_KV_BYTES_PER_TOKEN,
-         help="simulated/emulated: KV bytes of one token (default 131072: an 8B model, "
-              "Llama-3-8B in bf16, the model the default prefill rate stands for)")
+    transfer_flags(p, "--simulate/--fleet")
     flag(p, "--tokenizer-model", default="smollm2-135m",
          help="simulating a chat trace: the model whose tokenizer and chat template count "
               "its tokens")

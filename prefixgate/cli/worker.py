@@ -17,6 +17,7 @@ from prefixgate.cli.common import (
     overflow_flag,
     service_flags,
     service_model,
+    transfer_flags,
 )
 from prefixgate.cli.flags import flag
 from prefixgate.cli.limits import limit_flags, request_limits
@@ -93,6 +94,7 @@ def emulation_flags(w: argparse.ArgumentParser) -> None:
     flag(w, "--publish-at", default="prefill", choices=("prefill", "finish"),
          help="emulated: cache and publish a prompt's blocks when its prefill completes, or "
               "only when the request finishes (as engines that publish with the reply do)")
+    transfer_flags(w, "emulated")
     flag(w, "--http-port", type=int, default=-1,
          help="emulated: also answer OpenAI /v1/completions over HTTP on this port, for HTTP "
               "routers (0: any free port; -1: off)")
@@ -160,7 +162,8 @@ async def _serve_emulated(args: argparse.Namespace) -> None:
         model=args.model, cache_dir=cache_dir(args),
         capacity_blocks=args.num_blocks or DEFAULT_CAPACITY_BLOCKS,
         service=service_model(args), time_scale=args.time_scale, publish_at=args.publish_at,
-        records_path=args.emulate_records, http_port=args.http_port)
+        records_path=args.emulate_records, http_port=args.http_port,
+        transfer_bytes_per_s=args.transfer_bytes_per_s, kv_bytes_per_token=args.kv_bytes_per_token)
     await serve_emulated(emulation, worker_config(args), registry_lease(args), stop_event())
 
 

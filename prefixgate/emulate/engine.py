@@ -30,6 +30,10 @@ Model of one worker (EmulationConfig; times below are *emulated* seconds, which 
            (the gateway's per-chunk work stays small). Reply token ids are a deterministic
            function of the prompt, so equal prompts give equal replies (as greedy
            decoding does).
+  transfer with a link (`kv_bytes_per_token`, `transfer_bytes_per_s`) the worker exports
+           and imports blocks through the real WorkerService path, timed as the model's
+           bytes on that link (emulate/transfer.py); a Generate with a pull first pulls
+           (the WorkerService does), then queues for the rest's prefill.
   status   `num_queued_prefill_tokens`: the uncached prompt tokens of the requests waiting
            or in prefill (the one in prefill with the share of it not yet computed; the
            others with their expected uncached part when they arrived, counting as
@@ -102,6 +106,10 @@ class EmulationConfig:
     # completes, as engines that publish computed blocks do, prefixgate's included) or
     # "finish" (with the reply, when the request ends: the widest window for the race).
     publish_at: str = "prefill"
+    # Block transfer (emulate/transfer.py): the KV bytes one token of the emulated model
+    # takes and the worker's link, bytes per emulated second; 0 for either: none.
+    kv_bytes_per_token: int = 0
+    transfer_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.publish_at not in PUBLISH_AT:
@@ -173,12 +181,36 @@ class EmulatedEngine(Engine):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._status = self._snapshot()
+        self._transfer = None
+        if config.kv_bytes_per_token > 0 and config.transfer_bytes_per_s > 0:
+            from prefixgate.emulate.transfer import EmulatedTransfer
+
+            self._transfer = EmulatedTransfer(self, config.kv_bytes_per_token,
+                                              config.transfer_bytes_per_s)
 
     # ------------------------------------------------------------------ the contract
 
     @property
     def capacity_tokens(self) -> int:
         return self.config.max_context_tokens
+
+    @property
+    def transfer(self):
+        """Block transfer (emulate/transfer.py); None without a link configured."""
+        return self._transfer
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        return self._loop
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The loop the engine's state lives on, before the first `submit` (transfers
+        change the cache from other threads through it)."""
+        self._loop = self._loop or loop
+
+    def refresh_status(self) -> None:
+        """Recompute the status snapshot (after a change outside a request: a transfer)."""
+        self._status = self._snapshot()
 
     def submit(self, request: Request, emit: EmitFn) -> None:
         if self._loop is None:

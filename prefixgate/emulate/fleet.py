@@ -31,7 +31,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefixgate.emulate.service import ServiceModel
+from prefixgate.emulate.service import (
+    DEFAULT_KV_BYTES_PER_TOKEN,
+    DEFAULT_TRANSFER_BYTES_PER_S,
+    ServiceModel,
+)
 from prefixgate.launch.processes import ProcessExited, ProcessGroup
 from prefixgate.wire.rpc import free_port
 
@@ -51,6 +55,10 @@ class FleetConfig:
     gateway_flags: tuple[str, ...] = ()
     peer_router: tuple[str, ...] = ()  # an HTTP router's command instead of gateways
     publish_at: str = "prefill"  # the workers' --publish-at
+    # The workers' block transfer: link bytes per emulated second, KV bytes per token of
+    # the emulated model (emulate/transfer.py); 0 for either: no transfers.
+    transfer_bytes_per_s: float = DEFAULT_TRANSFER_BYTES_PER_S
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
     cache_dir: str = ""
     startup_timeout_s: float = 60.0
     stop_timeout_s: float = 20.0
@@ -108,6 +116,8 @@ class Fleet:
                         "--decode-s-per-token", str(cfg.service.decode_s_per_token),
                         "--time-scale", str(cfg.time_scale), "--emulate-records", str(records),
                         "--publish-at", cfg.publish_at,
+                        "--transfer-bytes-per-s", str(cfg.transfer_bytes_per_s),
+                        "--kv-bytes-per-token", str(cfg.kv_bytes_per_token),
                         "--drain-seconds", "1"]
                 if cfg.peer_router:
                     http_port = free_port()

@@ -52,8 +52,10 @@ Policies (RoutingConfig.policy)
                             miss_s = (best - credited) / rate x reuse x kv_fill
                pull       a third way to serve on a worker: pull the leading blocks it lacks
                           from the best holder (WorkerService block transfer), then prefill
-                          the rest. The pull starts when the turn arrives, beside the
-                          worker's queue, so the rest's prefill starts when both are done:
+                          the rest. The worker pulls when the turn arrives, then queues
+                          it; the prefill queued ahead of it runs meanwhile, so the rest's
+                          prefill starts when both are done (turns arriving during the
+                          pull may go first: not priced):
                             transfer_s = export_queued_bytes(holder) / bw
                                          + pulled tokens x kv_bytes_per_token / bw
                             wait_s     = max(queue_s + decode_s, transfer_s)
@@ -473,8 +475,9 @@ class Router:
             costs[wid] = (cfg.load_weight * wait_s
                           + cfg.prefix_weight * (uncached / rate + miss_s))
             for pull in self._pulls(w, credit[wid], links) if links else ():
-                # The pull runs beside the queue: the rest's prefill starts when both are
-                # done, so only the part of the transfer the queue does not hide is paid.
+                # The queue ahead drains while the blocks come: the rest's prefill starts
+                # when both are done, so only the part of the transfer the queue does not
+                # hide is paid.
                 rest = prompt - credit[wid] - pull.num_tokens
                 wait_s = queued / rate + self._decode_s(w, queued + rest, rate, step_s)
                 cost = (cfg.load_weight * wait_s + cfg.prefix_weight * (

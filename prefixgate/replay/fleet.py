@@ -255,6 +255,8 @@ def run_fleet(trace: Trace, plan: FleetPlan, arrival: ArrivalConfig,
             service=plan.service, time_scale=plan.time_scale,
             redis=plan.redis and not router, model=plan.tokenizer_model,
             max_context_tokens=context, peer_router=router, publish_at=plan.publish_at,
+            transfer_bytes_per_s=plan.transfer_bytes_per_s,
+            kv_bytes_per_token=plan.kv_bytes_per_token,
             gateway_flags=() if router else (
                 "--status-interval-ms", str(status_interval_ms(plan.time_scale)),
                 *policy_flags(policy), *plan.gateway_args),

@@ -20,10 +20,9 @@ Worker (SimConfig; the emulated worker's model, emulate/engine.py, with the same
            arrival: the holder's leading blocks the worker lacks cross the holder's link
            (`transfer_bytes_per_s`, one pull after another: a link's queue) at
            `kv_bytes_per_token`; the holder keeps them locked meanwhile; at the end they
-           are stored (and published) on the worker. The turn keeps its place in the
-           queue but starts its prefill only once its blocks are in (a worker runs the
-           first queued turn that is ready); cached = its own leading blocks, transferred
-           = the pulled ones it found at its prefill's start.
+           are stored (and published) on the worker, and the turn joins its prefill queue
+           (as a worker does: pull, then queue; emulate/transfer.py); cached = its own
+           leading blocks, transferred = the pulled ones it found at its prefill's start.
   decode   batched and never slowing prefill: the first token at the prefill's end, the
            other output tokens `decode_s_per_token` apart (output = the recorded length,
            capped at `max_output_tokens`). E2E = TTFT + (output - 1) × decode_s_per_token.
@@ -340,7 +339,6 @@ class _Req:
     prefill_start: float = 0.0
     prefill_end: float = 0.0
     routed: Turn | None = None  # the turn as the gateway routed it (Router.record's too)
-    ready: bool = True  # False while its pulled blocks are on the way
     pull_from: int = 0  # pulled blocks: usable[pull_from:pull_to]
     pull_to: int = 0
     predicted_transferred: int = 0
@@ -473,48 +471,45 @@ class _Sim:
         req.pending = max(0, t.num_prompt_tokens - req.predicted - req.predicted_transferred)
         g.in_flight[wid] = g.in_flight.get(wid, 0) + 1
         g.in_flight_tokens[wid] = g.in_flight_tokens.get(wid, 0) + req.pending
-        expected = w.cache.expected(req.usable)
-        if pull is not None:
-            expected = max(expected, self._start_pull(req, pull.num_blocks))
-        req.expected_uncached = t.num_prompt_tokens - expected * cfg.block_size
-        if cfg.publish_at == "prefill":  # stored before the turns queued behind it start
+        self._next_of[id(req)] = (conv, i + 1) if chained and i + 1 < len(conv) else None
+        if pull is None or not self._start_pull(req, pull.num_blocks):
+            self._enqueue(req)
+
+    def _enqueue(self, req: _Req) -> None:
+        """The turn joins its worker's prefill queue (at arrival, or once its pull ended)."""
+        w, t = req.worker, req.turn
+        req.expected_uncached = t.num_prompt_tokens - w.cache.expected(req.usable) * \
+            self.cfg.block_size
+        if self.cfg.publish_at == "prefill":  # stored before the turns queued behind it start
             w.cache.reserve(t.block_hashes)
         w.queue.append(req)
         w.queued_tokens += req.expected_uncached
-        self._next_of[id(req)] = (conv, i + 1) if chained and i + 1 < len(conv) else None
         if not w.busy:
             self._start_prefill(w)
 
-    def _start_pull(self, req: _Req, num_blocks: int) -> int:
+    def _start_pull(self, req: _Req, num_blocks: int) -> bool:
         """Start pulling the leading blocks the holder has (of the first `num_blocks`) that
-        the worker lacks; returns the leading blocks the worker will hold once done."""
+        the worker lacks; False when there are none (the turn queues at once)."""
         cfg, w, h = self.cfg, req.worker, self.by_id[req.holder]
         own = w.cache.held(req.usable)
         handle, n = h.cache.acquire(req.usable[:num_blocks])  # locked while they are read
         if n <= own:
             h.cache.release(handle)
-            return own
-        req.ready, req.pull_from, req.pull_to = False, own, n
+            return False
+        req.pull_from, req.pull_to = own, n
         num_bytes = (n - own) * cfg.block_size * cfg.kv_bytes_per_token
         h.link_free_at = max(self.now, h.link_free_at) + num_bytes / cfg.transfer_bytes_per_s
         self.at(h.link_free_at, self._pull_done, req, handle)
-        return n
+        return True
 
     def _pull_done(self, req: _Req, holder_handle) -> None:
-        w = req.worker
         self.by_id[req.holder].cache.release(holder_handle)
         # Stored (and published) like computed blocks, locked for the turn until it starts.
-        req.handle = w.cache.store(req.handle, req.usable[:req.pull_to])
-        req.ready = True
-        if not w.busy and w.queue:
-            self._start_prefill(w)
+        req.handle = req.worker.cache.store(req.handle, req.usable[:req.pull_to])
+        self._enqueue(req)
 
     def _start_prefill(self, w: _Worker) -> None:
-        # The first queued turn that is ready (a turn waiting for its pull keeps its place).
-        req = next((r for r in w.queue if r.ready), None)
-        if req is None:
-            return
-        w.queue.remove(req)
+        req = w.queue.popleft()
         w.busy = True
         held = req.handle
         req.handle, m = w.cache.acquire(req.usable)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,7 +112,10 @@ class Reservation:
 
 
 class BlockTransfer(ABC):
-    """An engine's side of block transfer (see the module docstring)."""
+    """An engine's side of block transfer (see the module docstring). `clock` is the time
+    transfers are measured in (monotonic seconds; an emulated engine's run faster)."""
+
+    clock: Callable[[], float] = staticmethod(time.monotonic)
 
     def __init__(self, format: KVFormat) -> None:
         self.format = format
@@ -203,7 +206,7 @@ async def pull(stub: Any, transfer: BlockTransfer, chain: Sequence[int], peer: s
     """Fetch the blocks of `chain` this worker lacks from `peer` (its WorkerServiceStub)
     and store them. Never raises for the peer's failures: the result's `error` says why
     fewer blocks came than asked (the caller computes the rest)."""
-    began = time.monotonic()
+    began = transfer.clock()
     res = await asyncio.to_thread(transfer.reserve, list(chain))
     got = _Received()
     try:
@@ -220,7 +223,7 @@ async def pull(stub: Any, transfer: BlockTransfer, chain: Sequence[int], peer: s
         # Also on cancellation (the request went away): what arrived whole is stored,
         # the rest of the reservation given back.
         await asyncio.shield(asyncio.to_thread(transfer.commit, res, got.blocks))
-    return PullResult(res.num_cached, got.blocks, got.bytes, time.monotonic() - began,
+    return PullResult(res.num_cached, got.blocks, got.bytes, transfer.clock() - began,
                       got.error)
 
 

@@ -174,3 +174,50 @@ async def _start_http(engine, stop) -> int:
     started = asyncio.get_running_loop().create_future()
     asyncio.create_task(serve_http(engine, "127.0.0.1", 0, "tiny", stop, started))
     return await started
+
+
+def test_gateway_moves_kv_to_an_idle_worker_when_the_holder_is_busy(loop_thread,
+                                                                    tiny_spec) -> None:
+    """Two emulated workers with a link 10x their prefill rate (1,000 tokens/s; 100 KV
+    bytes per token at 1 MB/s: 10,000 tokens/s), behind a real gateway: a 400-token prompt
+    is cached on one; that one then gets a 2 s prefill of its own; a follow-up extending
+    the prompt goes to the idle worker, which pulls the 400 tokens over the real
+    ExportBlocks path (0.04 s) instead of recomputing them (0.4 s) or waiting (2 s)."""
+    from prefixgate.v1 import chat_pb2, chat_pb2_grpc
+    from tests.helpers import start_gateway, wait_for
+
+    link = dict(service=ServiceModel(1000.0, 0.0), kv_bytes_per_token=100,
+                transfer_bytes_per_s=1e6)
+    workers = {wid: start_emulated_worker(loop_thread, tiny_spec, wid, **link)
+               for wid in ("e0", "e1")}
+    gw, gstop = start_gateway(loop_thread, tiny_spec, [a for a, _, _ in workers.values()])
+    prompt = [3 + (i * 11) % 250 for i in range(400)]
+    try:
+        with grpc.insecure_channel(gw) as ch:
+            stub = chat_pb2_grpc.ChatServiceStub(ch)
+            wait_for(lambda: stub.ListModels(chat_pb2.ListModelsRequest()).models[0]
+                     .num_workers == 2, what="the gateway to list both workers")
+
+            def chat(ids: list[int]):
+                req = chat_pb2.ChatRequest(sampling=common_pb2.SamplingParams(max_tokens=1))
+                req.prompt_token_ids.token_ids.extend(ids)
+                return list(stub.Chat(req, timeout=30))[-1].final
+
+            holder = chat(prompt).worker_id
+            other = "e1" if holder == "e0" else "e0"
+            busy = workers[holder][0]
+            # 2,000 cold tokens straight to the holder: 2 s of prefill there.
+            with grpc.insecure_channel(busy) as wch:
+                call = worker_pb2_grpc.WorkerServiceStub(wch).Generate(
+                    _request([7 + i % 200 for i in range(2000)]), timeout=30)
+                time.sleep(0.3)  # queued there; its pushed status reaches the gateway
+                final = chat(prompt + list(range(40, 80)))
+                call.cancel()
+        assert final.worker_id == other
+        assert final.predicted_transferred_tokens == 400
+        assert final.usage.transferred_tokens == 400 and final.usage.cached_tokens == 0
+        assert final.timings.ttft_ms < 400  # not the 440 ms of recomputing, nor the wait
+    finally:
+        loop_thread.loop.call_soon_threadsafe(gstop.set)
+        for _, stop, _ in workers.values():
+            loop_thread.loop.call_soon_threadsafe(stop.set)
