@@ -115,7 +115,8 @@ class ChatService(TurnCore):
         """One turn's ChatEvents for a gRPC call: the core's turn with the call's
         credentials and deadline; a TurnError aborts the call with its status."""
         remaining = context.time_remaining()
-        caller = Caller(auth.metadata_value(context.invocation_metadata(), "authorization"),
+        caller = Caller(auth.metadata_value(context.invocation_metadata(), "authorization")
+                        if self.tokens is not None else None,  # read only when checked
                         None if remaining is None else time.monotonic() + remaining)
         try:
             async for ev in self.turn(request, caller, request_id):
