@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "worker": "prefixgate.bench.worker",
     "http": "prefixgate.bench.http",
     "gateway": "prefixgate.bench.gateway",
+    "gpu": "prefixgate.bench.gpu",
 }
 
 

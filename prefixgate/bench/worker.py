@@ -263,7 +263,7 @@ def step_figures(model, context_tokens: int, repeats: int, backend: str = "auto"
         """One step over (sequence, new tokens) pairs, each after `context_tokens`."""
         ids, pos, last = [], [], []
         for _, n in seqs:
-            ids += torch.randint(0, 1000, (n,), generator=g).tolist()
+            ids += torch.randint(0, min(1000, model.config.vocab_size), (n,), generator=g).tolist()
             pos += range(context_tokens, context_tokens + n)
             last.append(len(ids) - 1)
         ctx = [context_tokens + n for _, n in seqs]
@@ -272,6 +272,8 @@ def step_figures(model, context_tokens: int, repeats: int, backend: str = "auto"
             step = StepMetadata.build(pool, [tables[i] for i, _ in seqs], ctx,
                                       [n for _, n in seqs], name)
             runner.forward(ids, pos, step, last)
+            if pool.k.is_cuda:  # the step's kernels are queued, not done, until then
+                torch.cuda.synchronize()
         return run
 
     decodes = [(i, 1) for i in range(num_mixed_decodes)]
