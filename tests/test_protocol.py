@@ -24,6 +24,7 @@ def test_defaults_fit_the_context() -> None:
     (dict(), 2048, "context window is 2048"),
     (dict(temperature=-1), 10, "temperature"),
     (dict(top_p=1.5), 10, "top_p"),
+    (dict(top_logprobs=21), 10, "top_logprobs=21 is too many"),
 ])
 def test_bad_sampling(params: dict, num_prompt: int, match: str) -> None:
     with pytest.raises(InvalidRequest, match=match):

@@ -167,6 +167,10 @@ class _Req:
 
 
 class EmulatedEngine(Engine):
+    @property
+    def reports_logprobs(self) -> bool:  # no model, no probabilities
+        return False
+
     def __init__(self, config: EmulationConfig, events: KVEventSink | None = None) -> None:
         self.config = config
         self.cache = BlockCache(config.capacity_blocks, events)

@@ -12,9 +12,11 @@ tokenizing, routing, namespaces, retries and worker calls; only the wire format 
                              `max_tokens` / `max_completion_tokens` (the latter wins),
                              `temperature`, `top_p` (left out: the model's defaults,
                              from its generation_config, as vLLM applies them; a model
-                             without a temperature of its own: 1, OpenAI's)
+                             without a temperature of its own: 1, OpenAI's),
+                             `logprobs` + `top_logprobs` (0..20)
   POST /v1/completions       `prompt` as text (tokenized with the model's tokenizer, no
-                             chat template) or as token ids; same sampling fields
+                             chat template) or as token ids; same sampling fields,
+                             `logprobs` (alternatives per token, 0..20)
   GET  /v1/models            the served model (and /v1/models/{id})
   GET  /health               200 while a worker is routable, else 503
   GET  /metrics              Prometheus text, every series labelled model_name
@@ -46,7 +48,10 @@ request's own fields (`prompt_cache_key`, `stop`, `max_tokens`), not the gRPC on
 shared checks use (HTTP_FIELDS). A stream fails before its first byte with
 that status when it can; after it has begun, with one SSE `data: {"error": ...}` event and
 no `[DONE]`. A client that disconnects cancels its turn (and the worker's request).
-Unsupported OpenAI features (tools, logprobs, penalties, ...) are refused with 400 when
+Log probabilities are the model's own (log-softmax of its logits, before temperature and
+filters, as vLLM reports them), computed by the worker only when asked
+(SamplingParams.top_logprobs) and shaped by gateway/logprobs.py.
+Unsupported OpenAI features (tools, penalties, ...) are refused with 400 when
 asked for, never silently ignored.
 """
 
@@ -66,6 +71,7 @@ import grpc
 from aiohttp import web
 
 from prefixgate.gateway import metrics
+from prefixgate.gateway.logprobs import OpenAILogprobs, merge_completion
 from prefixgate.gateway.tokenize_pool import TokenizerBusy
 from prefixgate.gateway.turn import Caller, TurnError
 from prefixgate.telemetry import metrics_export
@@ -74,6 +80,7 @@ from prefixgate.wire import rpc
 from prefixgate.wire.protocol import (
     OVERFLOW_FROM_PROTO,
     SHIFTED_REUSE_FROM_PROTO,
+    MAX_TOP_LOGPROBS,
     InvalidRequest,
     check_id,
 )
@@ -105,8 +112,7 @@ FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH
           common_pb2.FINISH_REASON_CANCELLED: "stop"}
 INTERNAL_MESSAGE = "internal error (the gateway's log has the details)"
 # OpenAI fields prefixgate cannot honour, with the value that asks for nothing.
-UNSUPPORTED = {"tools": None, "functions": None, "logprobs": False, "top_logprobs": None,
-               "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0,
+UNSUPPORTED = {"tools": None, "functions": None, "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0,
                "response_format": None, "echo": False, "best_of": 1, "suffix": None,
                "audio": None, "modalities": None, "prediction": None}
 # OpenAI's temperature for a request that leaves it out, where the model has no default
@@ -123,7 +129,8 @@ HTTP_FIELDS = {"conversation_id": "prompt_cache_key", "sampling.stop": "stop",
                "sampling.max_tokens": "max_tokens", "sampling.temperature": "temperature",
                "sampling.top_p": "top_p", "sampling.top_k": "top_k", "sampling.n": "n",
                "sampling.seed": "seed", "sampling.context_overflow": "context_overflow",
-               "sampling.shifted_reuse": "shifted_reuse", "prompt_token_ids": "prompt"}
+               "sampling.shifted_reuse": "shifted_reuse", "prompt_token_ids": "prompt",
+               "sampling.top_logprobs": "top_logprobs"}
 _GRPC_FIELD = re.compile(r"(?<![\w.])(" + "|".join(
     map(re.escape, sorted(HTTP_FIELDS, key=len, reverse=True))) + r")(?!\w)")
 
@@ -215,10 +222,24 @@ def _count(body: dict, name: str, lo: int, hi: int = 2**32 - 1) -> int | None:
     return value
 
 
-def sampling_params(body: dict) -> common_pb2.SamplingParams:
-    """SamplingParams of an OpenAI request; InvalidRequest naming a bad field. Ranges the
-    gRPC path checks (n, temperature, max_tokens against the context) are left to it, so
-    both fronts say the same."""
+def logprobs_wanted(body: dict, chat: bool) -> int | None:
+    """Alternatives per token the body asks log probabilities for (None: no logprobs).
+    Chat: `logprobs` true, with `top_logprobs` alternatives (0..20, needs `logprobs`);
+    completions: `logprobs` alternatives (0..20; OpenAI allows 5, vLLM 20)."""
+    if not chat:
+        return _count(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    wanted = _field(body, "logprobs", (bool,), False)
+    top = _count(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise InvalidRequest("top_logprobs needs logprobs: true")
+    return (top or 0) if wanted else None
+
+
+def sampling_params(body: dict, chat: bool = True) -> common_pb2.SamplingParams:
+    """SamplingParams of an OpenAI request (`chat`: of /v1/chat/completions, else of
+    /v1/completions); InvalidRequest naming a bad field. Ranges the gRPC path checks (n,
+    temperature, max_tokens against the context) are left to it, so both fronts say the
+    same."""
     for name, off in UNSUPPORTED.items():
         value = body.get(name)
         if value is not None and value != off and value != [] and value != {} and not (
@@ -244,6 +265,9 @@ def sampling_params(body: dict) -> common_pb2.SamplingParams:
     top_k = _count(body, "top_k", -1)
     if top_k is not None:
         params.top_k = max(0, top_k)  # -1 (vLLM) and 0: off
+    top_logprobs = logprobs_wanted(body, chat)
+    if top_logprobs is not None:
+        params.top_logprobs = top_logprobs
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -277,14 +301,14 @@ def _text_content(i: int, content: Any) -> str:
     raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts")
 
 
-def _common_fields(body: dict, request: chat_pb2.ChatRequest) -> None:
+def _common_fields(body: dict, request: chat_pb2.ChatRequest, chat: bool) -> None:
     if body.get("stream_options") is not None and body.get("stream") is not True:
         raise InvalidRequest("stream_options is only allowed with stream: true")
     request.model = _field(body, "model", (str,), "")
     request.conversation_id = _field(body, "prompt_cache_key", (str,), "")
     request.namespace = _field(body, "namespace", (str,), "")
     request.no_resume = _field(body, "resume", (bool,), True) is False
-    request.sampling.CopyFrom(sampling_params(body))
+    request.sampling.CopyFrom(sampling_params(body, chat))
 
 
 def chat_request(body: dict) -> chat_pb2.ChatRequest:
@@ -300,7 +324,7 @@ def chat_request(body: dict) -> chat_pb2.ChatRequest:
             raise InvalidRequest(f"messages[{i}] must be an object with a role and content")
         role = "system" if m["role"] == "developer" else m["role"]
         out.add(role=role, content=_text_content(i, m.get("content")))
-    _common_fields(body, request)
+    _common_fields(body, request, chat=True)
     return request
 
 
@@ -321,7 +345,7 @@ def completion_request(body: dict, encode: Callable[[str], list[int]],
     else:
         raise InvalidRequest("prompt must be a string or a list of token ids (one prompt per "
                              "request)")
-    _common_fields(body, request)
+    _common_fields(body, request, chat=False)
     return request
 
 
@@ -342,9 +366,11 @@ def finish_reasons(final: chat_pb2.ChatFinal, n: int) -> list[str]:
 class _Turn:
     """One HTTP turn's identity and shape: ids, route, number of choices, chat or text."""
 
-    def __init__(self, route: str, request_id: str, model: str, n: int) -> None:
+    def __init__(self, route: str, request_id: str, model: str, n: int,
+                 logprobs: bool = False) -> None:
         self.route, self.request_id, self.model, self.n = route, request_id, model, n
         self.chat = route == CHAT_ROUTE
+        self.logprobs = logprobs  # the request asked for logprobs
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
         self.object = "chat.completion" if self.chat else "text_completion"
         self.created = int(time.time())
@@ -359,11 +385,14 @@ class _Turn:
                "choices": choices, **extra}
         return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
 
-    def piece(self, index: int, text: str | None, finish: str | None) -> dict:
+    def piece(self, index: int, text: str | None, finish: str | None,
+              logprobs: dict | None = None) -> dict:
         if self.chat:
             delta = {} if text is None else {"content": text}
-            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": index, "delta": delta, "logprobs": logprobs,
+                    "finish_reason": finish}
+        return {"index": index, "text": text or "", "logprobs": logprobs,
+                "finish_reason": finish}
 
 
 # --- the server ----------------------------------------------------------------------------
@@ -387,6 +416,9 @@ class HTTPFront:
         ])
         self.runner: web.AppRunner | None = None
         self.turns_in_flight = 0
+        tokenizer = service.tokenizer
+        self.openai_logprobs = OpenAILogprobs(
+            lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
 
     async def start(self, host: str, port: int, tls: rpc.TLSConfig | None = None,
                     share_port: bool = False) -> int:
@@ -529,7 +561,9 @@ class HTTPFront:
         include_usage = stream and isinstance(options, dict) and \
             options.get("include_usage") is True
         n = body.get("n") if type(body.get("n")) is int and body.get("n") > 0 else 1
-        turn = _Turn(route, request_id, self.model, n)
+        asked = body.get("logprobs")  # checked by sampling_params; here only its shape
+        turn = _Turn(route, request_id, self.model, n, logprobs=asked is True if
+                     route == CHAT_ROUTE else type(asked) is int)
         caller = Caller(request.headers.get("Authorization"))  # no deadline: disconnect ends it
         conversation_id = body.get("prompt_cache_key")
         request["counted"] = True  # observe_turn counts the turn routes
@@ -566,26 +600,42 @@ class HTTPFront:
 
     async def _collect(self, turn: _Turn, events: AsyncIterator[chat_pb2.ChatEvent]
                        ) -> web.Response:
-        texts = [[] for _ in range(turn.n)]
+        texts: list[list[str]] = [[] for _ in range(turn.n)]
+        logprobs: list[list[dict]] = [[] for _ in range(turn.n)]
+        offsets = [0] * turn.n
         final = None
         async for ev in events:
             if ev.HasField("delta"):
-                if ev.delta.index < turn.n:
-                    texts[ev.delta.index].append(ev.delta.text)
+                i = ev.delta.index
+                if i < turn.n:
+                    if turn.logprobs:
+                        logprobs[i].append(self._logprobs(turn, ev.delta, offsets[i]))
+                    texts[i].append(ev.delta.text)
+                    offsets[i] += len(ev.delta.text)
             else:
                 final = ev.final
         assert final is not None  # a turn ends with a final event or raises
         reasons = finish_reasons(final, turn.n)
+        merged = [None if not turn.logprobs else merge_logprobs(turn, parts)
+                  for parts in logprobs]
         if turn.chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": "".join(t)},
-                        "logprobs": None, "finish_reason": reasons[i]}
+                        "logprobs": merged[i], "finish_reason": reasons[i]}
                        for i, t in enumerate(texts)]
         else:
-            choices = [{"index": i, "text": "".join(t), "logprobs": None,
+            choices = [{"index": i, "text": "".join(t), "logprobs": merged[i],
                         "finish_reason": reasons[i]} for i, t in enumerate(texts)]
         return web.json_response(
             turn.envelope(choices, usage=usage_json(final.usage)),
             headers={"X-Request-Id": turn.request_id, "X-Prefixgate-Worker": final.worker_id})
+
+    def _logprobs(self, turn: _Turn, delta: chat_pb2.ChatDelta, offset: int) -> dict:
+        """The OpenAI logprobs of one delta's tokens (gateway/logprobs.py); `offset`:
+        the characters of its choice sent before it."""
+        if turn.chat:
+            return {"content": self.openai_logprobs.chat(delta.token_ids, delta.logprobs)}
+        return self.openai_logprobs.completion(delta.token_ids, delta.logprobs, offset,
+                                               len(delta.text))
 
     async def _stream(self, request: web.Request, turn: _Turn,
                       events: AsyncIterator[chat_pb2.ChatEvent], include_usage: bool
@@ -603,12 +653,20 @@ class HTTPFront:
                 [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for i in range(turn.n)], **usage_none))
         ev: chat_pb2.ChatEvent | None = first
+        offsets = [0] * turn.n  # characters sent per choice (completions' text_offset)
         try:
             while ev is not None:
                 if ev.HasField("delta"):
-                    if ev.delta.text:
+                    delta = ev.delta
+                    # A token that completes no character yet still has its logprob.
+                    if delta.text or (turn.logprobs and delta.logprobs):
+                        lp = None
+                        if turn.logprobs and delta.index < turn.n:
+                            lp = merge_logprobs(turn, [self._logprobs(
+                                turn, delta, offsets[delta.index])])
+                            offsets[delta.index] += len(delta.text)
                         await response.write(turn.chunk(
-                            [turn.piece(ev.delta.index, ev.delta.text, None)], **usage_none))
+                            [turn.piece(delta.index, delta.text, None, lp)], **usage_none))
                 else:
                     final = ev.final
                     reasons = finish_reasons(final, turn.n)
@@ -630,6 +688,13 @@ class HTTPFront:
             await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
         await response.write_eof()
         return response
+
+
+def merge_logprobs(turn: _Turn, parts: list[dict]) -> dict:
+    """One choice's `logprobs` object from its deltas' (HTTPFront._logprobs)."""
+    if turn.chat:
+        return {"content": [entry for part in parts for entry in part["content"]]}
+    return merge_completion(parts)
 
 
 def _request_id(request: web.Request) -> str:

@@ -235,7 +235,8 @@ class TurnCore:
                                 charge.release()
                             sent_tokens += len(token_ids)
                             yield chat_pb2.ChatEvent(delta=chat_pb2.ChatDelta(
-                                text=chunk.text, token_ids=token_ids, index=chunk.index))
+                                text=chunk.text, token_ids=token_ids, index=chunk.index,
+                                logprobs=chunk.logprobs))
                             continue
                         yield self.account(turn, decision, reply.worker, ev.final, arrival,
                                            ttft_ms, attempt, charge.num_tokens, reply.num_resumes)

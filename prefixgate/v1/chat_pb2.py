@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from prefixgate.v1 import common_pb2 as prefixgate_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18prefixgate/v1/chat.proto\x12\rprefixgate.v1\x1a\x1aprefixgate/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x08Messages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.prefixgate.v1.ChatMessage\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x9a\x02\n\x0b\x43hatRequest\x12+\n\x08messages\x18\x01 \x01(\x0b\x32\x17.prefixgate.v1.MessagesH\x00\x12\x33\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x17.prefixgate.v1.TokenIdsH\x00\x12!\n\x17packed_prompt_token_ids\x18\x07 \x01(\x0cH\x00\x12\x17\n\x0f\x63onversation_id\x18\x03 \x01(\t\x12\x11\n\tnamespace\x18\x04 \x01(\t\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.prefixgate.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\t\x12\x11\n\tno_resume\x18\x08 \x01(\x08\x42\x07\n\x05input\";\n\tChatDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05index\x18\x03 \x01(\r\"\xde\x02\n\tChatFinal\x12#\n\x05usage\x18\x01 \x01(\x0b\x32\x14.prefixgate.v1.Usage\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.prefixgate.v1.FinishReason\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.prefixgate.v1.Timings\x12:\n\x15sample_finish_reasons\x18\x05 \x03(\x0e\x32\x1b.prefixgate.v1.FinishReason\x12\x1f\n\x17predicted_cached_tokens\x18\x06 \x01(\r\x12$\n\x1c\x62\x65st_predicted_cached_tokens\x18\x07 \x01(\r\x12$\n\x1cpredicted_transferred_tokens\x18\x08 \x01(\r\x12\x13\n\x0bnum_resumes\x18\t \x01(\r\"j\n\tChatEvent\x12)\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x18.prefixgate.v1.ChatDeltaH\x00\x12)\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x18.prefixgate.v1.ChatFinalH\x00\x42\x07\n\x05\x65vent\"\x13\n\x11ListModelsRequest\"\x92\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x03 \x01(\r\x12\x1d\n\x15max_completion_tokens\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0bnum_workers\x18\x06 \x01(\r\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.prefixgate.v1.ModelInfo2\xa0\x01\n\x0b\x43hatService\x12>\n\x04\x43hat\x12\x1a.prefixgate.v1.ChatRequest\x1a\x18.prefixgate.v1.ChatEvent0\x01\x12Q\n\nListModels\x12 .prefixgate.v1.ListModelsRequest\x1a!.prefixgate.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18prefixgate/v1/chat.proto\x12\rprefixgate.v1\x1a\x1aprefixgate/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x08Messages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.prefixgate.v1.ChatMessage\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x9a\x02\n\x0b\x43hatRequest\x12+\n\x08messages\x18\x01 \x01(\x0b\x32\x17.prefixgate.v1.MessagesH\x00\x12\x33\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x17.prefixgate.v1.TokenIdsH\x00\x12!\n\x17packed_prompt_token_ids\x18\x07 \x01(\x0cH\x00\x12\x17\n\x0f\x63onversation_id\x18\x03 \x01(\t\x12\x11\n\tnamespace\x18\x04 \x01(\t\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.prefixgate.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\t\x12\x11\n\tno_resume\x18\x08 \x01(\x08\x42\x07\n\x05input\"j\n\tChatDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05index\x18\x03 \x01(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.prefixgate.v1.TokenLogprob\"\xde\x02\n\tChatFinal\x12#\n\x05usage\x18\x01 \x01(\x0b\x32\x14.prefixgate.v1.Usage\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.prefixgate.v1.FinishReason\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.prefixgate.v1.Timings\x12:\n\x15sample_finish_reasons\x18\x05 \x03(\x0e\x32\x1b.prefixgate.v1.FinishReason\x12\x1f\n\x17predicted_cached_tokens\x18\x06 \x01(\r\x12$\n\x1c\x62\x65st_predicted_cached_tokens\x18\x07 \x01(\r\x12$\n\x1cpredicted_transferred_tokens\x18\x08 \x01(\r\x12\x13\n\x0bnum_resumes\x18\t \x01(\r\"j\n\tChatEvent\x12)\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x18.prefixgate.v1.ChatDeltaH\x00\x12)\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x18.prefixgate.v1.ChatFinalH\x00\x42\x07\n\x05\x65vent\"\x13\n\x11ListModelsRequest\"\x92\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x03 \x01(\r\x12\x1d\n\x15max_completion_tokens\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0bnum_workers\x18\x06 \x01(\r\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.prefixgate.v1.ModelInfo2\xa0\x01\n\x0b\x43hatService\x12>\n\x04\x43hat\x12\x1a.prefixgate.v1.ChatRequest\x1a\x18.prefixgate.v1.ChatEvent0\x01\x12Q\n\nListModels\x12 .prefixgate.v1.ListModelsRequest\x1a!.prefixgate.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,17 +41,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATREQUEST']._serialized_start=207
   _globals['_CHATREQUEST']._serialized_end=489
   _globals['_CHATDELTA']._serialized_start=491
-  _globals['_CHATDELTA']._serialized_end=550
-  _globals['_CHATFINAL']._serialized_start=553
-  _globals['_CHATFINAL']._serialized_end=903
-  _globals['_CHATEVENT']._serialized_start=905
-  _globals['_CHATEVENT']._serialized_end=1011
-  _globals['_LISTMODELSREQUEST']._serialized_start=1013
-  _globals['_LISTMODELSREQUEST']._serialized_end=1032
-  _globals['_MODELINFO']._serialized_start=1035
-  _globals['_MODELINFO']._serialized_end=1181
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1183
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1245
-  _globals['_CHATSERVICE']._serialized_start=1248
-  _globals['_CHATSERVICE']._serialized_end=1408
+  _globals['_CHATDELTA']._serialized_end=597
+  _globals['_CHATFINAL']._serialized_start=600
+  _globals['_CHATFINAL']._serialized_end=950
+  _globals['_CHATEVENT']._serialized_start=952
+  _globals['_CHATEVENT']._serialized_end=1058
+  _globals['_LISTMODELSREQUEST']._serialized_start=1060
+  _globals['_LISTMODELSREQUEST']._serialized_end=1079
+  _globals['_MODELINFO']._serialized_start=1082
+  _globals['_MODELINFO']._serialized_end=1228
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1230
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1292
+  _globals['_CHATSERVICE']._serialized_start=1295
+  _globals['_CHATSERVICE']._serialized_end=1455
 # @@protoc_insertion_point(module_scope)

@@ -48,14 +48,16 @@ class ChatRequest(_message.Message):
     def __init__(self, messages: _Optional[_Union[Messages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., packed_prompt_token_ids: _Optional[bytes] = ..., conversation_id: _Optional[str] = ..., namespace: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., no_resume: _Optional[bool] = ...) -> None: ...
 
 class ChatDelta(_message.Message):
-    __slots__ = ("text", "token_ids", "index")
+    __slots__ = ("text", "token_ids", "index", "logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     index: int
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ChatFinal(_message.Message):
     __slots__ = ("usage", "finish_reason", "worker_id", "timings", "sample_finish_reasons", "predicted_cached_tokens", "best_predicted_cached_tokens", "predicted_transferred_tokens", "num_resumes")

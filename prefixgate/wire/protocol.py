@@ -130,9 +130,12 @@ class SamplingConfig:
     # "keep-system-drop-oldest" lets the worker drop the oldest turns. "" = engine default.
     context_overflow: str = ""
     shifted_reuse: str = ""  # "recompute" | "shift" | "blend"; "" = engine default
+    # Log probabilities wanted with each token: None none, k the token's and the top k's.
+    top_logprobs: int | None = None
 
 
 MAX_SAMPLES = 16
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's and vLLM's default bound)
 
 OVERFLOW_FROM_PROTO = {
     common_pb2.CONTEXT_OVERFLOW_UNSPECIFIED: "",
@@ -221,6 +224,9 @@ def _sampling(msg: common_pb2.SamplingParams, max_tokens: int, overflow: str,
         raise InvalidRequest("sampling.top_p must be in (0, 1] (0 or unset means 1)")
     if msg.n > MAX_SAMPLES:
         raise InvalidRequest(f"sampling.n={msg.n} is too many: at most {MAX_SAMPLES} samples")
+    if msg.top_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"sampling.top_logprobs={msg.top_logprobs} is too many: at most "
+                             f"{MAX_TOP_LOGPROBS} alternatives per token")
     check_stops(msg, limits)
     return SamplingConfig(
         n=max(1, msg.n),
@@ -233,6 +239,7 @@ def _sampling(msg: common_pb2.SamplingParams, max_tokens: int, overflow: str,
         stop_token_ids=tuple(msg.stop_token_ids),
         context_overflow=overflow,
         shifted_reuse=reuse,
+        top_logprobs=int(msg.top_logprobs) if msg.HasField("top_logprobs") else None,
     )
 
 

@@ -43,10 +43,21 @@ class Request:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """Log probabilities at one generated position (SamplingConfig.top_logprobs): the
+    generated token's, and the most likely tokens' (most likely first)."""
+
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     token_ids: tuple[int, ...]
     text: str
     index: int = 0  # sample index, 0..n-1
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the request asked
 
 
 @dataclass(frozen=True)
@@ -128,6 +139,13 @@ class Engine(ABC):
     def context_overflow(self) -> str:
         """Overflow policy for requests that leave it unset (prefixgate.model.overflow.POLICIES)."""
         return "fail"
+
+    @property
+    def reports_logprobs(self) -> bool:
+        """Whether TokenEvents carry the logprobs a request asks for (SamplingConfig.
+        top_logprobs); an engine without a model (emulation) cannot, and the service
+        refuses such requests instead of answering without them."""
+        return True
 
     @property
     def transfer(self) -> BlockTransfer | None:

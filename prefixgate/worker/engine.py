@@ -71,6 +71,7 @@ from prefixgate.worker.api import (
     FinishReason,
     Request,
     TokenEvent,
+    TokenLogprob,
 )
 from prefixgate.worker.blocks import BlockManager
 from prefixgate.worker.detokenizer import Decoder, StreamDecoder
@@ -336,11 +337,12 @@ class PagedEngine(Engine):
                 first = not seq.num_generated
                 if first and seq.request.sampling.n > 1 and seq.index == 0:
                     for child in self._fork(seq):
-                        self._append(child, child.sampler.sample(row))
+                        token = child.sampler.sample(row)
+                        self._append(child, token, child.sampler.logprobs(row, token))
                 token = seq.sampler.sample(row)
                 if first:  # the prompt is computed and produced a token: cache and publish it
                     self.reuse.commit(seq)
-                self._append(seq, token)
+                self._append(seq, token, seq.sampler.logprobs(row, token))
             except Exception as exc:
                 self._fail(seq, exc)
 
@@ -413,8 +415,9 @@ class PagedEngine(Engine):
             children.append(child)
         return children
 
-    def _append(self, seq: Sequence, token: int) -> None:
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
         now = time.monotonic()
+        lp = (logprob,) if logprob is not None else ()
         if self._metrics:
             if seq.first_token:
                 self._metrics.inter_token.observe(now - seq.last_token)
@@ -425,19 +428,19 @@ class PagedEngine(Engine):
         seq.tokens.append(token)
         sampling = seq.request.sampling
         if token in self.config.eos_token_ids or token in sampling.stop_token_ids:
-            seq.emit(TokenEvent((token,), seq.decoder.flush(), seq.index))
+            seq.emit(TokenEvent((token,), seq.decoder.flush(), seq.index, lp))
             self._finish(seq, FinishReason.STOP)
             return
         text = seq.decoder.push(token)
         if seq.decoder.stopped:
-            seq.emit(TokenEvent((token,), text, seq.index))
+            seq.emit(TokenEvent((token,), text, seq.index, lp))
             self._finish(seq, FinishReason.STOP)
         elif seq.num_generated >= sampling.max_tokens or \
                 len(seq.tokens) >= self.config.max_context_tokens:
-            seq.emit(TokenEvent((token,), text + seq.decoder.flush(), seq.index))
+            seq.emit(TokenEvent((token,), text + seq.decoder.flush(), seq.index, lp))
             self._finish(seq, FinishReason.LENGTH)
         else:
-            seq.emit(TokenEvent((token,), text, seq.index))
+            seq.emit(TokenEvent((token,), text, seq.index, lp))
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.scheduler.remove(seq)

@@ -11,6 +11,10 @@ NaN counts as -inf, +inf as the largest float32; the largest logit is subtracted
 dividing by the temperature (>= protocol.MIN_TEMPERATURE, a normal float32), so scaled
 logits are <= 0 with the largest exactly 0, softmax never sees inf - inf, and the kept
 mass is never zero. Logits with no finite value at all (a broken model) give token 0.
+
+`logprobs(logits, token)` (None unless the request set top_logprobs): the token's log
+probability and the top_logprobs most likely tokens', from the model's own distribution
+(log-softmax of the logits, before temperature and filters: what vLLM reports by default).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from prefixgate.wire.protocol import SamplingConfig
+from prefixgate.worker.api import TokenLogprob
 
 
 class Sampler:
@@ -50,3 +55,17 @@ class Sampler:
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def logprobs(self, logits: torch.Tensor, token: int) -> TokenLogprob | None:
+        k = self.params.top_logprobs
+        if k is None:
+            return None
+        logprobs = torch.log_softmax(torch.nan_to_num(
+            logits.float(), nan=float("-inf"), neginf=float("-inf"),
+            posinf=torch.finfo(torch.float32).max), dim=-1)
+        if k:
+            top = torch.topk(logprobs, min(k, logprobs.numel()))
+            ids, values = tuple(top.indices.tolist()), tuple(top.values.tolist())
+        else:
+            ids, values = (), ()
+        return TokenLogprob(float(logprobs[token]), ids, values)

@@ -184,6 +184,11 @@ class WorkerService(WorkerServiceBase):
                                            self.engine.context_overflow)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), REQUEST_SCOPED)
+        if sampling.top_logprobs is not None and not self.engine.reports_logprobs:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"worker {self.config.worker_id} is emulated (no model): it has "
+                                "no log probabilities; leave sampling.top_logprobs unset",
+                                REQUEST_SCOPED)
         # An over-long prompt accepted under context overflow is cut to fit the context.
         need = min(len(prompt) + sampling.max_tokens, self.spec.max_context_tokens)
         if need > self.engine.capacity_tokens:
@@ -210,7 +215,10 @@ class WorkerService(WorkerServiceBase):
                 ev = await events.get()
                 if isinstance(ev, TokenEvent):
                     yield worker_pb2.GenerateEvent(chunk=worker_pb2.GenerateChunk(
-                        token_ids=ev.token_ids, text=ev.text, index=ev.index))
+                        token_ids=ev.token_ids, text=ev.text, index=ev.index,
+                        logprobs=[common_pb2.TokenLogprob(
+                            logprob=lp.logprob, top_token_ids=lp.top_token_ids,
+                            top_logprobs=lp.top_logprobs) for lp in ev.logprobs]))
                     continue
                 if ev.finish_reason is FinishReason.ERROR:
                     finished = True

@@ -221,3 +221,16 @@ def test_gateway_moves_kv_to_an_idle_worker_when_the_holder_is_busy(loop_thread,
         loop_thread.loop.call_soon_threadsafe(gstop.set)
         for _, stop, _ in workers.values():
             loop_thread.loop.call_soon_threadsafe(stop.set)
+
+
+def test_emulated_worker_refuses_logprobs_it_cannot_compute(loop_thread, tiny_spec) -> None:
+    address, stop, _ = start_emulated_worker(loop_thread, tiny_spec, "nolp")
+    try:
+        req = _request(PROMPT_320, max_tokens=2)
+        req.sampling.top_logprobs = 0
+        with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as err:
+            list(worker_pb2_grpc.WorkerServiceStub(channel).Generate(req, timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "no log probabilities" in err.value.details()
+    finally:
+        loop_thread.loop.call_soon_threadsafe(stop.set)

@@ -421,3 +421,40 @@ def test_requests_without_sampling_fields_take_the_models_defaults(loop_thread, 
     finally:
         for stop in (gstop, wstop):
             loop_thread.loop.call_soon_threadsafe(stop.set)
+
+
+def test_logprobs_on_chat_and_completions_streamed_or_not(client, front) -> None:
+    """logprobs / top_logprobs (evaluation harnesses ask for them): one entry per
+    generated token with its top alternatives, the same streamed and whole; the greedy
+    token is its own most likely alternative."""
+    kwargs = dict(model=front["model"], messages=[{"role": "user", "content": USER}],
+                  max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    whole = client.chat.completions.create(**kwargs)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the most likely
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True)
+        assert entry.bytes == list(entry.token.encode())
+    streamed = [e for chunk in client.chat.completions.create(**kwargs, stream=True)
+                for c in chunk.choices if c.logprobs for e in c.logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == \
+        [(e.token, round(e.logprob, 4)) for e in content]
+    assert client.chat.completions.create(**{**kwargs, "logprobs": False,
+                                             "top_logprobs": None}).choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        client.chat.completions.create(**{**kwargs, "logprobs": False})
+    with pytest.raises(openai.BadRequestError, match="top_logprobs is 21"):
+        client.chat.completions.create(**{**kwargs, "top_logprobs": 21})
+    text = client.completions.create(model=front["model"], prompt="Once upon a time",
+                                     max_tokens=5, temperature=0, logprobs=2)
+    lp = text.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    # Greedy: no alternative is more likely than the token (tokens whose text reads alike,
+    # partial UTF-8 here, share one key of OpenAI's token -> logprob map).
+    assert all(1 <= len(top) <= 2 and max(top.values()) <= v + 1e-5
+               for top, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)

@@ -309,3 +309,44 @@ def test_prompt_blocks_are_cached_and_published_when_prefill_ends(tiny_spec, tin
     assert_no_leak(engine)
     engine.shutdown()
     uncached.shutdown()
+
+
+def test_logprobs_are_the_models_and_equal_with_and_without_the_cache(
+        tiny_spec, tiny_model, tiny_reference_model) -> None:
+    """With top_logprobs, each token carries its log probability and the top k's: those
+    of a plain transformers forward over prompt + reply (log-softmax of the logits of the
+    tokenizer's ids), the
+    same whether the prompt came from the prefix cache or not."""
+    engine = track(make_engine(tiny_spec, tiny_model))
+    try:
+        prompt = prompts(1, seed=9, lo=40, hi=41)[0]
+
+        def logprobs(rid: str) -> tuple[list[int], list]:
+            events = submit(engine, prompt, rid, max_tokens=6, top_logprobs=3,
+                            temperature=0.8, seed=4)
+            tokens, lps = [], []
+            while not isinstance(ev := events.get(timeout=120), FinalEvent):
+                tokens.extend(ev.token_ids)
+                lps.extend(ev.logprobs)
+            return tokens, lps
+
+        tokens, cold = logprobs("cold")
+        again, warm = logprobs("warm")  # the prompt's blocks are cached now
+        assert again == tokens and len(cold) == len(tokens) == 6
+        vocab = ChatTokenizer(tiny_spec).vocab_size  # the engine samples the tokenizer's ids
+        with torch.no_grad():
+            ref = torch.log_softmax(tiny_reference_model(
+                input_ids=torch.tensor([prompt + tokens])).logits[0, :, :vocab].float(), -1)
+        for i, (token, a, b) in enumerate(zip(tokens, cold, warm, strict=True)):
+            row = ref[len(prompt) - 1 + i]
+            assert a.logprob == pytest.approx(float(row[token]), abs=1e-4)
+            assert b.logprob == pytest.approx(a.logprob, abs=1e-4)
+            top = torch.topk(row, 3)
+            assert list(a.top_token_ids) == top.indices.tolist()
+            assert a.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-4)
+        # Not asked: none computed.
+        events = submit(engine, prompt, "none", max_tokens=2)
+        while not isinstance(ev := events.get(timeout=120), FinalEvent):
+            assert ev.logprobs == ()
+    finally:
+        engine.shutdown()
