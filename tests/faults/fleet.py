@@ -118,6 +118,7 @@ class Fleet:
     redis: RedisServer | None = None
     worker_ports: dict[str, int] = field(default_factory=dict)
     gateway_port: int = 0
+    http_port: int = 0  # the gateway's OpenAI-compatible HTTP front, when started with one
     lease_ms: int = 1500
     extra_worker_args: tuple[str, ...] = ()
     log_level: str = "WARNING"

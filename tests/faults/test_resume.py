@@ -1,7 +1,7 @@
 """Mid-stream resume (gateway/resume.py) against real processes: a worker killed while it
 streams 10 long greedy replies; every stream completes on the other worker, token for token
-what an uninterrupted run gives, with no client error. And the opt-out: a client that asks
-for no resume gets UNAVAILABLE ("retry is safe") as before.
+what an uninterrupted run gives, with no client error; the same over HTTP (SSE). And the
+opt-out: a client that asks for no resume gets UNAVAILABLE ("retry is safe") as before.
 
 The streams are placed on the worker to kill by the `session` policy (a rendezvous hash of
 the conversation id): conversation ids that rank fw0 first. The continuation carries no
@@ -10,17 +10,20 @@ conversation id, so it goes to the least-loaded healthy worker: fw1.
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
 from collections.abc import Iterator
 
 import grpc
+import httpx
 import pytest
 import xxhash
 
 from prefixgate.bench.redis_server import RedisServer
 from prefixgate.v1 import chat_pb2_grpc
+from prefixgate.wire.rpc import free_port
 from tests.faults.fleet import Fleet, chat_request, concurrently, prompt_for, report
 
 DEADLINE_S = 90.0
@@ -37,7 +40,8 @@ def session_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         f.start_redis()
         f.start_worker("fw0")
         f.start_worker("fw1")
-        f.start_gateway("--policy", "session")
+        f.http_port = free_port()
+        f.start_gateway("--policy", "session", "--http-port", str(f.http_port))
         f.wait_workers(2, timeout_s=180)
         yield f
     finally:
@@ -85,14 +89,43 @@ def _run(fleet: Fleet, conv: str, prompt: list[int], progress: list[int] | None 
     return out
 
 
+def _run_http(fleet: Fleet, conv: str, prompt: list[int], progress: list[int] | None = None,
+              i: int = 0, **extra) -> _Stream:
+    """One streamed /v1/completions call (token-id prompt), as an OpenAI client sees it:
+    its text deltas, and an error event or a failed status as the code."""
+    out = _Stream()
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True,
+            "prompt_cache_key": conv, **extra}
+    url = f"http://127.0.0.1:{fleet.http_port}/v1/completions"
+    with httpx.stream("POST", url, json=body, timeout=DEADLINE_S) as r:
+        if r.status_code != 200:
+            out.code, out.details = f"HTTP {r.status_code}", r.read().decode()
+            return out
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                out.code, out.details = "error", event["error"]["message"]
+                continue
+            for choice in event.get("choices", ()):
+                out.text += choice.get("text") or ""
+                out.token_ids.append(len(out.text))  # progress only: chunks seen
+                if choice.get("finish_reason"):
+                    out.final = choice["finish_reason"]
+            if progress is not None:
+                progress[i] = len(out.token_ids)
+    return out
+
+
 def _kill_mid_stream(fleet: Fleet, convs: list[str], prompts: list[list[int]],
-                     **extra) -> tuple[list[_Stream], list[int]]:
+                     run=_run, **extra) -> tuple[list[_Stream], list[int]]:
     """Run the streams; SIGKILL fw0 once every one has tokens and none has ended; restart
     it after. Returns the streams and the tokens each had when the kill came."""
     progress = [0] * len(convs)
     results: list = []
     thread = threading.Thread(target=lambda: results.extend(concurrently(
-        lambda i: _run(fleet, convs[i], prompts[i], progress, i, **extra),
+        lambda i: run(fleet, convs[i], prompts[i], progress, i, **extra),
         [(i,) for i in range(len(convs))], DEADLINE_S + 10)), daemon=True)
     thread.start()
     deadline = time.monotonic() + DEADLINE_S
@@ -148,3 +181,25 @@ def test_a_client_that_opts_out_sees_the_loss(session_fleet: Fleet) -> None:
         if s.code != "OK":  # a stream that had finished before the kill is fine
             assert s.code == "UNAVAILABLE" and "retry" in s.details, (s.code, s.details)
     assert any(s.code == "UNAVAILABLE" for s in streams)
+
+
+def test_http_streams_continue_too(session_fleet: Fleet) -> None:
+    """The same over the OpenAI-compatible HTTP front (one turn core): the SSE stream of
+    every completion goes on, its text that of an uninterrupted run, no error event; with
+    `"resume": false` the stream ends with an error event saying a retry is safe."""
+    fleet = session_fleet
+    convs = _on("fw0", 4)
+    prompts = [prompt_for(200 + i, 48) for i in range(4)]
+    reference = [_run_http(fleet, c, p) for c, p in zip(convs, prompts, strict=True)]
+    assert all(r.code == "OK" and r.final for r in reference), [r.details for r in reference]
+    streams, at_kill = _kill_mid_stream(fleet, convs, prompts, run=_run_http)
+    report("worker SIGKILL mid-stream, resume over HTTP", codes=[s.code for s in streams],
+           identical=sum(s.text == r.text for s, r in zip(streams, reference, strict=True)),
+           chunks_at_kill=at_kill)
+    assert [s.code for s in streams] == ["OK"] * 4, [s.details for s in streams]
+    assert [s.text for s in streams] == [r.text for r in reference]
+    assert [s.final for s in streams] == [r.final for r in reference]
+    opted, _ = _kill_mid_stream(fleet, convs[:2], [prompt_for(300 + i, 48) for i in range(2)],
+                                run=_run_http, resume=False)
+    assert any(s.code == "error" for s in opted), [(s.code, s.details) for s in opted]
+    assert all("retry" in s.details for s in opted if s.code == "error")
