@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -23,9 +24,10 @@ import pytest
 
 from prefixgate.security.auth import hash_token, new_token
 from prefixgate.wire.rpc import free_port
-from tests.faults.fleet import PG, report, rss_mb
+from tests.faults.fleet import report, rss_mb
 from tests.helpers import REPO, cli_env, wait_for
 
+PG = [sys.executable, "-m", "prefixgate"]
 TOKEN = new_token()
 PROMPT = " ".join("lorem ipsum dolor sit amet" for _ in range(19_000))  # ~500 KB
 NUM_REQUESTS = 64
