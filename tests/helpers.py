@@ -162,6 +162,7 @@ def start_up(args: list[str], env: dict[str, str], timeout_s: float = 120) -> su
     if "prefixgate is up" not in lines[-1]:
         up.kill()
         raise AssertionError("prefixgate up did not come up:\n" + "".join(lines))
+    up.startup_lines = lines  # type: ignore[attr-defined]
     return up
 
 

@@ -53,6 +53,14 @@ def add_arguments(u: argparse.ArgumentParser) -> None:
     worker_cli.weights_flags(u)
     flag(u, "--demo", action="store_true",
          help="hold the scripted demo chat through the gateway, print it, then stop")
+    flag(u, "--secure", action="store_true",
+         help="make fresh local credentials (a CA, certificates, a client token, the "
+              "internal credential, per-worker keys) and run everything with them: TLS and "
+              "a bearer token on the gateway, mutual TLS and the internal credential to "
+              "the workers (prefixgate/security/local.py)")
+    flag(u, "--secure-dir", default="",
+         help="where --secure writes the credentials, private to you (default: "
+              "<cache dir>/secure; replaced on each start)")
     flag(u, "--startup-timeout", type=float, default=900.0,
          help="seconds to wait for workers to load the model")
 
@@ -69,6 +77,8 @@ async def _up(args: argparse.Namespace) -> int:
     n = args.workers
     if n < 1:
         raise SystemExit("prefixgate up: --workers must be at least 1")
+    creds = _credentials(args, [f"worker-{i}" for i in range(n)]) if args.secure else None
+    probes = []  # where each worker's health is asked (its plaintext health port if TLS)
     threads = args.torch_threads or max(1, (os.cpu_count() or 1) // n)
     workers = ProcessGroup()  # they log to this terminal; Ctrl-C reaches them too
     addresses = []
@@ -87,11 +97,20 @@ async def _up(args: argparse.Namespace) -> int:
                 cmd += ["--cache-dir", args.cache_dir]
             if args.redis_url:
                 cmd += ["--redis-url", args.redis_url]
+            probes.append(addresses[-1])
+            if creds is not None:
+                probes[-1] = f"127.0.0.1:{free_port()}"
+                cmd += ["--tls-cert", str(creds.server_cert), "--tls-key", str(creds.server_key),
+                        "--tls-client-ca", str(creds.ca),
+                        "--internal-token-file", str(creds.internal_token),
+                        "--health-port", probes[-1].rsplit(":", 1)[1]]
+                if args.redis_url:
+                    cmd += ["--worker-keyring", str(creds.worker_keyring(f"worker-{i}"))]
             workers.start_prefixgate(f"worker-{i}", *cmd)
         log.info("starting %d workers (%s); the first start of a model may take a minute", n,
                  args.model)
         deadline = time.monotonic() + args.startup_timeout
-        for address in addresses:
+        for address in probes:
             try:
                 await workers.wait_serving(address, max(0.0, deadline - time.monotonic()))
             except ProcessExited as exc:
@@ -103,6 +122,9 @@ async def _up(args: argparse.Namespace) -> int:
 
         static = [] if args.redis_url else addresses
         startup = gateway_cli.gateway_startup(args, static, args.port)
+        if creds is not None:
+            startup = dataclasses.replace(startup, config=_secured(startup.config, creds,
+                                                                   bool(args.redis_url)))
         gw_stop = asyncio.Event()
         if args.processes > 1:  # shared ports: refuse a busy one before the first bind
             from prefixgate.gateway.processes import refuse_busy_ports
@@ -126,12 +148,15 @@ async def _up(args: argparse.Namespace) -> int:
                 # The demo prints each turn's figures itself; keep the terminal readable.
                 for name in ("prefixgate.gateway", "prefixgate.turns"):
                     logging.getLogger(name).setLevel(logging.WARNING)
-                return await _demo(address, len(addresses))
-            http = (f"; OpenAI-compatible API on http://{args.host}:{args.http_port}/v1"
+                return await _demo(address, len(addresses), creds)
+            scheme = "https" if creds is not None else "http"
+            http = (f"; OpenAI-compatible API on {scheme}://{args.host}:{args.http_port}/v1"
                     if args.http_port > 0 else "")
+            secured = (f" --tls-ca {creds.ca} --token-file {creds.token}"
+                       if creds is not None else "")
             print(f"prefixgate up: gateway on {address}{http}; chat with: prefixgate chat "
-                  f"--address {address}   (Ctrl-C stops everything)", file=sys.stderr,
-                  flush=True)
+                  f"--address {address}{secured}   (Ctrl-C stops everything)",
+                  file=sys.stderr, flush=True)
             await stop.wait()
             return 0
         finally:
@@ -143,11 +168,43 @@ async def _up(args: argparse.Namespace) -> int:
         await asyncio.to_thread(workers.stop, 15)
 
 
-async def _demo(address: str, num_workers: int) -> int:
+def _credentials(args: argparse.Namespace, worker_ids: list[str]):
+    """Fresh local credentials for `up --secure` (prefixgate.security.local)."""
+    from pathlib import Path
+
+    from prefixgate.model.catalog import default_cache_dir
+    from prefixgate.security.local import make_local_credentials
+
+    directory = Path(args.secure_dir) if args.secure_dir else (
+        Path(args.cache_dir) if args.cache_dir else default_cache_dir()) / "secure"
+    creds = make_local_credentials(directory, worker_ids)
+    log.info("secured: credentials in %s (TLS with its ca.crt, the bearer token in its "
+             "token file)", directory)
+    return creds
+
+
+def _secured(config, creds, with_redis: bool):
+    """`config` (GatewayConfig) with `up --secure`'s TLS, tokens, internal credential and,
+    with Redis, the workers' public keys."""
+    from prefixgate.security.auth import AuthConfig
+    from prefixgate.wire.rpc import TLSConfig
+
+    return dataclasses.replace(
+        config, tls=TLSConfig(str(creds.server_cert), str(creds.server_key)),
+        worker_tls=TLSConfig(str(creds.client_cert), str(creds.client_key), str(creds.ca)),
+        auth=AuthConfig(tokens_file=str(creds.tokens),
+                        internal_token_file=str(creds.internal_token),
+                        worker_keyring_file=str(creds.gateway_keyring) if with_redis else ""))
+
+
+async def _demo(address: str, num_workers: int, creds=None) -> int:
     from prefixgate.cli.chat import converse
     from prefixgate.wire.client import ChatClient
+    from prefixgate.wire.rpc import TLSConfig
 
-    client = ChatClient(address)
+    client = (ChatClient(address) if creds is None else
+              ChatClient(address, TLSConfig(ca_file=str(creds.ca)),
+                         creds.token.read_text().strip()))
     await client.wait_ready(30)
     # The gateway probes workers on start; wait until it routes to all of them.
     for _ in range(100):

@@ -1,0 +1,118 @@
+"""Credentials for a secured prefixgate on one machine (`prefixgate up --secure`).
+
+Contract
+--------
+`make_local_credentials(directory, worker_ids)` writes, into `directory` (created with
+mode 0700, every file 0600; what was there before is replaced), fresh:
+
+  ca.crt, ca.key          a CA (EC P-256), valid one year, trusted by every part
+  server.crt/.key         the gateway's and the workers' certificate (127.0.0.1, localhost)
+  client.crt/.key         the gateway's client certificate towards workers (mutual TLS)
+  tokens, token           the gateway's --tokens-file (hash only) and its one client token,
+                          bound to namespace "default" (the demo and `prefixgate chat`)
+  internal-token          the internal credential gateways send and workers require
+  gateway.keyring         every worker's Ed25519 public key and the gateways' key
+  worker-<id>.keyring     each worker's own private key (prefixgate/security/identity.py)
+
+and returns their paths (`LocalCredentials`). Nothing here is for a network: the
+certificates name loopback only, and the CA key stays in the directory.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from prefixgate.security.auth import hash_token, new_token
+from prefixgate.security.identity import new_gateway_key, new_worker_key
+
+NAMESPACE = "default"  # the namespace the generated client token is bound to
+
+
+@dataclass(frozen=True)
+class LocalCredentials:
+    directory: Path
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+    tokens: Path  # the gateway's --tokens-file
+    token: Path  # the client's --token-file
+    internal_token: Path
+    gateway_keyring: Path
+
+    def worker_keyring(self, worker_id: str) -> Path:
+        return self.directory / f"worker-{worker_id}.keyring"
+
+
+def _write(path: Path, data: bytes) -> Path:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return path
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _certificate(subject: str, key, issuer: x509.Certificate | None, issuer_key,
+                 usage: list | None) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
+    builder = (x509.CertificateBuilder().subject_name(name)
+               .issuer_name(issuer.subject if issuer is not None else name)
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5))
+               .not_valid_after(now + datetime.timedelta(days=365)))
+    if usage is None:  # the CA
+        builder = builder.add_extension(x509.BasicConstraints(ca=True, path_length=0), True)
+    else:
+        builder = (builder.add_extension(x509.BasicConstraints(ca=False, path_length=None), True)
+                   .add_extension(x509.ExtendedKeyUsage(usage), False)
+                   .add_extension(x509.SubjectAlternativeName(
+                       [x509.DNSName("localhost"),
+                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False))
+    return builder.sign(issuer_key if issuer_key is not None else key, hashes.SHA256())
+
+
+def make_local_credentials(directory: str | Path,
+                           worker_ids: Sequence[str]) -> LocalCredentials:
+    """Write fresh credentials for a gateway and `worker_ids` (module docstring)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    d.chmod(0o700)
+    pem = serialization.Encoding.PEM
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = _certificate("prefixgate local CA", ca_key, None, None, None)
+    _write(d / "ca.key", _pem_key(ca_key))
+    paths = {"ca": _write(d / "ca.crt", ca.public_bytes(pem))}
+    for role, usage in (("server", [ExtendedKeyUsageOID.SERVER_AUTH]),
+                        ("client", [ExtendedKeyUsageOID.CLIENT_AUTH])):
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = _certificate(f"prefixgate local {role}", key, ca, ca_key, usage)
+        paths[f"{role}_cert"] = _write(d / f"{role}.crt", cert.public_bytes(pem))
+        paths[f"{role}_key"] = _write(d / f"{role}.key", _pem_key(key))
+    token = new_token()
+    paths["token"] = _write(d / "token", f"{token}\n".encode())
+    paths["tokens"] = _write(d / "tokens", f"{hash_token(token)} {NAMESPACE} local\n".encode())
+    paths["internal_token"] = _write(d / "internal-token", f"{new_token()}\n".encode())
+    public = [new_gateway_key()]
+    creds = LocalCredentials(directory=d, gateway_keyring=d / "gateway.keyring", **paths)
+    for wid in worker_ids:
+        private, line = new_worker_key(wid)
+        _write(creds.worker_keyring(wid), f"{private}\n".encode())
+        public.append(line)
+    _write(creds.gateway_keyring, ("\n".join(public) + "\n").encode())
+    return creds
