@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "http": "prefixgate.bench.http",
     "gateway": "prefixgate.bench.gateway",
     "gpu": "prefixgate.bench.gpu",
+    "transfer": "prefixgate.bench.transfer",
 }
 
 

@@ -53,6 +53,12 @@ def gateway_flags(g: argparse.ArgumentParser) -> None:
 def worker_flags(w: argparse.ArgumentParser) -> None:
     _server_tls_flags(w, "worker API")
     _internal_flag(w)
+    flag(w, "--peer-tls-ca", default="",
+         help="PEM CA that peer workers' certificates chain to: call peers (KV block "
+              "pulls, drain hand-off) over TLS")
+    flag(w, "--peer-tls-cert", default="",
+         help="PEM client certificate presented to peers (mutual TLS; may be --tls-cert)")
+    flag(w, "--peer-tls-key", default="", help="PEM private key of --peer-tls-cert")
     _keyring_flag(w, "this worker's own private line only: it signs what it writes to "
                      "Redis with it")
 
@@ -86,6 +92,7 @@ def worker_security(args: argparse.Namespace) -> dict:
     from prefixgate.wire.rpc import TLSConfig
 
     return dict(tls=TLSConfig(args.tls_cert, args.tls_key, args.tls_client_ca),
+                peer_tls=TLSConfig(args.peer_tls_cert, args.peer_tls_key, args.peer_tls_ca),
                 health_port=args.health_port,
                 auth=AuthConfig(internal_token_file=args.internal_token_file,
                                 worker_keyring_file=args.worker_keyring))

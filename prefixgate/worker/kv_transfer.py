@@ -118,6 +118,9 @@ class PagedBlockTransfer(BlockTransfer):
             return self.cache.tree.match(chain, touch=False).num_blocks
         return self.engine.on_engine_thread(on_engine)
 
+    def hot_chains(self) -> list[list[int]]:
+        return self.engine.on_engine_thread(self.cache.hot_chains)
+
     def _slots(self, block_ids: Sequence[int]) -> torch.Tensor:
         bs = self.pool.config.block_size
         ids = torch.tensor(block_ids, dtype=torch.long)

@@ -14,6 +14,9 @@ and what events carry. The tree holds one pool reference on each block it contai
   cache: blocks new to the tree are kept; blocks already present (the same id, or a
   duplicate computed concurrently) have the caller's reference released. Emits `stored`
   for the new ones and returns the handle of the whole path (not locked).
+- `hot_chains()`: every cached root-to-leaf chain of block hashes, the most reused first
+  (by the tokens its blocks served as hits: each `match` counts its matched blocks), for
+  a draining worker's hand-off (worker/handoff.py).
 - `evict(num_blocks)` frees up to that many unlocked blocks, least recently used leaves
   first, emitting `removed`; `flush()` drops every unlocked block (`cleared` when the
   tree ends up empty) and returns the number of tokens it dropped.
@@ -43,6 +46,7 @@ class PrefixCache:
         self.events = events or NullSink()
         self.tree: RadixTree[int] = RadixTree(block_size=1)
         self._hash_of: dict[int, int] = {}  # block id -> block hash, for blocks in the tree
+        self._hits: dict[int, int] = {}  # block id -> times matched since it was stored
         # parent block hash -> (tokens of the partial block, its block id); LRU order.
         self._tails: OrderedDict[int, tuple[tuple[int, ...], int]] = OrderedDict()
 
@@ -59,7 +63,16 @@ class PrefixCache:
         m = self.tree.match(block_hashes)
         self.tree.lock(m.node)
         self.pool.ref(m.values)
+        hits = self._hits
+        for b in m.values:
+            hits[b] = hits.get(b, 0) + 1
         return m.node, list(m.values)
+
+    def hot_chains(self) -> list[list[int]]:
+        scored = [(sum(self._hits.get(b, 0) for b in ids), len(ids), list(hashes))
+                  for hashes, ids in self.tree.items()]
+        scored.sort(key=lambda t: (-t[0], -t[1]))
+        return [chain for _, _, chain in scored]
 
     def unlock(self, handle: Node[int]) -> None:
         self.tree.unlock(handle)
@@ -109,6 +122,8 @@ class PrefixCache:
         ids = self.tree.evict(num_blocks - freed)
         if ids:
             hashes = [self._hash_of.pop(b) for b in ids]
+            for b in ids:
+                self._hits.pop(b, None)
             for h in hashes:  # a tail after an evicted block can never match again
                 tail = self._tails.pop(h, None)
                 if tail is not None:
@@ -126,6 +141,7 @@ class PrefixCache:
         if self.tree.num_locked_blocks == 0:
             ids = self.tree.clear()
             self._hash_of.clear()
+            self._hits.clear()
             self.pool.release(ids)
             self.events.cleared()
             num_blocks = len(ids)

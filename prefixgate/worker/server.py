@@ -15,14 +15,21 @@ Contract
   resumes a cursor of this incarnation the log still holds, then live batches; the
   streams end when the server shuts down (they do not hold the drain).
 - The health service reports SERVING once the model is loaded; on shutdown it turns
-  NOT_SERVING first, then in-flight streams get `drain_seconds` to finish.
+  NOT_SERVING first, then in-flight streams get `drain_seconds` to finish; meanwhile the
+  worker hands its most reused chains off to peers with room (worker/handoff.py).
+- Block transfer (worker/transfer.py): ExportBlocks streams a cached chain's KV pages;
+  PullBlocks, and Generate with a `pull` spec, fetch a chain's missing leading blocks from
+  a peer (peer_tls + the internal credential), store and publish them, and compute what
+  did not come. Usage splits the prompt into cached, transferred and computed tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 import grpc
@@ -46,6 +53,7 @@ from prefixgate.wire.status import watch_status
 from prefixgate.wire.token_ids import prompt_token_ids
 from prefixgate.worker.api import Engine, FinalEvent, FinishReason, Request, TokenEvent
 from prefixgate.worker.events import EventLog
+from prefixgate.worker.handoff import hand_off
 from prefixgate.worker.rates import ServiceRates, TransferRate
 from prefixgate.worker.transfer import MAX_MESSAGE_BYTES, PullResult, TransferError, export_events
 from prefixgate.worker.transfer import pull as pull_blocks
@@ -395,9 +403,20 @@ def _chunks(chains: list[OwnershipEvent], max_hashes: int = 65536) -> list[list[
     return out
 
 
+HANDOFF_SHARE = 0.8  # of the drain time the hand-off may take; streams drain meanwhile
+
+Peers = Callable[[], Awaitable[list[tuple[str, str]]]]
+
+
 async def serve(service: WorkerServiceBase, stop: asyncio.Event,
-                started: asyncio.Future[int] | None = None) -> None:
-    """Serve until `stop` is set, then drain. `started` receives the bound port."""
+                started: asyncio.Future[int] | None = None, peers: Peers | None = None,
+                advertise_address: str = "") -> None:
+    """Serve until `stop` is set, then drain. `started` receives the bound port. With
+    `peers` ((worker id, address) of the fleet's other workers, e.g. from the registry),
+    the drain first hands the most reused cached chains off to peers with room
+    (worker/handoff.py: they pull them from this worker, reached at `advertise_address`,
+    default host:port), within HANDOFF_SHARE of the drain time, while in-flight streams
+    go on."""
     limits = service.config.limits
     # No SO_REUSEPORT (gRPC's default is on): a second worker on a busy port must fail.
     server = grpc.aio.server(options=[*limits.server_options(limits.worker_receive_bytes),
@@ -424,7 +443,17 @@ async def serve(service: WorkerServiceBase, stop: asyncio.Event,
              cfg.worker_id, cfg.drain_seconds)
     await rpc.set_serving(health, [SERVICE.full_name], False)
     service.close_watchers()
-    await server.stop(cfg.drain_seconds)
+    draining = time.monotonic()
+    if peers is not None and isinstance(service, WorkerService) \
+            and service.engine.transfer is not None:
+        try:
+            others = [p for p in await asyncio.wait_for(peers(), 5.0) if p[0] != cfg.worker_id]
+        except Exception as exc:  # no registry now: leave without a hand-off
+            log.warning("worker %s: no peers for a hand-off: %s", cfg.worker_id, exc)
+            others = []
+        await hand_off(service, others, advertise_address or f"{cfg.host}:{port}",
+                       HANDOFF_SHARE * cfg.drain_seconds - (time.monotonic() - draining))
+    await server.stop(max(0.0, cfg.drain_seconds - (time.monotonic() - draining)))
     if health_server is not None:
         await health_server.stop(0)
     await service.shutdown()

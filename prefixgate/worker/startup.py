@@ -5,7 +5,9 @@ Contract: `await serve_worker(service, stop, lease, capacity_blocks)` serves `se
 worker in that Redis under a lease of `lease.lease_ms`, renews it and publishes the
 service's KV event log (worker/events.py RedisPublisher), signing with the worker's key
 when `service.config.auth.worker_keyring_file` is set; gateways then reach it at
-`lease.advertise_address` (default host:bound port). Without, gateways list it by address.
+`lease.advertise_address` (default host:bound port), and on the drain it hands its most
+reused chains off to the registry's other workers of its model (worker/handoff.py).
+Without, gateways list it by address.
 Real and emulated workers (prefixgate/emulate) start through here alike.
 
 `passive_omp_wait()` sets the OpenMP wait policy a worker runs under; call it before
@@ -53,7 +55,17 @@ async def serve_worker(service, stop: asyncio.Event, lease: RegistryLease,
     from prefixgate.worker.events import RedisPublisher
     from prefixgate.worker.server import serve
 
-    server, port = await start_server(lambda started: serve(service, stop, started))
+    registry: RedisRegistry | None = None
+
+    async def peers() -> list[tuple[str, str]]:
+        """The fleet's workers of this model, for the drain hand-off (worker/handoff.py)."""
+        if registry is None:
+            return []
+        return [(r.worker_id, r.address) for r in await registry.list_workers()
+                if r.model_fingerprint == service.spec.fingerprint]
+
+    server, port = await start_server(lambda started: serve(
+        service, stop, started, peers=peers, advertise_address=lease.advertise_address))
     if not lease.redis_url:
         await server
         return

@@ -22,6 +22,8 @@ import alone until it commits them).
   commit(reservation, n)       store the first n reserved blocks in the prefix cache
                                (published as `stored`, like computed ones), give the rest
                                back, unlock; returns the chain's leading blocks cached now.
+  hot_chains()                 every cached chain (root to leaf), the most reused first:
+                               what a draining worker offers its peers (worker/handoff.py).
 
 The gRPC side lives here too, written against that contract only (so an emulated engine
 transfers through the same code): `export_events` is WorkerService.ExportBlocks' stream
@@ -146,6 +148,9 @@ class BlockTransfer(ABC):
 
     @abstractmethod
     def commit(self, reservation: Reservation, num_blocks: int) -> int: ...
+
+    @abstractmethod
+    def hot_chains(self) -> list[list[int]]: ...
 
 
 @dataclass(frozen=True)

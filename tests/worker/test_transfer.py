@@ -132,3 +132,46 @@ def test_pull_blocks_stores_and_publishes(workers) -> None:
     assert stored == chain
     _, final = _generate(puller, prompt + [1, 2])
     assert final.usage.cached_tokens == 144
+
+
+def test_drain_hands_the_most_reused_chain_to_a_peer(loop_thread, tiny_spec, tiny_model,
+                                                      workers) -> None:
+    """A worker told to stop offers its cached chains to its peers before it leaves: the
+    conversation's next turn hits them on the peer."""
+    import asyncio
+
+    from prefixgate.worker.events import EventLog
+    from prefixgate.worker.server import WorkerConfig, WorkerService, serve
+    from tests.helpers import make_engine
+
+    peer_addr, _, _, peer = workers("peer")
+    events = EventLog()
+    engine = make_engine(tiny_spec, tiny_model, event_sink=events)
+    service = WorkerService(engine, tiny_spec, WorkerConfig(worker_id="leaving", drain_seconds=10),
+                            vocab_size=engine.tokenizer.vocab_size, events=events)
+
+    async def peers() -> list[tuple[str, str]]:
+        return [("leaving", "ignored: itself"), ("peer", peer_addr)]
+
+    async def start():
+        stop = asyncio.Event()
+        started = asyncio.get_running_loop().create_future()
+        done = asyncio.create_task(serve(service, stop, started, peers=peers))
+        return await started, stop, done
+    port, stop, done = loop_thread.run(start())
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    leaving = worker_pb2_grpc.WorkerServiceStub(channel)
+    history = [(i * 17) % 250 + 4 for i in range(120)]
+    reply, _ = _generate(leaving, history)
+    history += reply + [9, 8, 7]
+    _, second = _generate(leaving, history)  # reuses the first turn: the hot chain
+    assert second.usage.cached_tokens >= 112
+    other = [(i * 5) % 250 + 2 for i in range(40)]  # a chain nobody reused
+    _generate(leaving, other)
+    loop_thread.loop.call_soon_threadsafe(stop.set)
+    loop_thread.run(asyncio.wait_for(asyncio.shield(done), 30))
+    channel.close()
+    _, third = _generate(peer, history + [1, 2, 3])
+    assert third.usage.cached_tokens >= len(history) // 16 * 16 - 16
+    _, fourth = _generate(peer, other + [5])
+    assert fourth.usage.cached_tokens == 32  # taken too: the peer had room

@@ -1,0 +1,111 @@
+"""Drain hand-off: a leaving worker offers its most reused chains to peers with room.
+
+Contract
+--------
+`hand_off(service, peers, own_address, budget_s)` runs while a draining worker still
+serves (NOT_SERVING, in-flight streams finishing, ExportBlocks answered). It
+
+1. asks each peer (`peers`: (worker id, address) of the same model, self excluded) for
+   its status and keeps those with room: free KV tokens = capacity - used;
+2. walks the worker's cached chains, the most reused first (`BlockTransfer.hot_chains`),
+   giving each to the peer with the most room left that can take it whole (room is
+   debited as chains are assigned, so a peer is never offered more than it had free);
+3. has each peer pull its chains from this worker (`PullBlocks`, which stores and
+   publishes them there like computed blocks), one at a time per peer, peers in
+   parallel, until `budget_s` runs out (calls in flight are cancelled then).
+
+Peers are called with the worker's peer TLS and internal credential (`service._peer`).
+A peer that fails is skipped (logged); the hand-off never delays the drain past its
+budget and never raises. Returns what was handed off, per peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+
+from prefixgate.v1 import worker_pb2
+
+if TYPE_CHECKING:
+    from prefixgate.worker.server import WorkerService
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HandoffReport:
+    chains: dict[str, int] = field(default_factory=dict)  # peer id -> chains it took
+    blocks: dict[str, int] = field(default_factory=dict)  # peer id -> blocks it pulled
+    seconds: float = 0.0
+
+
+async def hand_off(service: WorkerService, peers: Sequence[tuple[str, str]],
+                   own_address: str, budget_s: float) -> HandoffReport:
+    report = HandoffReport()
+    transfer = service.engine.transfer
+    if transfer is None or not peers or budget_s <= 0:
+        return report
+    began = time.monotonic()
+    try:
+        await asyncio.wait_for(_hand_off(service, peers, own_address, report), budget_s)
+    except TimeoutError:
+        log.warning("worker %s: hand-off stopped at its %.1f s budget", service.config.worker_id,
+                    budget_s)
+    except Exception:  # the drain goes on whatever happens here
+        log.exception("worker %s: hand-off failed", service.config.worker_id)
+    report.seconds = time.monotonic() - began
+    log.info("worker %s: handed off %s chains (%s blocks) in %.1f s", service.config.worker_id,
+             report.chains, report.blocks, report.seconds)
+    return report
+
+
+async def _hand_off(service: WorkerService, peers: Sequence[tuple[str, str]],
+                    own_address: str, report: HandoffReport) -> None:
+    transfer = service.engine.transfer
+    assert transfer is not None
+    bs = transfer.format.block_size
+
+    async def room(address: str) -> int:
+        try:
+            s = await service._peer(address).GetStatus(worker_pb2.GetStatusRequest(), timeout=2)
+        except grpc.aio.AioRpcError:
+            return 0
+        return max(0, s.kv_capacity_tokens - s.kv_used_tokens) // bs
+    rooms = await asyncio.gather(*(room(a) for _, a in peers))
+    free = {p: r for p, r in zip(peers, rooms, strict=True) if r > 0}
+    if not free:
+        log.info("worker %s: no peer has room for a hand-off", service.config.worker_id)
+        return
+    chains = await asyncio.to_thread(transfer.hot_chains)
+    plan: dict[tuple[str, str], list[list[int]]] = {p: [] for p in free}
+    for chain in chains:
+        peer = max(free, key=free.__getitem__)
+        if free[peer] < len(chain):
+            continue  # too long for any peer: a shorter one may still fit
+        free[peer] -= len(chain)
+        plan[peer].append(chain)
+
+    async def give(peer: tuple[str, str], todo: list[list[int]]) -> None:
+        peer_id, address = peer
+        for chain in todo:
+            try:
+                got = await service._peer(address).PullBlocks(worker_pb2.PullBlocksRequest(
+                    peer_address=own_address, peer_worker_id=service.config.worker_id,
+                    block_hashes=chain))
+            except grpc.aio.AioRpcError as exc:
+                log.warning("worker %s: hand-off to %s: %s %s", service.config.worker_id,
+                            peer_id, exc.code().name, exc.details())
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED,
+                                  grpc.StatusCode.FAILED_PRECONDITION,
+                                  grpc.StatusCode.UNAUTHENTICATED):
+                    return  # this peer will not take any
+                continue
+            report.chains[peer_id] = report.chains.get(peer_id, 0) + 1
+            report.blocks[peer_id] = report.blocks.get(peer_id, 0) + got.num_pulled_blocks
+    await asyncio.gather(*(give(p, todo) for p, todo in plan.items() if todo))
