@@ -108,6 +108,13 @@ class EmulatedTransfer(BlockTransfer):
     def write(self, reservation: Reservation, start: int, k: bytes, v: bytes) -> None:
         pass  # the pages stand for the model's: nothing to keep
 
+    def hot_chains(self) -> list[list[int]]:
+        def chains() -> list[list[int]]:
+            # No hit counts here: the longest chains first (the most tokens kept).
+            return sorted((list(h) for h, _ in self.engine.cache.tree.items()), key=len,
+                          reverse=True)
+        return self._on_loop(chains)
+
     def commit(self, reservation: Reservation, num_blocks: int) -> int:
         def commit() -> int:
             engine = self.engine

@@ -68,8 +68,8 @@ class PagedBlockTransfer(BlockTransfer):
 
     def read(self, pin: _Pin, start: int, count: int) -> tuple[bytes, bytes]:
         first = pin.from_block + start
-        slots = self._slots(pin.block_ids[first:first + count])
-        return _bytes(self.pool.k[:, slots]), _bytes(self.pool.v[:, slots])
+        runs = self._runs(pin.block_ids[first:first + count])
+        return _gather(self.pool.k, runs), _gather(self.pool.v, runs)
 
     def unpin(self, pin: _Pin) -> None:
         def on_engine() -> None:
@@ -95,11 +95,13 @@ class PagedBlockTransfer(BlockTransfer):
         c = self.pool.config
         n = len(k) // (c.block_size * c.num_layers * c.num_kv_heads * c.head_dim
                        * self.pool.k.element_size())
-        slots = self._slots(fresh[start:start + n])
         shape = (c.num_layers, n * c.block_size, c.num_kv_heads, c.head_dim)
         for dst, data in ((self.pool.k, k), (self.pool.v, v)):
-            src = torch.frombuffer(data, dtype=c.dtype).view(shape)
-            dst.index_copy_(1, slots, src.to(dst.device, non_blocking=False))
+            src = torch.frombuffer(data, dtype=c.dtype).view(shape).to(dst.device)
+            at = 0
+            for a, b in self._runs(fresh[start:start + n]):
+                dst[:, a:b].copy_(src[:, at:at + b - a])
+                at += b - a
 
     def commit(self, reservation: Reservation, num_blocks: int) -> int:
         handle, ids, fresh = reservation.handle
@@ -121,13 +123,26 @@ class PagedBlockTransfer(BlockTransfer):
     def hot_chains(self) -> list[list[int]]:
         return self.engine.on_engine_thread(self.cache.hot_chains)
 
-    def _slots(self, block_ids: Sequence[int]) -> torch.Tensor:
+    def _runs(self, block_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """The token slots of `block_ids`, in order, as [start, end) runs of consecutive
+        blocks: slices copy at memory speed, where a gather of scattered slots (index_select
+        over the token dimension) ran ~6x slower here."""
         bs = self.pool.config.block_size
-        ids = torch.tensor(block_ids, dtype=torch.long)
-        slots = (ids[:, None] * bs + torch.arange(bs)).flatten()
-        return slots.to(self.pool.k.device)
+        runs: list[tuple[int, int]] = []
+        for b in block_ids:
+            if runs and runs[-1][1] == b * bs:
+                runs[-1] = (runs[-1][0], (b + 1) * bs)
+            else:
+                runs.append((b * bs, (b + 1) * bs))
+        return runs
 
 
-def _bytes(t: torch.Tensor) -> bytes:
-    """The raw bytes of `t` (any dtype, bfloat16 included), row-major."""
-    return t.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+def _gather(pool: torch.Tensor, runs: list[tuple[int, int]]) -> bytes:
+    """The bytes of pool[:, slots of runs] as one row-major [layers, tokens, heads, dim]
+    array (any dtype, bfloat16 included): one copy for a single run."""
+    if len(runs) == 1:
+        a, b = runs[0]
+        t = pool[:, a:b]
+    else:
+        t = torch.cat([pool[:, a:b] for a, b in runs], dim=1)
+    return t.cpu().view(torch.uint8).numpy().tobytes()

@@ -257,23 +257,35 @@ async def _receive(stub: Any, transfer: BlockTransfer, res: Reservation, peer: s
                                 f"{peer}'s KV pages do not fit this worker: {why}")
         want = min(first.header.num_blocks, res.num_blocks)
         half = fmt.bytes_per_block // 2
-        while got.blocks < want:
-            ev = await call.read()
-            if ev is grpc.aio.EOF:
-                raise TransferError(grpc.StatusCode.DATA_LOSS,
-                                    f"{peer}: the export stream ended after {got.blocks} of "
-                                    f"{want} blocks")
-            c = ev.chunk
-            if (c.first_block != res.num_cached + got.blocks or not c.num_blocks
-                    or len(c.k) != c.num_blocks * half or len(c.v) != len(c.k)):
-                raise TransferError(grpc.StatusCode.DATA_LOSS,
-                                    f"{peer}: a malformed chunk (blocks {c.first_block}+"
-                                    f"{c.num_blocks}, {len(c.k)} bytes) after {got.blocks} "
-                                    "blocks")
-            n = min(c.num_blocks, want - got.blocks)
-            k, v = (c.k, c.v) if n == c.num_blocks else (c.k[:n * half], c.v[:n * half])
-            await asyncio.to_thread(transfer.write, res, got.blocks, k, v)
-            got.blocks += n
-            got.bytes += 2 * n * half
+        # Chunk i is written into the pool while chunk i + 1 is received.
+        writing: asyncio.Future | None = None
+        received = 0
+        try:
+            while received < want:
+                ev = await call.read()
+                if ev is grpc.aio.EOF:
+                    raise TransferError(grpc.StatusCode.DATA_LOSS,
+                                        f"{peer}: the export stream ended after {received} of "
+                                        f"{want} blocks")
+                c = ev.chunk
+                if (c.first_block != res.num_cached + received or not c.num_blocks
+                        or len(c.k) != c.num_blocks * half or len(c.v) != len(c.k)):
+                    raise TransferError(grpc.StatusCode.DATA_LOSS,
+                                        f"{peer}: a malformed chunk (blocks {c.first_block}+"
+                                        f"{c.num_blocks}, {len(c.k)} bytes) after {received} "
+                                        "blocks")
+                n = min(c.num_blocks, want - received)
+                k, v = (c.k, c.v) if n == c.num_blocks else (c.k[:n * half], c.v[:n * half])
+                if writing is not None:
+                    await writing
+                    got.blocks = received
+                writing = asyncio.ensure_future(asyncio.to_thread(
+                    transfer.write, res, received, k, v))
+                received += n
+                got.bytes += 2 * n * half
+        finally:
+            if writing is not None:  # never commit blocks still being written
+                await asyncio.shield(writing)
+                got.blocks = received
     finally:
         call.cancel()  # a no-op once the stream ended; else the peer stops sending

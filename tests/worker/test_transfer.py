@@ -53,7 +53,7 @@ def _service_engine(stub):
     from prefixgate.worker.server import WorkerService
     worker_id = stub.GetInfo(worker_pb2.GetInfoRequest()).worker_id
     for obj in gc.get_objects():
-        if isinstance(obj, WorkerService) and obj.config.worker_id == worker_id:
+        if type(obj) is WorkerService and obj.config.worker_id == worker_id:
             return obj.engine
     raise LookupError(worker_id)
 
