@@ -3,7 +3,15 @@
 # sglang-router in front of the same emulated workers, and the simulator on the same
 # settings. Writes JSON, Markdown and plots under $OUT (default bench-out/fleet).
 #
-#   bash scripts/bench_fleet.sh [mooncake|sharegpt|all]
+#   bash scripts/bench_fleet.sh [mooncake|sharegpt|transfer|all]
+#
+# transfer: block transfer on both traces (docs/benchmarks.md, "Moving KV instead of
+# work"): the cost rule with its pull option (prefix), without it (prefix:transfer=0, the
+# rule before), every turn on its best-cached worker (prefix:load_weight=0:transfer=0, the
+# bound on tokens not recomputed without transfer) and sglang-router, in one run per
+# trace, each on a fresh fleet; and the simulator on the same settings. Transfer stands for
+# 100 Gb/s between GPUs for an 8B model (the --transfer-bytes-per-s and
+# --kv-bytes-per-token defaults).
 #
 # Environment: TRACES (default ../shared/traces), OUT, TIME_SCALE (default 20, the issue's),
 # SGLANG_PYTHON (a python with sglang-router 0.3.2, default /work/peers/sglang-venv/bin/
@@ -70,5 +78,26 @@ if [[ $WHAT == sharegpt || $WHAT == all ]]; then
     --name sharegpt-redis > /dev/null
   "${PG[@]}" --combine "$OUT/sharegpt-watch.json,$OUT/sharegpt-redis.json" \
     --out "$OUT" --name sharegpt
+fi
+
+if [[ $WHAT == transfer ]]; then
+  X=(--sim-policies prefix,prefix:transfer=0,prefix:load_weight=0:transfer=0)
+  PEER=()
+  [[ -x $SGLANG_PYTHON ]] && PEER=(--peer-router "$SGLANG_PYTHON -m sglang_router.launch_router --policy cache_aware --prometheus-port {free_port}"
+                                   --peer-label "sglang-router 0.3.2 cache_aware")
+  M=(--trace "$TRACES/mooncake_synthetic_trace.jsonl" --capacity-tokens 2048000
+     --prefill-tokens-per-s 20000 --decode-s-per-token 0.03 --max-tokens 1000
+     --time-scale "$S")
+  C=(--trace "$TRACES/sharegpt_multiturn_dev.jsonl.gz" --max-conversations "$N_CHAT"
+     --arrival closed --concurrency 8 --think-time 0 --publish-at finish --no-conversation-ids
+     --time-scale "$S")
+  for t in mooncake sharegpt; do
+    if [[ $t == mooncake ]]; then A=("${M[@]}"); else A=("${C[@]}"); fi
+    "${PG[@]}" "${A[@]}" --simulate --sim-workers 8 "${X[@]}" --out "$OUT" \
+      --name "transfer-$t-sim" > /dev/null
+    uptime | tee -a "$OUT/uptime.txt"
+    "${PG[@]}" "${A[@]}" --fleet 8 "${X[@]}" "${PEER[@]}" --out "$OUT" \
+      --name "transfer-$t" > /dev/null
+  done
 fi
 uptime | tee -a "$OUT/uptime.txt"

@@ -9,9 +9,11 @@ tokens for sizes, fractions in [0, 1] for rates. Definitions:
   hit_rate               sum(cached tokens) / sum(prompt tokens) over successful turns
   transferred_rate       sum(transferred tokens: KV pulled from another worker) / prompt
   not_recomputed_rate    (cached + transferred) / prompt tokens: the share not prefilled
-  per_worker             turns, prompt/cached/completion tokens and hit rate per worker;
-                         `workers` lists the ones that must appear even with no turn
-  load_balance           max/mean over workers of turns and of prompt tokens (1.0 = even)
+  per_worker             turns, prompt/cached/transferred/completion tokens and hit rate per
+                         worker; `workers` lists the ones that must appear even with no turn
+  load_balance           max/mean over workers of turns, of prompt tokens and of computed
+                         prompt tokens (the prefill each did: prompt - cached -
+                         transferred) (1.0 = even)
   hit_rate_over_time     per bin of turn start times: hit rate and turns
   errors                 failed turns by status
   throughput             turns/s, prompt and completion tokens/s over `duration_s`
@@ -56,16 +58,19 @@ def summarize(records: Sequence[TurnRecord], duration_s: float, *,
     cached = sum(r.cached_tokens for r in ok)
     transferred = sum(r.transferred_tokens for r in ok)
     completion = sum(r.completion_tokens for r in ok)
-    per_worker: dict[str, dict] = {w: {"turns": 0, "prompt_tokens": 0, "cached_tokens": 0,
-                                       "completion_tokens": 0} for w in workers}
+    def zero() -> dict:
+        return {"turns": 0, "prompt_tokens": 0, "cached_tokens": 0, "transferred_tokens": 0,
+                "completion_tokens": 0}
+
+    per_worker: dict[str, dict] = {w: zero() for w in workers}
     for r in ok:
         if not r.worker:
             continue
-        w = per_worker.setdefault(r.worker, {"turns": 0, "prompt_tokens": 0, "cached_tokens": 0,
-                                             "completion_tokens": 0})
+        w = per_worker.setdefault(r.worker, zero())
         w["turns"] += 1
         w["prompt_tokens"] += r.prompt_tokens
         w["cached_tokens"] += r.cached_tokens
+        w["transferred_tokens"] += r.transferred_tokens
         w["completion_tokens"] += r.completion_tokens
     for w in per_worker.values():
         w["hit_rate"] = _ratio(w["cached_tokens"], w["prompt_tokens"])
@@ -74,8 +79,11 @@ def summarize(records: Sequence[TurnRecord], duration_s: float, *,
         n = len(per_worker)
         turns = [w["turns"] for w in per_worker.values()]
         toks = [w["prompt_tokens"] for w in per_worker.values()]
+        work = [w["prompt_tokens"] - w["cached_tokens"] - w["transferred_tokens"]
+                for w in per_worker.values()]
         balance = {"turns_max_over_mean": _ratio(max(turns), sum(turns) / n),
-                   "prompt_tokens_max_over_mean": _ratio(max(toks), sum(toks) / n)}
+                   "prompt_tokens_max_over_mean": _ratio(max(toks), sum(toks) / n),
+                   "computed_tokens_max_over_mean": _ratio(max(work), sum(work) / n)}
     span = max((r.start_s for r in ok), default=0.0)
     width = span / num_time_bins if span > 0 else 1.0
     bins: dict[int, list[int]] = {}
