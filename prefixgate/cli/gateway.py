@@ -92,6 +92,9 @@ def policy_flags(p: argparse.ArgumentParser) -> None:
     flag(p, "--no-measured-rates", action="store_true", default=False,
          help="prefix policy: rank every worker at the default rate (identical workers "
               "whose measurement noise should not steer)")
+    flag(p, "--no-transfer", action="store_true", default=False,
+         help="prefix policy: never pull a prompt's cached blocks from another worker "
+              "(only wait for the cached worker or recompute; docs/routing.md)")
     flag(p, "--prediction-ttl-s", type=float, default=d.prediction_ttl_s,
          help="prefix policy: a routed turn's blocks count as expected on its worker this "
               "long unless the worker's events confirm or drop them (0: no predictions)")
@@ -135,6 +138,7 @@ def gateway_config(args: argparse.Namespace, workers: Sequence[str], port: int):
                              spread_fanout=args.spread_fanout,
                              default_prefill_tokens_per_s=args.default_prefill_tokens_per_s,
                              measured_rates=not args.no_measured_rates,
+                             transfer=not args.no_transfer,
                              prediction_ttl_s=args.prediction_ttl_s),
                          index_max_blocks=args.index_max_blocks,
                          static_workers=tuple(workers),

@@ -76,12 +76,21 @@ class RoundRobin(Target):
 
 
 def policy_flags(spec: str) -> list[str]:
-    """`prefix:load_weight=0.5` -> gateway flags `--policy prefix --load-weight 0.5`."""
+    """`prefix:load_weight=0.5` -> gateway flags `--policy prefix --load-weight 0.5`; a
+    switch of RoutingConfig set to 0 becomes its `--no-` flag (`transfer=0`:
+    `--no-transfer`), set to 1 nothing (the default)."""
+    from prefixgate.gateway.routing import RoutingConfig
+
     name, *fields = spec.split(":")
     out = ["--policy", name]
     for item in fields:
         key, _, value = item.partition("=")
-        out += [f"--{key.strip().replace('_', '-')}", value.strip()]
+        key, value = key.strip(), value.strip()
+        flag = key.replace("_", "-")
+        if isinstance(getattr(RoutingConfig, key, None), bool):
+            out += [] if value not in ("0", "false") else [f"--no-{flag}"]
+        else:
+            out += [f"--{flag}", value]
     return out
 
 
