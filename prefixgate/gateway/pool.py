@@ -74,6 +74,11 @@ class WorkerHandle:
     # The fastest prefill this gateway has seen the worker deliver (tokens per second; 0:
     # none yet). Its self-reported rate counts only up to this.
     observed_prefill_tokens_per_s: float = 0.0
+    # The shortest time per generated token this gateway has seen in one of its replies
+    # from the worker (seconds; 0: none yet). Its self-reported decode step counts as at
+    # least this: one step makes one token per stream, so a stream's time per token is at
+    # least the step the worker really runs.
+    observed_decode_step_s: float = 0.0
 
     def lease(self, prompt_tokens: int) -> Lease:
         """Count one turn sent here, with `prompt_tokens` of prefill queued for it, in this
@@ -131,7 +136,10 @@ class WorkerHandle:
 
     @property
     def decode_step_s(self) -> float:
-        return self.status.decode_step_s if self.status is not None else 0.0
+        reported = self.status.decode_step_s if self.status is not None else 0.0
+        if reported <= 0 or self.observed_decode_step_s <= 0:
+            return 0.0  # not measured (a claim alone is not a measure)
+        return max(reported, self.observed_decode_step_s)
 
     @property
     def prefill_chunk_tokens(self) -> int:
@@ -163,7 +171,7 @@ class Lease:
     Use as a context manager, so that every path out of a turn gives the load back
     exactly once."""
 
-    __slots__ = ("worker", "pending", "ahead", "sent_at")
+    __slots__ = ("worker", "pending", "ahead", "sent_at", "first_at", "first_tokens")
 
     def __init__(self, worker: WorkerHandle, prompt_tokens: int) -> None:
         self.worker, self.pending = worker, prompt_tokens
@@ -172,19 +180,35 @@ class Lease:
         # claimed a long queue would look as fast as it liked.
         self.ahead = worker.in_flight_prompt_tokens
         self.sent_at = time.monotonic()
+        self.first_at = 0.0
+        self.first_tokens = 0  # tokens of the reply's first chunk
         worker.in_flight += 1
         worker.in_flight_prompt_tokens += prompt_tokens
 
-    def first_token(self) -> None:
+    def first_token(self, num_tokens: int = 1) -> None:
         w, pending = self.worker, self.pending
+        if not self.first_at:
+            self.first_at, self.first_tokens = time.monotonic(), num_tokens
         if pending:
-            elapsed = time.monotonic() - self.sent_at
+            elapsed = self.first_at - self.sent_at
             if elapsed > 0:
                 w.observed_prefill_tokens_per_s = max(w.observed_prefill_tokens_per_s,
                                                       (self.ahead + pending) / elapsed)
             w.in_flight_prompt_tokens -= pending
             w.prefilled_since_status += pending
             self.pending = 0
+
+    def decoded(self, num_tokens: int) -> None:
+        """The reply ended with `num_tokens` generated tokens in all: the time per token
+        after its first chunk is the pace the gateway saw the worker deliver. (A worker
+        that held tokens back to look quick sent its first chunk late: its prefill shows
+        that instead.)"""
+        later = num_tokens - self.first_tokens
+        if self.worker is not None and self.first_at and later > 0:
+            per_token = (time.monotonic() - self.first_at) / later
+            w = self.worker
+            w.observed_decode_step_s = (min(w.observed_decode_step_s, per_token)
+                                        if w.observed_decode_step_s else per_token)
 
     def close(self) -> None:
         if self.worker is None:

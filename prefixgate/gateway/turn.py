@@ -231,13 +231,15 @@ class TurnCore:
                             token_ids = chunk.token_ids
                             if token_ids and not ttft_ms:
                                 ttft_ms = (time.monotonic() - arrival) * 1e3
-                                lease.first_token()
+                                lease.first_token(len(token_ids))
                                 charge.release()
                             sent_tokens += len(token_ids)
                             yield chat_pb2.ChatEvent(delta=chat_pb2.ChatDelta(
                                 text=chunk.text, token_ids=token_ids, index=chunk.index,
                                 logprobs=chunk.logprobs))
                             continue
+                        if reply.worker is worker:  # not resumed elsewhere: its own pace
+                            lease.decoded(sent_tokens)
                         yield self.account(turn, decision, reply.worker, ev.final, arrival,
                                            ttft_ms, attempt, charge.num_tokens, reply.num_resumes)
                         return

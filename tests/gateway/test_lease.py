@@ -61,3 +61,25 @@ def test_a_reported_rate_counts_only_up_to_what_the_gateway_saw() -> None:
     assert h.prefill_tokens_per_s == seen < 1e9
     h.set_status(worker_pb2.WorkerStatus(prefill_tokens_per_s=seen / 2))  # slower: as said
     assert h.prefill_tokens_per_s == seen / 2
+
+
+def test_a_reported_decode_step_counts_as_at_least_what_the_gateway_saw() -> None:
+    """A decode step reported shorter than the time per token the gateway saw in a reply
+    counts as what it saw; before any reply it counts as not measured (0)."""
+    import time
+
+    h = _handle()
+    h.set_status(worker_pb2.WorkerStatus(decode_step_s=1e-9))
+    assert h.decode_step_s == 0.0
+    with h.lease(10) as lease:
+        lease.first_token(3)
+        lease.decoded(3)  # all in the first chunk: no pace seen
+    assert h.decode_step_s == 0.0
+    with h.lease(10) as lease:
+        lease.first_token()
+        time.sleep(0.04)
+        lease.decoded(5)  # 4 tokens after the first in >= 40 ms
+    assert h.observed_decode_step_s >= 0.01
+    assert h.decode_step_s == h.observed_decode_step_s
+    h.set_status(worker_pb2.WorkerStatus(decode_step_s=1.0))  # slower than seen: as said
+    assert h.decode_step_s == 1.0
