@@ -103,7 +103,10 @@ async def _up(args: argparse.Namespace) -> int:
                 cmd += ["--tls-cert", str(creds.server_cert), "--tls-key", str(creds.server_key),
                         "--tls-client-ca", str(creds.ca),
                         "--internal-token-file", str(creds.internal_token),
-                        "--health-port", probes[-1].rsplit(":", 1)[1]]
+                        "--health-port", probes[-1].rsplit(":", 1)[1],
+                        # Block pulls and the drain hand-off call peers as gateways do.
+                        "--peer-tls-ca", str(creds.ca), "--peer-tls-cert",
+                        str(creds.client_cert), "--peer-tls-key", str(creds.client_key)]
                 if args.redis_url:
                     cmd += ["--worker-keyring", str(creds.worker_keyring(f"worker-{i}"))]
             workers.start_prefixgate(f"worker-{i}", *cmd)

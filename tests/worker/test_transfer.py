@@ -17,33 +17,70 @@ from prefixgate.wire.token_ids import pack
 from tests.helpers import start_worker
 
 
-def _generate(stub, prompt, max_tokens=12, pull=None):
+def _generate(stub, prompt, max_tokens=12, pull=None, logprobs=None, metadata=None):
+    """Greedy tokens and the final event (with `logprobs`, a list to fill with each
+    token's top-5 log probabilities)."""
     request = worker_pb2.GenerateRequest(
         request_id="r", packed_prompt_token_ids=pack(prompt).tobytes(),
-        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0), pull=pull)
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                           top_logprobs=5 if logprobs is not None else None),
+        pull=pull)
     tokens, final = [], None
-    for ev in stub.Generate(request, timeout=60):
+    for ev in stub.Generate(request, timeout=120, metadata=metadata):
         if ev.HasField("chunk"):
             tokens += ev.chunk.token_ids
+            if logprobs is not None:
+                logprobs += [list(lp.top_logprobs) for lp in ev.chunk.logprobs]
         else:
             final = ev.final
     return tokens, final
 
 
-@pytest.fixture
-def workers(loop_thread, tiny_spec, tiny_model):
-    """Three workers on loopback: holder, puller, and a reference with the cache off."""
+def _workers(loop_thread, spec, model):
+    """A function starting workers of `model` on loopback, and their stops."""
     made = {}
 
     def start(name, **config):
-        address, stop = start_worker(loop_thread, tiny_spec, tiny_model, name, **config)
+        address, stop = start_worker(loop_thread, spec, model, name, **config)
         channel = grpc.insecure_channel(address)
         made[name] = (address, stop, channel, worker_pb2_grpc.WorkerServiceStub(channel))
         return made[name]
+
+    def stop_all():
+        for _, stop, channel, _ in made.values():
+            channel.close()
+            loop_thread.loop.call_soon_threadsafe(stop.set)
+    return start, stop_all
+
+
+@pytest.fixture
+def workers(loop_thread, tiny_spec, tiny_model):
+    """Workers of tiny-random on loopback: e.g. holder, puller, a reference with no cache."""
+    start, stop_all = _workers(loop_thread, tiny_spec, tiny_model)
     yield start
-    for _, stop, channel, _ in made.values():
-        channel.close()
-        loop_thread.loop.call_soon_threadsafe(stop.set)
+    stop_all()
+
+
+def test_pulled_kv_equals_recompute_smollm2(loop_thread, smollm2_spec, smollm2_model) -> None:
+    """SmolLM2 in the worker's weights (q4_1 on the CPU): a follow-up turn on pulled KV
+    gives the greedy tokens and log probabilities of a full recompute."""
+    start, stop_all = _workers(loop_thread, smollm2_spec, smollm2_model)
+    try:
+        holder_addr, _, _, holder = start("holder", num_blocks=96)
+        _, _, _, puller = start("puller", num_blocks=96)
+        _, _, _, reference = start("reference", num_blocks=96, enable_prefix_cache=False)
+        prompt = [(i * 7919) % 40000 + 100 for i in range(300)]
+        first, _ = _generate(holder, prompt, max_tokens=8)
+        follow_up = prompt + first + [(i * 104729) % 40000 + 100 for i in range(40)]
+        pull = worker_pb2.PullSpec(peer_address=holder_addr, num_blocks=len(follow_up) // 16)
+        got_lp, want_lp = [], []
+        got, final = _generate(puller, follow_up, pull=pull, logprobs=got_lp)
+        want, _ = _generate(reference, follow_up, logprobs=want_lp)
+        assert final.usage.transferred_tokens == (len(prompt) + len(first) - 1) // 16 * 16
+        assert got == want
+        assert torch.allclose(torch.tensor(got_lp), torch.tensor(want_lp), atol=1e-3)
+    finally:
+        stop_all()
 
 
 def _service_engine(stub):
