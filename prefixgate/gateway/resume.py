@@ -189,16 +189,16 @@ class Reply:
                             charge.release()
                         text = "".join(decoder.push(t) for t in ev.chunk.token_ids)
                         if decoder.stopped:  # a stop string across the seam, or within
-                            yield _chunk(ev.chunk.token_ids, text)
+                            yield _chunk(ev.chunk, text)
                             yield _final(ev_final=None, prompt=len(prompt), sent=len(sent),
                                          completion=len(decoder.token_ids) - len(sent),
                                          reason=common_pb2.FINISH_REASON_STOP, started=started)
                             return
-                        yield _chunk(ev.chunk.token_ids, text)
+                        yield _chunk(ev.chunk, text)
                         continue
                     rest = decoder.flush()
                     if rest:
-                        yield _chunk((), rest)
+                        yield _chunk(None, rest)
                     yield _final(ev.final, prompt=len(prompt), sent=len(sent),
                                  completion=ev.final.usage.completion_tokens,
                                  reason=ev.final.finish_reason, started=started)
@@ -213,9 +213,14 @@ class Reply:
             charge.release()
 
 
-def _chunk(token_ids, text: str) -> worker_pb2.GenerateEvent:
-    return worker_pb2.GenerateEvent(chunk=worker_pb2.GenerateChunk(text=text,
-                                                                  token_ids=token_ids))
+def _chunk(chunk: worker_pb2.GenerateChunk | None, text: str) -> worker_pb2.GenerateEvent:
+    """The continuation's chunk (its token ids and log probabilities) with the text decoded
+    here; no chunk: text alone (what the decoder held back, at the end)."""
+    out = worker_pb2.GenerateChunk()
+    if chunk is not None:
+        out.CopyFrom(chunk)
+    out.text = text
+    return worker_pb2.GenerateEvent(chunk=out)
 
 
 def _final(ev_final: worker_pb2.GenerateFinal | None, *, prompt: int, sent: int,
