@@ -834,8 +834,8 @@ def test_gateway_image_installs_no_torch() -> None:
     for args in installs:
         for arg in args:
             assert not re.search(r"torch|\[.*worker.*\]", arg), f"gateway image: pip {args}"
-    (base,) = [rest for instruction, rest in _instructions(dockerfile) if instruction == "FROM"]
-    assert "torch" not in base and "cuda" not in base
+    for instruction, base in _instructions(dockerfile):
+        assert instruction != "FROM" or ("torch" not in base and "cuda" not in base)
     assert "find_spec('torch')" in dockerfile.read_text(), "the build checks torch is absent"
     # `pip install .` brings in the base dependencies only: none may be torch's.
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
@@ -857,6 +857,21 @@ def test_worker_image_install_order_and_pins() -> None:
     assert "--no-deps" in installs[smollm2_at]
 
 
+def test_worker_image_builds_the_kernels_in_a_stage_with_a_compiler() -> None:
+    """The CPU kernels are compiled at image build time (a compiler in the build stage,
+    none in the runtime stage), so pods run q4_1 without building anything."""
+    instructions = _instructions(DEPLOY / "docker" / "Dockerfile.worker")
+    stages: list[list[tuple[str, str]]] = []
+    for i, rest in instructions:
+        if i == "FROM":
+            stages.append([])
+        stages[-1].append((i, rest))
+    assert len(stages) == 2, "a build stage and a runtime stage"
+    build, runtime = (" ".join(rest for _, rest in s) for s in stages)
+    assert "gcc" in build and "cbuild --prebuild" in build
+    assert "gcc" not in runtime and "--from=build" in runtime
+    assert "[worker]" in build
+
 @pytest.mark.parametrize("component", ["gateway", "worker"])
 def test_images_match_the_manifests(component: str, containers) -> None:
     dockerfile = DEPLOY / "docker" / f"Dockerfile.{component}"
@@ -871,7 +886,7 @@ def test_images_match_the_manifests(component: str, containers) -> None:
     # What the image copies must exist and not be excluded by its .dockerignore.
     ignore = (dockerfile.parent / f"{dockerfile.name}.dockerignore").read_text().split()
     for i, rest in instructions:
-        if i == "COPY":
+        if i == "COPY" and not rest.startswith("--from="):  # not from a build stage
             for source in rest.split()[:-1]:
                 assert (REPO / source).exists(), source
                 assert f"!{source.rstrip('/')}" in [p.rstrip("/") for p in ignore], source

@@ -1,11 +1,24 @@
-"""Build a C kernel source into a shared library on first use, once per source and host.
+"""The CPU kernel library: the C sources in csrc/, built into one shared library.
 
-Contract: `load(name, source, flags)` returns a `ctypes.CDLL` of `source` compiled with the
-system C compiler (`$CC`, else `cc`/`gcc`) and `flags`, cached in the prefixgate cache
-directory under a file name keyed by the source, flags, compiler and host (so an edited
-source or another CPU builds afresh), or None when there is no compiler or the build
-fails (logged; callers then keep their torch path). Concurrent builders agree: the
-library is written under a temporary name and renamed into place.
+Contract: `load()` returns the library (a `ctypes.CDLL`) with every function that the ABI
+header `csrc/pg_kernels.h` declares given its restype and argtypes from that header (the
+one place a signature is written: `signatures()` reads it), or None when it cannot be
+had (logged; callers keep their torch path). The first library found is used:
+
+  1. prebuilt (the worker image builds them, `python -m prefixgate.worker.kernels.cbuild
+     --prebuild`): one library per portable variant in `PREBUILT_DIR` (or
+     $PREFIXGATE_KERNEL_DIR), named by the variant and the hash of the sources; the best
+     variant this CPU runs (x86-64-v4: AVX-512, the q4_1 kernels; x86-64-v3; baseline)
+     whose hash matches these sources;
+  2. built here on first use with `-march=native` (the host's vector units) by the system
+     C compiler ($CC, else cc/gcc), cached in the prefixgate cache directory under a key
+     of the sources, the header, the flags, the compiler's version and the CPU's features
+     (so an edited source, another compiler or a CPU with other features builds afresh,
+     and hosts alike share a build).
+
+Every build treats warnings as errors (-Wall -Wextra -Werror) and exports the ABI alone
+(-fvisibility=hidden). Concurrent builders agree: a library is written under a temporary
+name and renamed into place.
 """
 
 from __future__ import annotations
@@ -15,17 +28,120 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-# -march=native: the kernels use the host's vector units (AVX-512 where present); the
-# cache key includes the host, so a library never runs on a CPU it was not built for.
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
-         "-fassociative-math", "-fno-signed-zeros", "-shared", "-fPIC", "-pthread")
+NAME = "pg_cpu"
+CSRC = Path(__file__).resolve().parent / "csrc"
+HEADER = CSRC / "pg_kernels.h"
+PREBUILT_DIR = Path(__file__).resolve().parent / "prebuilt"
+
+WARNINGS = ("-Wall", "-Wextra", "-Werror")
+FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+         "-fno-signed-zeros", "-shared", "-fPIC", "-pthread", "-fvisibility=hidden",
+         *WARNINGS)
+NATIVE = ("-march=native",)
+# Portable builds for images (best first): the CPU features each needs (/proc/cpuinfo
+# names) and its flags. x86-64-v4 is the AVX-512 level the q4_1 kernels need.
+VARIANTS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
+    "x86-64-v4": (frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl",
+                             "avx2", "fma", "bmi2", "movbe", "f16c"}), ("-march=x86-64-v4",)),
+    "x86-64-v3": (frozenset({"avx2", "fma", "bmi1", "bmi2", "movbe", "f16c"}),
+                  ("-march=x86-64-v3",)),
+    "baseline": (frozenset(), ()),
+}
+
+_CTYPES = {"void": None, "int": ctypes.c_int, "float": ctypes.c_float,
+           "int64_t": ctypes.c_int64}
+
+
+def sources() -> list[Path]:
+    return sorted(CSRC.glob("*.c"))
+
+
+def source_hash() -> str:
+    """Hash of every C source and header (what a library was built from)."""
+    h = hashlib.sha256()
+    for path in sorted([*CSRC.glob("*.c"), *CSRC.glob("*.h")]):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def signatures(header: Path = HEADER) -> dict[str, tuple[object, list[object]]]:
+    """name -> (restype, argtypes) of every `PG_API` declaration in the header. Any
+    pointer is a void pointer; other types must be in _CTYPES (ValueError otherwise)."""
+    text = re.sub(r"/\*.*?\*/", " ", header.read_text(), flags=re.S)
+    out: dict[str, tuple[object, list[object]]] = {}
+    for ret, name, params in re.findall(r"PG_API\s+([\w\s*]+?)\s*\b(pg_\w+)\s*\(([^)]*)\)\s*;",
+                                        text):
+        args = [] if params.strip() == "void" else [p.strip() for p in params.split(",")]
+        out[name] = (_ctype(ret, name), [_ctype(re.sub(r"\w+$", "", a), name) for a in args])
+    if not out:
+        raise ValueError(f"{header} declares no PG_API function")
+    return out
+
+
+def _ctype(decl: str, where: str) -> object:
+    decl = " ".join(decl.replace("const", " ").split())
+    if "*" in decl:
+        return ctypes.c_void_p
+    if decl not in _CTYPES:
+        raise ValueError(f"{HEADER.name}: {where}: type {decl!r} has no ctypes mapping")
+    return _CTYPES[decl]
+
+
+def cpu_features() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty where unknown)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def compile_library(target: Path, arch_flags: Sequence[str], cc: str) -> None:
+    """Build csrc/*.c into `target` (atomically); CalledProcessError with the compiler's
+    output when it fails."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / "lib.so"
+        proc = subprocess.run([cc, *FLAGS, *arch_flags, f"-I{CSRC}",
+                               *map(str, sources()), "-o", str(out), "-lm"],
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise subprocess.CalledProcessError(proc.returncode, proc.args, proc.stdout,
+                                                proc.stderr)
+        os.replace(out, target)
+
+
+def _bind(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    for name, (restype, argtypes) in signatures().items():
+        fn = getattr(lib, name)  # AttributeError: the library lacks an ABI function
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+def _prebuilt() -> Path | None:
+    folder = Path(os.environ.get("PREFIXGATE_KERNEL_DIR") or PREBUILT_DIR)
+    have, digest = cpu_features(), source_hash()
+    for variant, (needs, _) in VARIANTS.items():
+        path = folder / f"{NAME}-{variant}-{digest}.so"
+        if needs <= have and path.is_file():
+            return path
+    return None
 
 
 def _cache_dir() -> Path:
@@ -34,29 +150,62 @@ def _cache_dir() -> Path:
     return default_cache_dir() / "kernels"
 
 
-def load(name: str, source: str, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
-    """The compiled library of `source` (building it if needed), or None (logged)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        log.info("no C compiler: the %s kernel is unavailable (torch path in use)", name)
-        return None
-    key = hashlib.sha256("\0".join([source, *flags, cc, platform.machine(),
-                                    platform.processor(), platform.node()]).encode())
-    target = _cache_dir() / f"{name}_{key.hexdigest()[:16]}.so"
+def _native(cc: str) -> Path:
+    """The -march=native library in the cache (built if missing)."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+    key = hashlib.sha256("\0".join([source_hash(), *FLAGS, *NATIVE, version,
+                                    platform.machine(), *sorted(cpu_features())]).encode())
+    target = _cache_dir() / f"{NAME}_{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        compile_library(target, NATIVE, cc)
+    return target
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library (module docstring), or None (logged)."""
+    path = _prebuilt()
     try:
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                src, out = Path(tmp) / "k.c", Path(tmp) / "k.so"
-                src.write_text(source)
-                proc = subprocess.run([cc, *flags, str(src), "-o", str(out), "-lm"],
-                                      capture_output=True, text=True, timeout=180)
-                if proc.returncode != 0:
-                    log.warning("building the %s kernel failed; using the torch path:\n%s",
-                                name, proc.stderr[-2000:])
-                    return None
-                os.replace(out, target)
-        return ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("the %s kernel is unavailable (%s); using the torch path", name, e)
-        return None
+        if path is None:
+            cc = _compiler()
+            if cc is None:
+                log.info("no C compiler and no prebuilt kernels: the CPU kernels are "
+                         "unavailable (torch path in use)")
+                return None
+            path = _native(cc)
+        return _bind(path)
+    except subprocess.CalledProcessError as e:
+        log.warning("building the CPU kernels failed; using the torch path:\n%s",
+                    (e.stderr or "")[-2000:])
+    except (OSError, subprocess.SubprocessError, AttributeError) as e:
+        log.warning("the CPU kernels are unavailable (%s); using the torch path", e)
+    return None
+
+
+def prebuild(folder: Path, cc: str | None = None) -> list[Path]:
+    """Build every portable variant into `folder` (the worker image does, at build time;
+    a compiler that lacks a variant's -march fails the build)."""
+    cc = cc or _compiler()
+    if cc is None:
+        raise SystemExit("prebuild: no C compiler ($CC, cc or gcc)")
+    built = []
+    for variant, (_, flags) in VARIANTS.items():
+        path = folder / f"{NAME}-{variant}-{source_hash()}.so"
+        compile_library(path, flags, cc)
+        _bind(path)  # every ABI function is there
+        built.append(path)
+    return built
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Build the CPU kernel library ahead of use.")
+    parser.add_argument("--prebuild", type=Path, nargs="?", const=PREBUILT_DIR, default=None,
+                        help=f"build every portable variant into this folder (default "
+                             f"{PREBUILT_DIR})")
+    opts = parser.parse_args()
+    if opts.prebuild is None:
+        parser.error("nothing to do: give --prebuild [FOLDER]")
+    for p in prebuild(opts.prebuild):
+        print(p)
