@@ -258,32 +258,35 @@ class _ClaimsFastPrefill:
 
 def test_a_worker_reporting_a_huge_prefill_rate_draws_no_extra_turns(
         loop_thread, tiny_spec, monkeypatch) -> None:
-    """Two emulated workers alike (20,000 prefill tokens/s, 30 ms a token), one of which
-    reports 10^9 tokens/s and a 1 ns step: the gateway credits a reported rate only up to
-    what it saw the worker deliver, so the liar draws no more new conversations than the
-    honest one would."""
+    """Two emulated workers (30 ms a token): an honest one prefilling 20,000 tokens/s and
+    a liar prefilling 5,000 that reports 10^9 tokens/s and a 1 ns step. The gateway
+    credits a reported rate only up to what it saw the worker deliver, so the lie draws
+    no new conversations: the faster, honest worker gets most of them."""
     import concurrent.futures
 
     import prefixgate.worker.server as worker_server
+    from prefixgate.emulate.service import ServiceModel
     from tests.helpers import start_emulated_worker, start_gateway
 
     honest, s_honest, _ = start_emulated_worker(loop_thread, tiny_spec, "honest")
     with monkeypatch.context() as m:
         m.setattr(worker_server, "ServiceRates", _ClaimsFastPrefill)
-        liar, s_liar, _ = start_emulated_worker(loop_thread, tiny_spec, "liar")
+        liar, s_liar, _ = start_emulated_worker(
+            loop_thread, tiny_spec, "liar", service=ServiceModel(prefill_tokens_per_s=5_000.0))
     gw, gstop = start_gateway(loop_thread, tiny_spec, [honest, liar])
     try:
         with grpc.insecure_channel(gw) as c:
             stub = chat_pb2_grpc.ChatServiceStub(c)
             wait_for(lambda: _num_workers(stub) == 2, what="the gateway to list both")
             prompts = _prompts(30, salt=7, length=400)
-            with concurrent.futures.ThreadPoolExecutor(1) as pool:  # one at a time
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:  # some load at once
                 served = Counter(f.worker_id for f in pool.map(
                     lambda i: _turn(stub, prompts[i], f"new{i}", max_tokens=4), range(30)))
         report("worker_reporting_1e9_prefill_tokens_per_s", turns=30, served=dict(served))
         assert sum(served.values()) == 30
-        # Turns one at a time: any credit the lie earned would win every turn (29 of 30
-        # before); without it the two are alike (two honest workers: 2 of 30 here).
-        assert served["liar"] <= 15, served
+        # The liar is four times slower than the honest worker: credited by what it
+        # delivers it draws only what the honest one's load leaves (credited by its
+        # claim, it drew 28 of 30).
+        assert served["liar"] <= 10, served
     finally:
         _stop_all(loop_thread, gstop, s_honest, s_liar)
