@@ -64,8 +64,8 @@ def byte_stream_main(port: int, num_bytes: int, chunk_bytes: int) -> None:
     chunk = os.urandom(chunk_bytes)
 
     async def stream(request: bytes, context):
-        for _ in range(num_bytes // chunk_bytes):
-            yield chunk
+        for sent in range(0, num_bytes, chunk_bytes):
+            yield chunk if sent + chunk_bytes <= num_bytes else chunk[:num_bytes - sent]
 
     async def serve() -> None:
         server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
@@ -111,8 +111,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import grpc
     from tqdm import tqdm
 
-    from prefixgate.bench.gateway import _stop, _wait_port
-    from prefixgate.gateway.processes import die_with_parent
+    from prefixgate.launch.processes import ProcessGroup
     from prefixgate.model.catalog import resolve_model
     from prefixgate.model.tokenizer import ChatTokenizer
     from prefixgate.radix import BlockHasher
@@ -125,20 +124,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     vocab = ChatTokenizer(spec).vocab_size
     rng = random.Random(args.seed)
     history = [rng.randrange(vocab) for _ in range(args.history_tokens)]
-    cli = [sys.executable, "-m", "prefixgate"]
+    group = ProcessGroup(scrub_env=True)
     ports = [free_port(), free_port()]
-    procs = [subprocess.Popen(
-        [*cli, "worker", "--model", args.model, "--weights", args.weights, "--port", str(p),
-         "--worker-id", f"w{i + 1}", "--device", "cpu", "--log-level", "WARNING",
-         "--kv-cache-memory", str(4 * (args.history_tokens + 1024) * 46080 // 2),
-         *(["--torch-threads", str(args.torch_threads)] if args.torch_threads else [])],
-        preexec_fn=die_with_parent) for i, p in enumerate(ports)]
+    for i, p in enumerate(ports):
+        group.start_prefixgate(
+            f"w{i + 1}", "worker", "--model", args.model, "--weights", args.weights,
+            "--port", str(p), "--worker-id", f"w{i + 1}", "--device", "cpu",
+            "--log-level", "WARNING",
+            "--kv-cache-memory", str(4 * (args.history_tokens + 1024) * 46080 // 2),
+            *(["--torch-threads", str(args.torch_threads)] if args.torch_threads else []))
     addresses = [f"127.0.0.1:{p}" for p in ports]
     load_before = os.getloadavg()
     opts = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
     try:
         for a in addresses:
-            _wait_port(a, procs, timeout_s=600)
+            asyncio.run(group.wait_serving(a, timeout_s=600))
         w1, w2 = (worker_pb2_grpc.WorkerServiceStub(grpc.insecure_channel(a, options=opts))
                   for a in addresses)
         info = w1.GetInfo(worker_pb2.GetInfoRequest())
@@ -184,11 +184,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         chain = BlockHasher(bs, spec.fingerprint).hash_blocks(history)
         num_bytes = len(chain) * bs * info_bytes_per_token(w2)
         stream = f"127.0.0.1:{free_port()}"
-        procs.append(subprocess.Popen(
-            [sys.executable, "-c", "import sys; from prefixgate.bench.transfer import "
-             "byte_stream_main as m; m(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))",
-             stream.rsplit(":", 1)[1], str(num_bytes), str(CHUNK_BYTES)],
-            preexec_fn=die_with_parent))
+        group.start("byte-stream", [
+            sys.executable, "-c", "import sys; from prefixgate.bench.transfer import "
+            "byte_stream_main as m; m(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))",
+            stream.rsplit(":", 1)[1], str(num_bytes), str(CHUNK_BYTES)])
+        time.sleep(2.0)  # the stream server imports grpc and listens
         pulls, plains = [], []
         # Pulls and the plain stream alternate, so both see the same load.
         for _ in range(args.repeats):
@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 check=True, capture_output=True, text=True, timeout=300).stdout.split()[-1]))
         status = w2.GetStatus(worker_pb2.GetStatusRequest())
     finally:
-        _stop(procs)
+        group.stop()
 
     pull_rate = statistics.median(b / s for b, s in pulls)
     plain = statistics.median(plains)

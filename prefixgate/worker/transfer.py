@@ -196,8 +196,12 @@ async def export_events(transfer: BlockTransfer, request: worker_pb2.ExportBlock
                 if nxt < total:
                     reading = asyncio.ensure_future(asyncio.to_thread(
                         transfer.read, pin, nxt, min(per_chunk, total - nxt)))
-                yield worker_pb2.ExportBlocksEvent(chunk=worker_pb2.KVBlocksChunk(
-                    first_block=start + first, num_blocks=count, k=k, v=v))
+                # Filled in place: a KVBlocksChunk built first would be copied into the
+                # event (pages of megabytes each).
+                event = worker_pb2.ExportBlocksEvent()
+                chunk = event.chunk
+                chunk.first_block, chunk.num_blocks, chunk.k, chunk.v = start + first, count, k, v
+                yield event
                 first = nxt
         finally:
             if not reading.done():
