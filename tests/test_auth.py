@@ -79,7 +79,7 @@ def test_printed_token_lines_parse_back_to_their_namespace_or_are_refused(
     from prefixgate.cli import token
 
     try:
-        token.run(Namespace(namespace=namespace, label="", worker_key=""))
+        token.run(Namespace(namespace=namespace, label="", worker_key="", gateway_key=""))
     except SystemExit:
         assert namespace != "acme"
         return

@@ -14,12 +14,13 @@ from tests.helpers import start_emulated_worker, wait_for
 
 
 def test_http_stream_is_cut_after_drain_seconds(loop_thread, tiny_spec) -> None:
+    from prefixgate.emulate.service import ServiceModel
     from prefixgate.gateway.server import GatewayConfig, serve
     from prefixgate.registry import EmbeddedRegistry
 
     # A reply of 400 tokens at 0.2 s a token: 80 s, far past the 1 s drain.
     worker, wstop, _ = start_emulated_worker(loop_thread, tiny_spec, "slow",
-                                             decode_s_per_token=0.2)
+                                             service=ServiceModel(decode_s_per_token=0.2))
     http_port = free_port()
     config = GatewayConfig(static_workers=(worker,), drain_seconds=1.0, http_port=http_port)
     base = f"http://127.0.0.1:{http_port}"
