@@ -23,7 +23,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from prefixgate.bench.redis_server import RedisServer  # noqa: E402
+from prefixgate.launch.redis_server import RedisServer  # noqa: E402
 from prefixgate.model.catalog import ModelSpec, resolve_model  # noqa: E402
 from tests.helpers import ENGINES, LoopThread  # noqa: E402
 

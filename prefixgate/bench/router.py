@@ -195,7 +195,7 @@ class _Redis:
     redis-server is not installed)."""
 
     def __init__(self, url: str) -> None:
-        from prefixgate.bench.redis_server import RedisServer
+        from prefixgate.launch.redis_server import RedisServer
 
         self.server: RedisServer | None = None
         self.url = url

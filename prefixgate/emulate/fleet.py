@@ -99,7 +99,7 @@ class Fleet:
         group = self._group = ProcessGroup(self.workdir, scrub_env=True, new_session=True)
         try:
             if (cfg.redis or cfg.redis_url) and not self.redis_url:
-                from prefixgate.bench.redis_server import RedisServer
+                from prefixgate.launch.redis_server import RedisServer
 
                 self._redis = RedisServer(self.workdir / "redis")
                 (self.workdir / "redis").mkdir(exist_ok=True)

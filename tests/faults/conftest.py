@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from prefixgate.bench.redis_server import RedisServer
+from prefixgate.launch.redis_server import RedisServer
 from tests.faults.fleet import Fleet
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import grpc
 
-from prefixgate.bench.redis_server import RedisServer
 from prefixgate.launch.processes import ProcessGroup
+from prefixgate.launch.redis_server import RedisServer
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2
 from prefixgate.wire.rpc import free_port
 from tests.helpers import REPO, cli_env, wait_for

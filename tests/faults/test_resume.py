@@ -21,7 +21,7 @@ import httpx
 import pytest
 import xxhash
 
-from prefixgate.bench.redis_server import RedisServer
+from prefixgate.launch.redis_server import RedisServer
 from prefixgate.v1 import chat_pb2_grpc
 from prefixgate.wire.rpc import free_port
 from tests.faults.fleet import Fleet, chat_request, concurrently, prompt_for, report

@@ -1,4 +1,4 @@
-"""A private redis-server on a free loopback port (benchmarks and tests).
+"""A private redis-server on a free loopback port (the emulated fleet, benchmarks, tests).
 
 Contract: `RedisServer(workdir)` finds Debian's `redis-server` (`available()` says whether
 it is installed); `start()` launches it without persistence on a port chosen once, at the
