@@ -93,3 +93,20 @@ def service_model(args: argparse.Namespace):
         return ServiceModel(args.prefill_tokens_per_s, args.decode_s_per_token)
     except ValueError as exc:
         raise SystemExit(f"prefixgate {args.command}: {exc}") from None
+
+
+def redis_url_flag(p: argparse.ArgumentParser, help: str) -> None:
+    """--redis-url, checked as the command line is read: a value redis-py cannot use
+    (`notaurl`) is a usage error naming it, not a traceback once servers are starting."""
+    flag(p, "--redis-url", default="", type=_redis_url, help=help)
+
+
+def _redis_url(value: str) -> str:
+    from prefixgate.registry.redis_registry import check_url
+
+    if not value:
+        return value
+    try:
+        return check_url(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

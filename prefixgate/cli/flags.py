@@ -93,7 +93,9 @@ def _from_env(env: str, raw: str, name: str, type_: Callable,
     what = "" if item is None else f" ({item!r})"
     try:
         value = type_(value_text)
-    except (TypeError, ValueError, argparse.ArgumentTypeError):
+    except argparse.ArgumentTypeError as exc:  # the type says what is wrong itself
+        return BadEnv(f"{env}: {exc} (it sets {name}); fix or unset the variable")
+    except (TypeError, ValueError):
         return BadEnv(f"{env}={raw!r} is not a valid {_type_name(type_)}{what} (it sets "
                       f"{name}); fix or unset the variable")
     if choices is not None and value not in choices:

@@ -19,6 +19,7 @@ from prefixgate.cli.common import (
     log_flags,
     model_flags,
     overflow_flag,
+    redis_url_flag,
 )
 from prefixgate.cli.flags import flag
 from prefixgate.cli.limits import limit_flags, request_limits
@@ -34,7 +35,7 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
     flag(g, "--worker", action="append",
          help="worker address host:port (embedded registry); not needed with --redis-url")
     vllm_worker_flag(g)
-    flag(g, "--redis-url", default="", help="discover workers through this Redis")
+    redis_url_flag(g, "discover workers through this Redis")
     policy_flags(g)
     record_trace_flag(g)
     drain_flag(g)

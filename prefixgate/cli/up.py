@@ -1,7 +1,11 @@
 """`prefixgate up`: N workers (subprocesses) and a gateway (in this process) on this machine.
 
 Ctrl-C (or SIGTERM) stops every process it started; the workers also get SIGTERM when
-`up` dies by SIGKILL (Linux).
+`up` dies by SIGKILL (Linux). What could fail late fails first: the gateway's ports are
+checked free and Redis (--redis-url) reachable before any model loads. Workers get their
+flags explicitly (no PREFIXGATE_* variable of `up`'s reaches them: one meant for `up`,
+say PREFIXGATE_METRICS_PORT, would have every worker fight for it) and a metrics port
+each, printed. `up` says it is up only once the gateway routes to every worker.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from prefixgate.cli.common import (
     log_flags,
     model_flags,
     overflow_flag,
+    redis_url_flag,
 )
 from prefixgate.cli.flags import flag
 
@@ -41,8 +46,7 @@ def add_arguments(u: argparse.ArgumentParser) -> None:
     model_flags(u)
     flag(u, "--workers", type=int, default=2, help="number of workers")
     listen_flags(u, 50051, "gateway ")
-    flag(u, "--redis-url", default="",
-         help="use this Redis as the registry (default: embedded, no Redis)")
+    redis_url_flag(u, "use this Redis as the registry (default: embedded, no Redis)")
     gateway_cli.policy_flags(u)
     overflow_flag(u)
     gateway_cli.http_flag(u, 8000)
@@ -72,23 +76,38 @@ def run(args: argparse.Namespace) -> int:
 async def _up(args: argparse.Namespace) -> int:
     from prefixgate.launch.processes import ProcessExited, ProcessGroup
     from prefixgate.launch.serving import start_server, stop_event
+    from prefixgate.gateway.processes import refuse_busy_port
     from prefixgate.wire.rpc import free_port
 
     n = args.workers
     if n < 1:
         raise SystemExit("prefixgate up: --workers must be at least 1")
+    # Before any model loads (minutes, the first time): ports taken, Redis not there.
+    refuse_busy_port(args.host, args.port)
+    refuse_busy_port(args.host, max(0, args.http_port))
+    if args.redis_url:
+        from prefixgate.registry.redis_registry import check_reachable
+
+        try:
+            await check_reachable(args.redis_url)
+        except ConnectionError as exc:
+            raise SystemExit(f"prefixgate up: {exc}") from None
     creds = _credentials(args, [f"worker-{i}" for i in range(n)]) if args.secure else None
     probes = []  # where each worker's health is asked (its plaintext health port if TLS)
     threads = args.torch_threads or max(1, (os.cpu_count() or 1) // n)
-    workers = ProcessGroup()  # they log to this terminal; Ctrl-C reaches them too
+    # They log to this terminal (Ctrl-C reaches them too); their flags are all explicit.
+    workers = ProcessGroup(scrub_env=True)
     addresses = []
+    metrics = []  # each worker's Prometheus port
     stop = stop_event()
     try:
         for i in range(n):
             port = free_port()
             addresses.append(f"127.0.0.1:{port}")
+            metrics.append(free_port())
             cmd = ["worker", "--model", args.model,
                    "--port", str(port), "--worker-id", f"worker-{i}",
+                   "--metrics-port", str(metrics[-1]),
                    "--torch-threads", str(threads), "--block-size", str(args.block_size),
                    "--context-overflow", args.context_overflow,
                    "--weights", args.weights, "--kv-dtype", args.kv_dtype,
@@ -146,7 +165,10 @@ async def _up(args: argparse.Namespace) -> int:
                     startup.config, port=port))
                 extra = processes.spawn(serve_process, child, args.processes - 1)
                 await asyncio.to_thread(processes.wait_ready, extra, args.startup_timeout)
-            log.info("prefixgate is up: gateway %s, workers %s", address, ", ".join(addresses))
+            await _wait_routable(address, len(addresses), 60.0, args.redis_url, creds)
+            log.info("prefixgate is up: gateway %s, workers %s (metrics: %s)", address,
+                     ", ".join(addresses), ", ".join(
+                         f"http://127.0.0.1:{p}/metrics" for p in metrics))
             if args.demo:
                 # The demo prints each turn's figures itself; keep the terminal readable.
                 for name in ("prefixgate.gateway", "prefixgate.turns"):
@@ -200,21 +222,46 @@ def _secured(config, creds, with_redis: bool):
                         worker_keyring_file=str(creds.gateway_keyring) if with_redis else ""))
 
 
-async def _demo(address: str, num_workers: int, creds=None) -> int:
-    from prefixgate.cli.chat import converse
+def _client(address: str, creds=None):
+    """A ChatClient of the gateway `up` started (with `--secure`: its CA and token)."""
     from prefixgate.wire.client import ChatClient
     from prefixgate.wire.rpc import TLSConfig
 
-    client = (ChatClient(address) if creds is None else
-              ChatClient(address, TLSConfig(ca_file=str(creds.ca)),
-                         creds.token.read_text().strip()))
+    return (ChatClient(address) if creds is None else
+            ChatClient(address, TLSConfig(ca_file=str(creds.ca)),
+                       creds.token.read_text().strip()))
+
+
+async def _wait_routable(address: str, num_workers: int, timeout_s: float,
+                         redis_url: str, creds=None) -> None:
+    """Return once the gateway at `address` routes to `num_workers` workers; otherwise
+    exit saying how many it sees and where to look (never "up" with workers missing)."""
+    from prefixgate.registry import redact_url
+
+    client = _client(address, creds)
+    try:
+        await client.wait_ready(30)
+        deadline = time.monotonic() + timeout_s
+        seen = 0
+        while time.monotonic() < deadline:
+            seen = (await client.list_models()).models[0].num_workers
+            if seen >= num_workers:
+                return
+            await asyncio.sleep(0.2)
+    finally:
+        await client.close()
+    where = (f"the workers register in Redis at {redact_url(redis_url)}: can they and the "
+             "gateway reach it?" if redis_url else "the gateway probes them at their "
+             "addresses")
+    raise SystemExit(f"prefixgate up: the gateway routes to {seen} of {num_workers} workers "
+                     f"after {timeout_s:.0f} s ({where}; the log above says why)")
+
+
+async def _demo(address: str, num_workers: int, creds=None) -> int:
+    from prefixgate.cli.chat import converse
+
+    client = _client(address, creds)  # it routes to every worker (_wait_routable)
     await client.wait_ready(30)
-    # The gateway probes workers on start; wait until it routes to all of them.
-    for _ in range(100):
-        models = await client.list_models()
-        if models.models[0].num_workers >= num_workers:
-            break
-        await asyncio.sleep(0.2)
     results = await converse(client, list(DEMO_SCRIPT), conversation_id="demo",
                              # Greedy: the demo's replies are the same every run.
                              system="", sampling_kwargs={"max_tokens": 96, "temperature": 0})

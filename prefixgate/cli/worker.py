@@ -15,6 +15,7 @@ from prefixgate.cli.common import (
     log_flags,
     model_flags,
     overflow_flag,
+    redis_url_flag,
     service_flags,
     service_model,
     transfer_flags,
@@ -36,7 +37,7 @@ def add_arguments(w: argparse.ArgumentParser) -> None:
          help="stable worker id (default: worker-<port>, the port it listens on)")
     flag(w, "--advertise-address", default="",
          help="host:port gateways use to reach this worker (default: host:port)")
-    flag(w, "--redis-url", default="", help="register in this Redis (redis://host:port/db)")
+    redis_url_flag(w, "register in this Redis (redis://host:port/db)")
     flag(w, "--lease-ms", type=int, default=10000, help="registry lease, renewed every third of it")
     security.worker_flags(w)
     limit_flags(w)

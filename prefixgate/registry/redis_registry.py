@@ -389,6 +389,33 @@ class RedisRegistry(Registry):
         await self.raw.aclose()
 
 
+def check_url(url: str) -> str:
+    """`url` if redis-py can connect by it; ValueError saying what is wrong otherwise (a
+    missing scheme, a port that is not a number), before anything is started."""
+    from redis.connection import parse_url
+
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        raise ValueError(f"{redact_url(url)!r} is not a Redis URL ({exc}); write it as "
+                         "redis://[user:password@]host:port/db (rediss:// for TLS)") from None
+    return url
+
+
+async def check_reachable(url: str, timeout_s: float = 3.0) -> None:
+    """Return once Redis at `url` answers PING; ConnectionError naming it otherwise."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(url, socket_connect_timeout=timeout_s,
+                                     socket_timeout=timeout_s)
+    try:
+        await client.ping()
+    except Exception as exc:
+        raise ConnectionError(f"cannot reach Redis at {redact_url(url)}: {exc}") from None
+    finally:
+        await client.aclose()
+
+
 def redact_url(url: str) -> str:
     """`url` with any password replaced by ***, for logs."""
     from urllib.parse import urlsplit, urlunsplit

@@ -152,14 +152,21 @@ def _alive(pid: int) -> bool:
 
 def test_up_chat_and_ctrl_c(tmp_path) -> None:
     """`prefixgate up` (tiny-random, 2 workers) serves `prefixgate chat`; turn 2 reports
-    cached tokens; Ctrl-C stops every process `up` started."""
+    cached tokens; Ctrl-C stops every process `up` started. A PREFIXGATE_ variable meant
+    for a lone worker (PREFIXGATE_METRICS_PORT) does not reach `up`'s workers: each has a
+    metrics port of its own, printed and reachable."""
     port, http_port = free_port(), free_port()
-    env = cli_env(PREFIXGATE_CACHE_DIR=str(tmp_path))
+    env = cli_env(PREFIXGATE_CACHE_DIR=str(tmp_path), PREFIXGATE_METRICS_PORT=str(free_port()))
     up = start_up(["--model", "tiny-random", "--workers", "2", "--port", str(port),
                    "--http-port", str(http_port)], env)
     try:
         # The OpenAI-compatible front and its metrics are on under `up`.
         import httpx
+
+        worker_metrics = re.findall(r"http://127\.0\.0\.1:(\d+)/metrics", up.startup_lines[-1])
+        assert len(set(worker_metrics)) == 2, up.startup_lines[-1]
+        for p in worker_metrics:
+            assert "prefixgate" in httpx.get(f"http://127.0.0.1:{p}/metrics").text
 
         base = f"http://127.0.0.1:{http_port}"
         reply = httpx.post(base + "/v1/chat/completions", timeout=60, json={
@@ -272,3 +279,51 @@ def test_json_log_lines_carry_ts_level_logger_message_and_fields() -> None:
         failed = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed", (), sys.exc_info())
     line = json.loads(JsonFormatter().format(failed))
     assert line["message"] == "failed" and "ValueError: boom" in line["exception"]
+
+
+def test_up_refuses_what_would_fail_late_before_loading_a_model(tmp_path) -> None:
+    """A Redis URL that is not one, a Redis nothing answers at, a busy HTTP port: `up`
+    says so at once, naming it, before starting any worker (no traceback)."""
+    import socket
+
+    env = cli_env(PREFIXGATE_CACHE_DIR=str(tmp_path))
+    up = [*PG, "up", "--model", "tiny-random", "--workers", "1", "--port", str(free_port())]
+    r = subprocess.run([*up, "--redis-url", "notaurl"], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode == 2 and "'notaurl' is not a Redis URL" in r.stderr, r.stderr
+    r = subprocess.run(up, capture_output=True, text=True, timeout=60,
+                       env={**env, "PREFIXGATE_REDIS_URL": "notaurl"})
+    assert r.returncode == 2 and "PREFIXGATE_REDIS_URL: 'notaurl' is not a Redis URL" in r.stderr
+    closed = free_port()
+    r = subprocess.run([*up, "--redis-url", f"redis://127.0.0.1:{closed}/0"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 1 and f"cannot reach Redis at redis://127.0.0.1:{closed}/0" \
+        in r.stderr, r.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        r = subprocess.run([*up, "--http-port", str(busy)], capture_output=True, text=True,
+                           timeout=60, env=env)
+    assert r.returncode == 1 and f"cannot listen on 127.0.0.1:{busy}" in r.stderr, r.stderr
+    assert "starting 1 workers" not in r.stderr and "Traceback" not in r.stderr
+
+
+def test_up_does_not_say_up_while_the_gateway_routes_to_no_worker(loop_thread,
+                                                                  tiny_spec) -> None:
+    from prefixgate.cli.up import _wait_routable
+    from tests.helpers import start_gateway
+
+    gateway, stop = start_gateway(loop_thread, tiny_spec, [f"127.0.0.1:{free_port()}"])
+
+    async def says() -> str:  # SystemExit must not escape into the shared event loop
+        try:
+            await _wait_routable(gateway, 1, 1.0, "")
+        except SystemExit as exc:
+            return str(exc)
+        return "(it said the gateway is up)"
+
+    try:
+        assert "routes to 0 of 1 workers after 1 s" in loop_thread.run(says())
+    finally:
+        loop_thread.loop.call_soon_threadsafe(stop.set)
