@@ -74,9 +74,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _up(args: argparse.Namespace) -> int:
+    from prefixgate.gateway.processes import refuse_busy_port
     from prefixgate.launch.processes import ProcessExited, ProcessGroup
     from prefixgate.launch.serving import start_server, stop_event
-    from prefixgate.gateway.processes import refuse_busy_port
     from prefixgate.wire.rpc import free_port
 
     n = args.workers
