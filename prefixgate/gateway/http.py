@@ -78,9 +78,9 @@ from prefixgate.telemetry import metrics_export
 from prefixgate.v1 import chat_pb2, common_pb2
 from prefixgate.wire import rpc
 from prefixgate.wire.protocol import (
+    MAX_TOP_LOGPROBS,
     OVERFLOW_FROM_PROTO,
     SHIFTED_REUSE_FROM_PROTO,
-    MAX_TOP_LOGPROBS,
     InvalidRequest,
     check_id,
 )

@@ -168,7 +168,7 @@ def test_worker_stream_feed_reconnects_with_backoff() -> None:
         await feed.close()
 
     asyncio.run(scenario())
-    gaps = [b - a for a, b in zip(calls, calls[1:])]
+    gaps = [b - a for a, b in zip(calls, calls[1:], strict=False)]
     # Fixed 20 ms retries would make ~80 calls; backoff doubles 20, 40, 80, 160 ms...
     assert 6 < len(calls) < 25, gaps
     assert gaps[3] > 2 * gaps[0]
