@@ -5,7 +5,7 @@ Contract
 `LocalWorker(servicer)` offers what the gateway's pool, feeds and status follower call
 on a `worker_pb2_grpc.WorkerServiceStub` (`GetInfo`, `GetStatus`, `FlushCache`,
 `PullBlocks` awaited with an optional `timeout`; `Generate`, `ExportBlocks`,
-`WatchEvents`, `WatchStatus` iterated), plus
+`WatchEvents`, `WatchStatus` iterated, and cancelled), plus
 `serving()` (the health check, in place of grpc.health.v1) and `close(grace)` (in place of
 the channel's; it leaves the servicer running: its owner closes it). Calls run the
 servicer's own methods on the caller's event loop with a `LocalContext`; a status the
@@ -17,12 +17,13 @@ gateway holds it in `WorkerHandle.stub` and `.channel` (gateway/pool.py `local`)
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-__all__ = ["LocalContext", "LocalWorker"]
+__all__ = ["LocalCall", "LocalContext", "LocalWorker"]
 
 
 class LocalContext:
@@ -46,6 +47,25 @@ class LocalContext:
                     trailing_metadata: Sequence[tuple[str, str]] = ()) -> None:
         raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(),
                                    grpc.aio.Metadata(*trailing_metadata), details)
+
+
+class LocalCall:
+    """A server-streaming call made in process, as a grpc.aio call is used: iterate it;
+    `cancel()` ends it early (the servicer's generator is closed: its cleanup runs)."""
+
+    _closing: set[asyncio.Task] = set()  # cancellations in progress (kept referenced)
+
+    def __init__(self, stream: AsyncIterator) -> None:
+        self._stream = stream
+
+    def __aiter__(self) -> AsyncIterator:
+        return self._stream
+
+    def cancel(self) -> bool:
+        task = asyncio.ensure_future(self._stream.aclose())  # type: ignore[attr-defined]
+        LocalCall._closing.add(task)
+        task.add_done_callback(LocalCall._closing.discard)
+        return True
 
 
 def _unknown(exc: Exception) -> grpc.aio.AioRpcError:
@@ -87,20 +107,20 @@ class LocalWorker:
     async def FlushCache(self, request, timeout: float | None = None, **_):
         return await self._unary(self.servicer.FlushCache, request, timeout)
 
-    def Generate(self, request, timeout: float | None = None, **_):
-        return self._stream(self.servicer.Generate, request, timeout)
+    def Generate(self, request, timeout: float | None = None, **_) -> LocalCall:
+        return LocalCall(self._stream(self.servicer.Generate, request, timeout))
 
     async def PullBlocks(self, request, timeout: float | None = None, **_):
         return await self._unary(self.servicer.PullBlocks, request, timeout)
 
-    def ExportBlocks(self, request, timeout: float | None = None, **_):
-        return self._stream(self.servicer.ExportBlocks, request, timeout)
+    def ExportBlocks(self, request, timeout: float | None = None, **_) -> LocalCall:
+        return LocalCall(self._stream(self.servicer.ExportBlocks, request, timeout))
 
-    def WatchEvents(self, request, timeout: float | None = None, **_):
-        return self._stream(self.servicer.WatchEvents, request, timeout)
+    def WatchEvents(self, request, timeout: float | None = None, **_) -> LocalCall:
+        return LocalCall(self._stream(self.servicer.WatchEvents, request, timeout))
 
-    def WatchStatus(self, request, timeout: float | None = None, **_):
-        return self._stream(self.servicer.WatchStatus, request, timeout)
+    def WatchStatus(self, request, timeout: float | None = None, **_) -> LocalCall:
+        return LocalCall(self._stream(self.servicer.WatchStatus, request, timeout))
 
     async def serving(self) -> bool:
         """The servicer's health (its `serving()` when it has one)."""
