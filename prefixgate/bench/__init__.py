@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, str] = {
     "gateway": "prefixgate.bench.gateway",
     "gpu": "prefixgate.bench.gpu",
     "transfer": "prefixgate.bench.transfer",
+    "engines": "prefixgate.bench.engines",
 }
 
 
