@@ -47,6 +47,8 @@ Contract
   1 % of the time between polls), the KV capacity from its cache configuration; queued prefill from the
   turns sent through this object not yet at their first token, less what the event-fed
   mapping says vLLM holds of their prompts; service rates measured on finished turns.
+- Log probabilities (`sampling.top_logprobs`) come from vLLM's `logprobs` (its raw mode:
+  the model's distribution before sampling parameters), tokens named by id.
 - Block transfer (ExportBlocks, PullBlocks) is UNIMPLEMENTED and the status says
   `kv_bytes_per_token` 0 (cannot transfer): routing never plans a transfer with it; a
   Generate's pull spec is ignored (vLLM computes what it does not hold).
@@ -354,6 +356,11 @@ class VLLMWorker(WorkerServiceBase):
             body["stop"] = list(sampling.stop)
         if sampling.stop_token_ids:
             body["stop_token_ids"] = list(sampling.stop_token_ids)
+        if sampling.top_logprobs is not None:
+            # vLLM's raw log probabilities (its default logprobs mode: before temperature,
+            # top-k and top-p, as the Worker API defines them), tokens named by id.
+            body["logprobs"] = sampling.top_logprobs
+            body["return_tokens_as_token_ids"] = True
         if namespace:
             body["cache_salt"] = self._salt(namespace)
         return body
@@ -410,7 +417,9 @@ class VLLMWorker(WorkerServiceBase):
                             pending = 0
                         if ids or text:
                             yield worker_pb2.GenerateEvent(chunk=worker_pb2.GenerateChunk(
-                                token_ids=ids, text=text, index=choice.get("index", 0)))
+                                token_ids=ids, text=text, index=choice.get("index", 0),
+                                logprobs=_logprobs(choice.get("logprobs"), len(ids),
+                                                   sampling.top_logprobs)))
                         if choice.get("finish_reason"):
                             finish[choice.get("index", 0)] = choice["finish_reason"]
                     if chunk.get("usage"):
@@ -449,6 +458,24 @@ class VLLMWorker(WorkerServiceBase):
             return
         if prompt_tokens // vbs > cached_tokens // vbs and self.stream.last_batch_at < since:
             self.stream.expect_events(since)
+
+
+def _logprobs(lp: dict | None, num_tokens: int, top: int | None
+              ) -> list[common_pb2.TokenLogprob]:
+    """vLLM's completion `logprobs` of a chunk (tokens as "token_id:N") as the Worker API's
+    TokenLogprob per token: the sampled token's, and the `top` most likely, most likely
+    first (vLLM adds the sampled token to its top dict when it is not among them)."""
+    if top is None or not lp:
+        return []
+    out = []
+    for i in range(num_tokens):
+        alts = sorted(((v, int(k.rsplit(":", 1)[1])) for k, v in
+                       ((lp.get("top_logprobs") or [None] * num_tokens)[i] or {}).items()
+                       if v is not None), reverse=True)[:top]
+        out.append(common_pb2.TokenLogprob(
+            logprob=(lp.get("token_logprobs") or [0.0] * num_tokens)[i] or 0.0,
+            top_token_ids=[t for _, t in alts], top_logprobs=[v for v, _ in alts]))
+    return out
 
 
 def _first_difference(ours: list[int], theirs: list[int]) -> str:

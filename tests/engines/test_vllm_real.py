@@ -121,6 +121,30 @@ def test_mapping_equals_vllm_hits_and_keeps_namespaces_apart(vllm, smollm2_spec)
     asyncio.run(main())
 
 
+def test_log_probabilities(vllm, smollm2_spec) -> None:
+    async def main():
+        w = VLLMWorker(smollm2_spec, ChatTokenizer(smollm2_spec), WorkerConfig("v", block_size=16),
+                       VLLMConfig.parse(vllm.spec))
+        await w.start(wait_s=30)
+        chunks = []
+        try:
+            async for ev in LocalWorker(w).Generate(worker_pb2.GenerateRequest(
+                    request_id="lp", prompt_token_ids=list(range(100, 140)),
+                    sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0,
+                                                       top_logprobs=3)), timeout=120):
+                if ev.HasField("chunk"):
+                    chunks.append(ev.chunk)
+        finally:
+            await w.close()
+        pairs = [(t, lp) for c in chunks for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
+        assert len(pairs) == 4
+        for token, lp in pairs:
+            assert len(lp.top_token_ids) == 3 and lp.logprob <= 0
+            assert list(lp.top_logprobs) == sorted(lp.top_logprobs, reverse=True)
+            assert token == lp.top_token_ids[0]  # greedy: the most likely token
+    asyncio.run(main())
+
+
 def test_a_server_with_another_model_is_refused(vllm, tiny_spec) -> None:
     async def main():
         w = VLLMWorker(tiny_spec, ChatTokenizer(tiny_spec), WorkerConfig("v", block_size=16),
