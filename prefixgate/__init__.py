@@ -10,7 +10,9 @@ Packages, one job each (the README's layout section draws them and their imports
   registry/   worker leases, block ownership and events: embedded or Redis
   gateway/    Chat gRPC service and OpenAI HTTP front, routing; never imports torch
   worker/     model runner and Worker gRPC service (torch)
+  engines/    other serving engines behind the Worker API (vLLM)
   emulate/    a worker with no model (LRU blocks + a service-time model) for fleet tests
+  launch/     starting and stopping processes: the one launcher, a private redis-server
   replay/     traces, load generation, the routing simulator, reports
   bench/      `prefixgate bench ...` commands
   cli/        the command line: parses flags into configuration, calls the libraries

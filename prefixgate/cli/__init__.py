@@ -1,11 +1,15 @@
-"""The `prefixgate` command: worker, gateway, up, chat, bench, replay.
+"""The `prefixgate` command: worker, gateway, up, chat, bench, replay, token.
 
 One module per command in this package, each with HELP, DESCRIPTION,
-`add_arguments(parser)` and `run(args) -> exit code`; flags.py is the one helper that adds
+`add_arguments(parser)` and `run(args) -> exit code`. This is the edge where flags become
+configuration: each command parses its flags into the frozen dataclasses the libraries
+take (WorkerConfig, GatewayStartup, EmulatedWorkerConfig, FleetPlan, ...); no library
+imports this package (tests/test_layering.py). flags.py is the one helper that adds
 flags, each with an environment-variable equivalent named in its --help line
-(PREFIXGATE_<FLAG>; a flag given on the command line wins over the variable). The
-gateway-side commands (gateway, chat, replay) never import torch, and building the parser
-imports no command's heavy dependencies.
+(PREFIXGATE_<FLAG>; a flag given on the command line wins over the variable); common.py,
+limits.py and security.py hold the flag groups several commands share. The gateway-side
+commands (gateway, chat, replay) never import torch, and building the parser imports no
+command's heavy dependencies.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ Worker (SimConfig; the emulated worker's model, emulate/engine.py, with the same
            recently used leaves evicted first; blocks of turns being served are locked
            (they may overflow the capacity, counted in `overflow_blocks`)
   prefill  one prompt at a time, first come first served: a turn waits for the prompts
-           queued before it, then takes (prompt - cached tokens) / prefill_tokens_per_s;
+           queued before it, then takes (prompt - cached tokens) / prefill_tokens_per_s
+           (`service`: emulate/service.py, the emulated worker's ServiceModel);
            cached = the leading blocks its cache holds when its prefill starts × block size,
            at most prompt - 1 tokens. TTFT = prefill end - arrival.
   transfer a turn the gateway routes with a pull (Router's pull option) starts it at
