@@ -1,4 +1,5 @@
-"""The package map holds: libraries never import the command line.
+"""The package map holds: libraries never import the command line; the gateway never
+imports the worker.
 
 `prefixgate/cli/` is the edge where flags become configuration (frozen dataclasses) that
 the libraries take; a library importing it would make the CLI a dependency of the
@@ -42,21 +43,33 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     return out
 
 
-def cli_imports_outside_cli() -> list[str]:
+def imports_of(target: str, sources: list[Path]) -> list[str]:
+    """file:line imports NAME, for every import of `target` (a package) in `sources`."""
     bad = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if path in ENTRY_POINTS or (PACKAGE / "cli") in path.parents:
-            continue
+    for path in sources:
         for line, name in _imports(path):
-            if name == "prefixgate.cli" or name.startswith("prefixgate.cli."):
+            if name == target or name.startswith(target + "."):
                 bad.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}")
     return bad
+
+
+def cli_imports_outside_cli() -> list[str]:
+    return imports_of("prefixgate.cli", [
+        p for p in sorted(PACKAGE.rglob("*.py"))
+        if p not in ENTRY_POINTS and (PACKAGE / "cli") not in p.parents])
 
 
 def test_no_module_outside_cli_imports_cli() -> None:
     bad = cli_imports_outside_cli()
     assert not bad, ("libraries must not import the command line (take a config "
                      "dataclass instead):\n" + "\n".join(bad))
+
+
+def test_the_gateway_imports_nothing_of_the_worker() -> None:
+    """The gateway shares only torch-free packages with the worker (wire, model, radix,
+    registry, security); worker/ is the model runner's side."""
+    bad = imports_of("prefixgate.worker", sorted((PACKAGE / "gateway").rglob("*.py")))
+    assert not bad, "\n".join(bad)
 
 
 def test_the_check_sees_lazy_and_relative_imports(tmp_path, monkeypatch) -> None:

@@ -47,13 +47,13 @@ import grpc
 from prefixgate.gateway import metrics, pulls
 from prefixgate.gateway.pool import WorkerHandle
 from prefixgate.gateway.routing import Turn
-from prefixgate.radix import packed, tokens_to_bytes
-from prefixgate.v1 import common_pb2, worker_pb2
-from prefixgate.wire.protocol import sampling_from_proto
 
 # The incremental detokenizer the workers use (torch-free): the seam is decoded exactly
 # as the worker would have decoded an uninterrupted reply.
-from prefixgate.worker.detokenizer import StreamDecoder
+from prefixgate.model.detokenizer import StreamDecoder
+from prefixgate.radix import packed, tokens_to_bytes
+from prefixgate.v1 import common_pb2, worker_pb2
+from prefixgate.wire.protocol import sampling_from_proto
 
 log = logging.getLogger(__name__)
 

@@ -16,6 +16,6 @@ emulated workers share them).
   transfer.py         block transfer between workers; kv_transfer.py its paged side
   handoff.py          drain hand-off of cached chains to peers
   events.py           KV event log, WatchEvents and the Redis publisher
-  sampling.py, detokenizer.py, rates.py, metrics.py
+  sampling.py, rates.py, metrics.py (detokenizing: model/detokenizer.py)
   kernels/            CPU kernels (C in kernels/csrc/) and GPU kernels (Triton)
 """

@@ -58,6 +58,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from prefixgate.model.detokenizer import Decoder, StreamDecoder
 from prefixgate.model.overflow import plan_overflow
 from prefixgate.wire.events import KVEventSink
 from prefixgate.wire.protocol import clip
@@ -74,7 +75,6 @@ from prefixgate.worker.api import (
     TokenLogprob,
 )
 from prefixgate.worker.blocks import BlockManager
-from prefixgate.worker.detokenizer import Decoder, StreamDecoder
 from prefixgate.worker.kv_pool import KVPool
 from prefixgate.worker.metrics import WorkerMetrics
 from prefixgate.worker.model_runner import ModelRunner, pool_config_for

@@ -19,10 +19,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from prefixgate.model.detokenizer import StreamDecoder
 from prefixgate.model.overflow import OverflowPlan
 from prefixgate.radix import Node
 from prefixgate.worker.api import EmitFn, Request
-from prefixgate.worker.detokenizer import StreamDecoder
 from prefixgate.worker.sampling import Sampler
 
 

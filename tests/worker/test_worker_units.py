@@ -2,9 +2,9 @@
 
 import torch
 
+from prefixgate.model.detokenizer import StreamDecoder
 from prefixgate.model.tokenizer import ChatTokenizer
 from prefixgate.wire.protocol import SamplingConfig
-from prefixgate.worker.detokenizer import StreamDecoder
 from prefixgate.worker.sampling import Sampler
 
 
