@@ -1,4 +1,5 @@
-"""`prefixgate chat`: an interactive multi-turn chat client of a gateway (gRPC).
+"""`prefixgate chat`: an interactive multi-turn chat client of a gateway (gRPC, or its
+OpenAI-compatible HTTP API with `--http URL`: wire/openai_client.py).
 
 `converse` holds a conversation (given messages or stdin lines) and prints each reply and
 its figures (`figures`); `prefixgate up --demo` uses it too.
@@ -22,6 +23,9 @@ DESCRIPTION = ("Chat with a prefixgate gateway. Type a message and press Enter; 
 def add_arguments(c: argparse.ArgumentParser) -> None:
     log_flags(c)
     flag(c, "--address", default="127.0.0.1:50051", help="gateway host:port")
+    flag(c, "--http", default="",
+         help="talk to this OpenAI-compatible API instead (http[s]://host:port[/v1]; a "
+              "gateway's --http-port, or any OpenAI-compatible server)")
     security.client_flags(c)
     flag(c, "--message", action="append", comma_separated=False,
          help="send these messages as successive turns instead of reading stdin")
@@ -63,6 +67,7 @@ async def converse(client, messages: Sequence[str] | None, conversation_id: str,
     import grpc
 
     from prefixgate.v1 import common_pb2
+    from prefixgate.wire.openai_client import HTTPTurnError
 
     conversation_id = conversation_id or uuid.uuid4().hex[:12]
     history: list[tuple[str, str]] = [("system", system)] if system else []
@@ -95,8 +100,9 @@ async def converse(client, messages: Sequence[str] | None, conversation_id: str,
             r = await client.turn(history, conversation_id=conversation_id, namespace=namespace,
                                   sampling=sampling, timeout_s=timeout_s,
                                   on_text=lambda t: print(t, end="", flush=True))
-        except grpc.aio.AioRpcError as exc:
-            print(f"\nerror: {exc.code().name}: {exc.details()}", flush=True)
+        except (grpc.aio.AioRpcError, HTTPTurnError) as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}" if isinstance(
+                exc, grpc.aio.AioRpcError) else f"\nerror: HTTP {exc}", flush=True)
             history.pop()
             if lines is not None:
                 break
@@ -123,12 +129,17 @@ def run(args: argparse.Namespace) -> int:
 
 async def _chat(args: argparse.Namespace) -> None:
     from prefixgate.wire.client import ChatClient
+    from prefixgate.wire.openai_client import HTTPTurnError, OpenAIChatClient
 
-    client = ChatClient(args.address, **security.client_security(args))
+    where = args.http or args.address
+    client = (OpenAIChatClient(args.http, **security.client_security(args)) if args.http
+              else ChatClient(args.address, **security.client_security(args)))
     try:
         await client.wait_ready(10)
     except TimeoutError:
-        raise SystemExit(f"prefixgate chat: no gateway answers at {args.address}") from None
+        raise SystemExit(f"prefixgate chat: no gateway answers at {where}") from None
+    except HTTPTurnError as exc:
+        raise SystemExit(f"prefixgate chat: {where} refused: HTTP {exc}") from None
     await converse(client, args.message or None, args.conversation_id, args.system,
                    {"max_tokens": args.max_tokens, "temperature": args.temperature,
                     "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,

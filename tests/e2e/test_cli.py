@@ -183,6 +183,15 @@ def test_up_chat_and_ctrl_c(tmp_path) -> None:
         (w1, p1, _), (w2, p2, c2) = figures
         # Same worker; turn 1's prompt reused in whole 16-token blocks.
         assert w1 == w2 and int(c2) >= int(p1) // 16 * 16 > 0
+        # The same conversation over the OpenAI-compatible API (prompt_cache_key).
+        chat = subprocess.run(
+            [*PG, "chat", "--http", base + "/v1", "--message",
+             "hello there, how are you doing today?", "--message", "and again", "--max-tokens",
+             "8"], capture_output=True, text=True, timeout=120, env=env)
+        assert chat.returncode == 0, chat.stderr
+        figures = re.findall(r"\[worker - \| prompt (\d+) tok \| cached (\d+) tok", chat.stdout)
+        assert len(figures) == 2, chat.stdout
+        assert int(figures[1][1]) >= int(figures[0][0]) // 16 * 16 > 0
         workers = _children(up.pid)
         assert len(workers) == 2
         up.send_signal(signal.SIGINT)
@@ -200,6 +209,10 @@ def test_chat_against_nothing_says_so() -> None:
     r = subprocess.run([*PG, "chat", "--address", f"127.0.0.1:{free_port()}", "--message", "hi"],
                        capture_output=True, text=True, timeout=60, env=cli_env())
     assert r.returncode != 0 and "no gateway answers" in r.stderr
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    r = subprocess.run([*PG, "chat", "--http", url, "--message", "hi"],
+                       capture_output=True, text=True, timeout=60, env=cli_env())
+    assert r.returncode != 0 and f"no gateway answers at {url}" in r.stderr
 
 
 @pytest.mark.slow
