@@ -55,7 +55,9 @@ Contract
 - FlushCache: vLLM's /reset_prefix_cache (offered by vLLM only in its dev mode:
   UNIMPLEMENTED otherwise, saying so).
 - Events: a turn that must have cached new blocks starts the event stream's stall clock
-  (engines/vllm_stream.py); with vLLM's prefix caching off, no events are expected.
+  (engines/vllm_stream.py); with vLLM's prefix caching off, no events are expected. A
+  server whose process start time (in /metrics) changed was restarted: its blocks are
+  forgotten at once (its new event stream may stay silent until a turn comes).
 """
 
 from __future__ import annotations
@@ -202,6 +204,7 @@ class VLLMWorker(WorkerServiceBase):
             started = time.perf_counter()
             try:
                 metrics = await self.client.metrics()
+                self._restarted(metrics)
                 if not self.reachable:
                     await self._check_model()
                 self.metrics, self.reachable = metrics, True
@@ -218,6 +221,16 @@ class VLLMWorker(WorkerServiceBase):
             cost_s = time.perf_counter() - started
             await asyncio.sleep(max(self.vllm.metrics_interval_s if self.reachable else 0.5,
                                     cost_s / METRICS_BUDGET))
+
+    def _restarted(self, metrics: VLLMMetrics) -> None:
+        """A server process that started anew (maybe while unreachable) has an empty cache:
+        forget its blocks now, before the gateway routes to it again, rather than when
+        (if ever) its new event stream says so."""
+        before = self.metrics.start_time
+        if before and metrics.start_time and metrics.start_time != before:
+            log.warning("vLLM worker %s at %s restarted: its cache is empty", self.config.worker_id,
+                        self.vllm.url)
+            self.mapper.reset()
 
     async def _check_model(self) -> None:
         models = await self.client.models()

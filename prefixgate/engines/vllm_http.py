@@ -54,6 +54,7 @@ class VLLMMetrics:
     block_size: int = 0  # tokens per vLLM block (0: not reported)
     num_blocks: int = 0  # KV blocks (0: not reported)
     prefix_caching: bool | None = None  # None: not reported
+    start_time: float = 0.0  # the server process's start (Unix seconds; 0: not reported)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -61,17 +62,19 @@ class VLLMMetrics:
 
 
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
-_WANTED = ("vllm:num_requests_running", "vllm:num_requests_waiting{", "vllm:num_requests_waiting ",
+_WANTED = ("process_start_time_seconds", "vllm:num_requests_running", "vllm:num_requests_waiting{", "vllm:num_requests_waiting ",
            "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:cache_config_info")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 def parse_metrics(text: str) -> VLLMMetrics:
-    """The figures routing needs from vLLM's Prometheus text (summed over its engines)."""
+    """The figures routing needs from vLLM's Prometheus text (summed over its engines), and
+    its process's start time (a restart empties its cache)."""
     running = waiting = 0.0
     usage: list[float] = []
     block_size = num_blocks = 0
     caching: bool | None = None
+    start = 0.0
     for line in text.splitlines():
         # vLLM serves ~650 lines (histograms mostly); a C-level prefix test skips them
         # (0.1 ms a poll instead of 1 ms with the pattern on every line).
@@ -85,7 +88,9 @@ def parse_metrics(text: str) -> VLLMMetrics:
             v = float(value)
         except ValueError:
             continue
-        if name == "vllm:num_requests_running":
+        if name == "process_start_time_seconds":
+            start = v
+        elif name == "vllm:num_requests_running":
             running += v
         elif name == "vllm:num_requests_waiting":
             waiting += v
@@ -98,7 +103,7 @@ def parse_metrics(text: str) -> VLLMMetrics:
             if "enable_prefix_caching" in info:
                 caching = info["enable_prefix_caching"].lower() == "true"
     return VLLMMetrics(int(running), int(waiting), max(usage) if usage else 0.0, block_size,
-                       num_blocks, caching)
+                       num_blocks, caching, start)
 
 
 class VLLMClient:

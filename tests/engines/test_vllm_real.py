@@ -172,3 +172,27 @@ def test_vllm_refusals_are_invalid_argument(vllm) -> None:
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert "max_tokens" in info.value.message
     asyncio.run(main())
+
+
+def test_a_restarted_server_loses_its_blocks(vllm, smollm2_spec) -> None:
+    """vLLM restarted (last in this module: it restarts the shared server): its blocks
+    leave the index as soon as the adapter sees the new process, before any event."""
+    async def main():
+        w = VLLMWorker(smollm2_spec, ChatTokenizer(smollm2_spec), WorkerConfig("v", block_size=16),
+                       VLLMConfig.parse(vllm.spec))
+        await w.start(wait_s=30)
+        try:
+            async for _ in LocalWorker(w).Generate(worker_pb2.GenerateRequest(
+                    request_id="r", prompt_token_ids=list(range(200, 300)),
+                    sampling=common_pb2.SamplingParams(max_tokens=1)), timeout=120):
+                pass
+            await _until(lambda: w.mapper.num_held_blocks > 0)
+            await asyncio.to_thread(vllm.stop)
+            await _until(lambda: not w.reachable)
+            await asyncio.to_thread(vllm.start)
+            await _until(lambda: w.reachable, timeout_s=60)
+            assert w.mapper.num_held_blocks == 0
+            assert w.events.snapshot()[0] == []
+        finally:
+            await w.close()
+    asyncio.run(main())

@@ -34,11 +34,11 @@ def test_config_parse() -> None:
 
 def test_metrics_of_vllm_itself() -> None:
     """data/vllm-0.32.0-metrics.txt: those series as vLLM 0.32.0 served them (CPU, block
-    size 32, 182 blocks, prefix caching on)."""
+    size 32, 182 blocks, prefix caching on; the process's start time)."""
     m = parse_metrics((DATA / "vllm-0.32.0-metrics.txt").read_text())
     assert (m.num_running_requests, m.num_waiting_requests, m.kv_usage) == (0, 0, 0.0)
     assert (m.block_size, m.num_blocks, m.prefix_caching) == (32, 182, True)
-    assert m.kv_capacity_tokens == 32 * 182
+    assert m.kv_capacity_tokens == 32 * 182 and m.start_time == 1795702398.07
     busy = parse_metrics('vllm:num_requests_running{engine="0"} 3.0\n'
                          'vllm:num_requests_running{engine="1"} 2.0\n'
                          'vllm:num_requests_waiting{engine="0"} 4.0\n'
