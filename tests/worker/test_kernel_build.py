@@ -86,3 +86,30 @@ def test_cache_key_ignores_the_host_name(tmp_path, monkeypatch) -> None:
     assert cbuild._native(cc) == first
     monkeypatch.setattr(cbuild, "cpu_features", lambda: frozenset({"sse2"}))
     assert cbuild._native(cc) != first  # a CPU with other features: another build
+
+
+@needs_cc
+@pytest.mark.skipif("avx512f" not in cbuild.cpu_features(), reason="the q4_1 kernels need AVX-512")
+def test_a_host_without_a_compiler_runs_q4_1_from_the_prebuilt_library(tmp_path) -> None:
+    """What a worker pod does: no compiler on its PATH, the image's prebuilt libraries,
+    and `--weights auto` on SmolLM2 picks q4_1."""
+    import os
+    import sys
+
+    from tests.helpers import REPO
+
+    cbuild.prebuild(tmp_path / "prebuilt")
+    env = {k: v for k, v in os.environ.items() if k not in ("CC", "PATH")}
+    env.update(PATH=str(tmp_path), PREFIXGATE_KERNEL_DIR=str(tmp_path / "prebuilt"),
+               PREFIXGATE_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(REPO))
+    code = ("from prefixgate.worker.kernels import cbuild, cpu_quant\n"
+            "from prefixgate.model.catalog import smollm2_gguf_path\n"
+            "from prefixgate.worker.model_loader import _gguf_is_q4_1\n"
+            "assert cbuild._compiler() is None\n"
+            "assert cpu_quant.available(), 'the prebuilt x86-64-v4 library is used'\n"
+            "print(_gguf_is_q4_1(str(smollm2_gguf_path())))\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "True"  # so default_weights("cpu", smollm2) is q4_1
+    assert not (tmp_path / "cache" / "kernels").exists()  # nothing was built at start
