@@ -21,6 +21,7 @@ import time
 from prefixgate.cli import gateway as gateway_cli
 from prefixgate.cli import worker as worker_cli
 from prefixgate.cli.common import (
+    cache_dir,
     listen_flags,
     log,
     log_flags,
@@ -67,6 +68,30 @@ def add_arguments(u: argparse.ArgumentParser) -> None:
               "<cache dir>/secure; replaced on each start)")
     flag(u, "--startup-timeout", type=float, default=900.0,
          help="seconds to wait for workers to load the model")
+    flag(u, "--engine", default="prefixgate", choices=("prefixgate", "vllm"),
+         help="prefixgate: prefixgate's own workers; vllm: N local vLLM servers (from "
+              "--vllm-python's environment) as the workers (docs/vllm.md)")
+    vllm_flags(u)
+
+
+def vllm_flags(u: argparse.ArgumentParser) -> None:
+    """How `--engine vllm` starts its servers (prefixgate/launch/vllm.py says why)."""
+    from prefixgate.launch import vllm
+
+    flag(u, "--vllm-python", default="",
+         help="--engine vllm: the python of an environment with vLLM installed")
+    flag(u, "--vllm-block-size", type=int, default=vllm.DEFAULT_BLOCK_SIZE,
+         help="--engine vllm: vLLM's KV block size in tokens (its CPU backend needs a "
+              "multiple of 32)")
+    flag(u, "--vllm-dtype", default="float32",
+         help="--engine vllm: vLLM's --dtype (float32: the replies of prefixgate's workers)")
+    flag(u, "--vllm-kv-cache-mib", type=int, default=vllm.DEFAULT_KV_CACHE_MIB,
+         help="--engine vllm: KV cache per server, MiB")
+    flag(u, "--vllm-compile", action="store_true",
+         help="--engine vllm: compiled model steps (starts take minutes on a CPU; default "
+              "eager)")
+    flag(u, "--vllm-args", default="", help="--engine vllm: more arguments for every vLLM "
+                                            "server, as one shell-quoted string")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,6 +117,10 @@ async def _up(args: argparse.Namespace) -> int:
             await check_reachable(args.redis_url)
         except ConnectionError as exc:
             raise SystemExit(f"prefixgate up: {exc}") from None
+    if args.engine == "vllm" and args.secure and args.redis_url:
+        raise SystemExit("prefixgate up: --secure with --engine vllm and --redis-url is not "
+                         "offered (the per-server worker processes would need certificates); "
+                         "drop --redis-url: the gateway then follows the servers itself")
     creds = _credentials(args, [f"worker-{i}" for i in range(n)]) if args.secure else None
     probes = []  # where each worker's health is asked (its plaintext health port if TLS)
     threads = args.torch_threads or max(1, (os.cpu_count() or 1) // n)
@@ -100,8 +129,9 @@ async def _up(args: argparse.Namespace) -> int:
     addresses = []
     metrics = []  # each worker's Prometheus port
     stop = stop_event()
+    vllm = None
     try:
-        for i in range(n):
+        for i in range(0 if args.engine == "vllm" else n):
             port = free_port()
             addresses.append(f"127.0.0.1:{port}")
             metrics.append(free_port())
@@ -129,8 +159,12 @@ async def _up(args: argparse.Namespace) -> int:
                 if args.redis_url:
                     cmd += ["--worker-keyring", str(creds.worker_keyring(f"worker-{i}"))]
             workers.start_prefixgate(f"worker-{i}", *cmd)
-        log.info("starting %d workers (%s); the first start of a model may take a minute", n,
-                 args.model)
+        if args.engine == "vllm":
+            vllm = await _start_vllm(args, workers, addresses)
+            probes += addresses
+        else:
+            log.info("starting %d workers (%s); the first start of a model may take a "
+                     "minute", n, args.model)
         deadline = time.monotonic() + args.startup_timeout
         for address in probes:
             try:
@@ -165,15 +199,16 @@ async def _up(args: argparse.Namespace) -> int:
                     startup.config, port=port))
                 extra = processes.spawn(serve_process, child, args.processes - 1)
                 await asyncio.to_thread(processes.wait_ready, extra, args.startup_timeout)
-            await _wait_routable(address, len(addresses), 60.0, args.redis_url, creds)
+            await _wait_routable(address, n, 60.0, args.redis_url, creds)
             log.info("prefixgate is up: gateway %s, workers %s (metrics: %s)", address,
-                     ", ".join(addresses), ", ".join(
-                         f"http://127.0.0.1:{p}/metrics" for p in metrics))
+                     ", ".join(addresses or vllm.worker_specs), ", ".join(
+                         [f"http://127.0.0.1:{p}/metrics" for p in metrics]
+                         or [s.url + "/metrics" for s in vllm.servers]))
             if args.demo:
                 # The demo prints each turn's figures itself; keep the terminal readable.
                 for name in ("prefixgate.gateway", "prefixgate.turns"):
                     logging.getLogger(name).setLevel(logging.WARNING)
-                return await _demo(address, len(addresses), creds)
+                return await _demo(address, n, creds)
             scheme = "https" if creds is not None else "http"
             http = (f"; OpenAI-compatible API on {scheme}://{args.host}:{args.http_port}/v1"
                     if args.http_port > 0 else "")
@@ -191,6 +226,48 @@ async def _up(args: argparse.Namespace) -> int:
             await gateway
     finally:
         await asyncio.to_thread(workers.stop, 15)
+        if vllm is not None:
+            await asyncio.to_thread(vllm.group.stop, 30)
+
+
+async def _start_vllm(args: argparse.Namespace, sidecars, addresses: list[str]):
+    """N local vLLM servers (launch/vllm.py) as the workers: followed from the gateway's
+    process (args.vllm_worker), or, with --redis-url, through one `prefixgate worker
+    --engine vllm` each (started in `sidecars`, their addresses appended to `addresses`)."""
+    import shlex
+
+    from prefixgate.launch.processes import ProcessExited
+    from prefixgate.launch.vllm import VLLMLaunch, start_fleet
+    from prefixgate.model.catalog import resolve_model
+    from prefixgate.wire.rpc import free_port
+
+    spec = resolve_model(args.model, cache_dir(args))
+    launch = VLLMLaunch(python=args.vllm_python, model_dir=spec.model_dir,
+                        served_model_name=spec.name, block_size=args.vllm_block_size,
+                        dtype=args.vllm_dtype, kv_cache_bytes=args.vllm_kv_cache_mib << 20,
+                        enforce_eager=not args.vllm_compile,
+                        extra_args=tuple(shlex.split(args.vllm_args)))
+    try:
+        fleet = await start_fleet(launch, args.workers, args.model, cache_dir(args),
+                                  args.startup_timeout)
+    except ValueError as exc:
+        raise SystemExit(f"prefixgate up --engine vllm: {exc}") from None
+    except (ProcessExited, TimeoutError) as exc:
+        raise SystemExit(f"prefixgate up: {exc} during start-up") from None
+    if not args.redis_url:
+        args.vllm_worker = fleet.worker_specs
+        return fleet
+    for server in fleet.servers:  # the Kubernetes form: a worker process per server
+        name, port = server.name.replace("vllm", "worker"), free_port()
+        addresses.append(f"127.0.0.1:{port}")
+        sidecars.start_prefixgate(
+            name, "worker", "--engine", "vllm", "--model", args.model, "--port", str(port),
+            "--worker-id", name, "--block-size", str(args.block_size),
+            "--redis-url", args.redis_url, "--vllm-url", server.url,
+            "--vllm-events", server.events, "--vllm-replay", server.replay,
+            "--log-level", args.log_level, "--log-format", args.log_format,
+            *(["--cache-dir", args.cache_dir] if args.cache_dir else []))
+    return fleet
 
 
 def _credentials(args: argparse.Namespace, worker_ids: list[str]):

