@@ -330,12 +330,13 @@ class WorkerService(WorkerServiceBase):
             num_cached_blocks=got.num_cached, num_pulled_blocks=got.num_pulled,
             num_bytes=got.num_bytes, seconds=got.seconds)
 
-    async def pull(self, address: str, peer_id: str, chain) -> PullResult:
+    async def pull(self, address: str, peer_id: str, chain,
+                   timeout_s: float | None = None) -> PullResult:
         """Pull the blocks of `chain` this worker lacks from the peer at `address`."""
         assert self.engine.transfer is not None
         got = await pull_blocks(self._peer(address), self.engine.transfer, chain,
                                 f"worker {peer_id or '?'} at {address}",
-                                self.config.pull_timeout_s)
+                                timeout_s or self.config.pull_timeout_s)
         self.transfer_rate.observe(got.num_bytes, got.seconds)
         if got.error is not None:
             log.warning("worker %s: pull of %d blocks from %s stopped after %d: %s (%s); "
@@ -353,7 +354,13 @@ class WorkerService(WorkerServiceBase):
         if transfer is None or not num_blocks or not spec.peer_address:
             return None
         chain = transfer.chain(prompt[:num_blocks * self.config.block_size], namespace)
-        got = await self.pull(spec.peer_address, spec.peer_worker_id, chain)
+        # A pull that stalls must not hold the request much longer than computing would
+        # have: at the measured rate, 4x the expected time and 2 s of slack.
+        timeout_s = None
+        if self.transfer_rate.bytes_per_s > 0:
+            expected_s = len(chain) * transfer.format.bytes_per_block / self.transfer_rate.bytes_per_s
+            timeout_s = min(self.config.pull_timeout_s, 2.0 + 4.0 * expected_s)
+        got = await self.pull(spec.peer_address, spec.peer_worker_id, chain, timeout_s)
         log.info("request %s: %d blocks cached here, %d pulled from %s (%.1f MB in %.0f ms)",
                  clip(request_id), got.num_cached_before, got.num_pulled,
                  spec.peer_worker_id or spec.peer_address, got.num_bytes / 1e6,
