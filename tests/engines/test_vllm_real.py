@@ -23,6 +23,7 @@ from prefixgate.radix.hashing import packed, tokens_to_bytes
 from prefixgate.registry import make_registry
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2, worker_pb2
 from prefixgate.worker.server import WorkerConfig
+from prefixgate.worker.startup import RegistryLease, serve_worker
 from tests.engines.vllm_server import VLLMServer, vllm_python
 
 VLLM_BLOCK = 32
@@ -45,45 +46,79 @@ async def _until(cond, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
+async def _two_turns(port: int):
+    """A two-turn chat through the gateway on `port` (once it routes): both finals."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        chat = chat_pb2_grpc.ChatServiceStub(ch)
+        messages = [("system", "You are a helpful assistant. " * 6),
+                    ("user", "What is the capital of France? Please say it in detail.")]
+
+        async def turn(msgs):
+            req = chat_pb2.ChatRequest(
+                messages=chat_pb2.Messages(messages=[chat_pb2.ChatMessage(role=r, content=c)
+                                                     for r, c in msgs]),
+                conversation_id="c1",
+                sampling=common_pb2.SamplingParams(max_tokens=8, temperature=0))
+            text, final = "", None
+            async for ev in chat.Chat(req, timeout=120):
+                if ev.HasField("delta"):
+                    text += ev.delta.text
+                else:
+                    final = ev.final
+            return text, final
+
+        for _ in range(300):  # the pool's first probe
+            if (await chat.ListModels(chat_pb2.ListModelsRequest())).models[0].num_workers:
+                break
+            await asyncio.sleep(0.1)
+        text1, f1 = await turn(messages)
+        await asyncio.sleep(0.5)  # vLLM's events of turn 1 reach the index
+        _, f2 = await turn(messages + [("assistant", text1), ("user", "And a museum?")])
+    return f1, f2
+
+
+def _reused_and_predicted(f1, f2, worker_id: str) -> None:
+    assert f1.worker_id == f2.worker_id == worker_id
+    assert f2.usage.cached_tokens > 0
+    # The index (fed by vLLM's events) predicted vLLM's own figure within one vLLM block.
+    assert abs(f2.predicted_cached_tokens - f2.usage.cached_tokens) < VLLM_BLOCK
+
+
 def test_two_turns_through_the_gateway(vllm, smollm2_spec) -> None:
     async def main():
         stop = asyncio.Event()
         started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         gw = asyncio.create_task(serve(smollm2_spec, make_registry(None), GatewayConfig(
             vllm_workers=(vllm.spec,), refresh_interval_s=0.2), stop, started))
-        port = await asyncio.wait_for(started, 60)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-            chat = chat_pb2_grpc.ChatServiceStub(ch)
-            messages = [("system", "You are a helpful assistant. " * 6),
-                        ("user", "What is the capital of France? Please say it in detail.")]
+        try:
+            f1, f2 = await _two_turns(await asyncio.wait_for(started, 60))
+        finally:
+            stop.set()
+            await gw
+        _reused_and_predicted(f1, f2, "vllm-" + vllm.url.split("://")[1])
+    asyncio.run(main())
 
-            async def turn(msgs):
-                req = chat_pb2.ChatRequest(
-                    messages=chat_pb2.Messages(messages=[chat_pb2.ChatMessage(role=r, content=c)
-                                                         for r, c in msgs]),
-                    conversation_id="c1",
-                    sampling=common_pb2.SamplingParams(max_tokens=8, temperature=0))
-                text, final = "", None
-                async for ev in chat.Chat(req, timeout=120):
-                    if ev.HasField("delta"):
-                        text += ev.delta.text
-                    else:
-                        final = ev.final
-                return text, final
 
-            for _ in range(100):  # the pool's first probe
-                if (await chat.ListModels(chat_pb2.ListModelsRequest())).models[0].num_workers:
-                    break
-                await asyncio.sleep(0.1)
-            text1, f1 = await turn(messages)
-            await asyncio.sleep(0.5)  # vLLM's events of turn 1 reach the index
-            _, f2 = await turn(messages + [("assistant", text1), ("user", "And a museum?")])
-        stop.set()
-        await gw
-        assert f1.worker_id == f2.worker_id == "vllm-" + vllm.url.split("://")[1]
-        assert f2.usage.cached_tokens > 0
-        # The index (fed by vLLM's events) predicted vLLM's own figure within one vLLM block.
-        assert abs(f2.predicted_cached_tokens - f2.usage.cached_tokens) < VLLM_BLOCK
+def test_the_worker_form_through_redis(vllm, smollm2_spec, redis_flush) -> None:
+    """`prefixgate worker --engine vllm` as served (its own gRPC server, registered in Redis
+    under a lease, its mapped events published there) behind a gateway that discovers it
+    through Redis."""
+    async def main():
+        stop = asyncio.Event()
+        w = VLLMWorker(smollm2_spec, ChatTokenizer(smollm2_spec),
+                       WorkerConfig("vllm-k8s", block_size=16), VLLMConfig.parse(vllm.spec))
+        await w.start(wait_s=30)
+        worker = asyncio.create_task(serve_worker(w, stop, RegistryLease(
+            redis_url=redis_flush, lease_ms=3000), 0))
+        started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        gw = asyncio.create_task(serve(smollm2_spec, make_registry(redis_flush), GatewayConfig(
+            refresh_interval_s=0.2), stop, started))
+        try:
+            f1, f2 = await _two_turns(await asyncio.wait_for(started, 60))
+        finally:
+            stop.set()
+            await asyncio.gather(gw, worker)
+        _reused_and_predicted(f1, f2, "vllm-k8s")
     asyncio.run(main())
 
 
