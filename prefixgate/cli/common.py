@@ -110,3 +110,13 @@ def _redis_url(value: str) -> str:
         return check_url(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def tracing_flag(p: argparse.ArgumentParser) -> None:
+    """--otel-traces: OpenTelemetry spans of turns (prefixgate/telemetry/tracing.py)."""
+    from prefixgate.telemetry.tracing import EXPORTERS
+
+    flag(p, "--otel-traces", default="off", choices=EXPORTERS,
+         help="OpenTelemetry traces of turns (W3C traceparent in and out): console (spans "
+              "on stderr) or otlp (to the collector the standard OTEL_EXPORTER_OTLP_* "
+              "variables name); needs the tracing extra, pip install 'prefixgate[tracing]'")

@@ -20,6 +20,7 @@ from prefixgate.cli.common import (
     model_flags,
     overflow_flag,
     redis_url_flag,
+    tracing_flag,
 )
 from prefixgate.cli.flags import flag
 from prefixgate.cli.limits import limit_flags, request_limits
@@ -45,6 +46,7 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
          help="serve Prometheus metrics on --host at this port, /metrics (0: off; with --processes "
               "N, process i serves on this port + i)")
     processes_flag(g)
+    tracing_flag(g)
     security.gateway_flags(g)
     limit_flags(g)
 
@@ -163,7 +165,8 @@ def gateway_startup(args: argparse.Namespace, workers: Sequence[str], port: int)
     return GatewayStartup(model=args.model, config=gateway_config(args, workers, port),
                           cache_dir=cache_dir(args), redis_url=args.redis_url,
                           metrics_port=getattr(args, "metrics_port", 0),
-                          log_level=args.log_level, log_format=args.log_format)
+                          log_level=args.log_level, log_format=args.log_format,
+                          otel_traces=getattr(args, "otel_traces", "off"))
 
 
 def run(args: argparse.Namespace) -> int:

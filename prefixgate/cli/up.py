@@ -28,6 +28,7 @@ from prefixgate.cli.common import (
     model_flags,
     overflow_flag,
     redis_url_flag,
+    tracing_flag,
 )
 from prefixgate.cli.flags import flag
 
@@ -53,6 +54,7 @@ def add_arguments(u: argparse.ArgumentParser) -> None:
     gateway_cli.http_flag(u, 8000)
     gateway_cli.record_trace_flag(u)
     gateway_cli.processes_flag(u)
+    tracing_flag(u)
     flag(u, "--torch-threads", type=int, default=0,
          help="torch threads per worker (0: CPU count / workers)")
     worker_cli.weights_flags(u)
@@ -137,7 +139,7 @@ async def _up(args: argparse.Namespace) -> int:
             metrics.append(free_port())
             cmd = ["worker", "--model", args.model,
                    "--port", str(port), "--worker-id", f"worker-{i}",
-                   "--metrics-port", str(metrics[-1]),
+                   "--metrics-port", str(metrics[-1]), "--otel-traces", args.otel_traces,
                    "--torch-threads", str(threads), "--block-size", str(args.block_size),
                    "--context-overflow", args.context_overflow,
                    "--weights", args.weights, "--kv-dtype", args.kv_dtype,

@@ -18,6 +18,7 @@ from prefixgate.cli.common import (
     redis_url_flag,
     service_flags,
     service_model,
+    tracing_flag,
     transfer_flags,
 )
 from prefixgate.cli.flags import flag
@@ -62,6 +63,7 @@ def add_arguments(w: argparse.ArgumentParser) -> None:
     weights_flags(w)
     flag(w, "--torch-threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     drain_flag(w)
+    tracing_flag(w)
     flag(w, "--metrics-port", type=int, default=0,
          help="serve Prometheus metrics on --host at this port, /metrics (0: off)")
     flag(w, "--engine", default="prefixgate", choices=("prefixgate", "vllm"),

@@ -74,7 +74,7 @@ from prefixgate.gateway import metrics
 from prefixgate.gateway.logprobs import OpenAILogprobs, merge_completion
 from prefixgate.gateway.tokenize_pool import TokenizerBusy
 from prefixgate.gateway.turn import Caller, TurnError
-from prefixgate.telemetry import metrics_export
+from prefixgate.telemetry import metrics_export, tracing
 from prefixgate.v1 import chat_pb2, common_pb2
 from prefixgate.wire import rpc
 from prefixgate.wire.protocol import (
@@ -564,7 +564,9 @@ class HTTPFront:
         asked = body.get("logprobs")  # checked by sampling_params; here only its shape
         turn = _Turn(route, request_id, self.model, n, logprobs=asked is True if
                      route == CHAT_ROUTE else type(asked) is int)
-        caller = Caller(request.headers.get("Authorization"))  # no deadline: disconnect ends it
+        # No deadline: a client ends its turn by disconnecting.
+        caller = Caller(request.headers.get("Authorization"),
+                        trace_headers=tracing.incoming(request.headers))
         conversation_id = body.get("prompt_cache_key")
         request["counted"] = True  # observe_turn counts the turn routes
         events = metrics.observe_turn(

@@ -76,12 +76,14 @@ class _StreamLost(Exception):
 
 class Reply:
     def __init__(self, service, worker: WorkerHandle, gen: worker_pb2.GenerateRequest,
-                 remaining_s: Callable[[], float | None], opt_out: bool = False) -> None:
+                 remaining_s: Callable[[], float | None], opt_out: bool = False,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.service = service  # the ChatService: router, pool, index, tokenizer, feed
         self.worker = worker
         self.gen = gen
         self.remaining_s = remaining_s
         self.opt_out = opt_out
+        self.metadata = metadata  # sent with every Generate call (trace context)
         self.num_resumes = 0
         self._sent: list[int] = []  # token ids relayed to the client so far
 
@@ -89,7 +91,8 @@ class Reply:
         return self._events()
 
     async def _stream(self, worker: WorkerHandle, gen: worker_pb2.GenerateRequest):
-        call = worker.stub.Generate(gen, timeout=self.remaining_s())
+        extra = {"metadata": self.metadata} if self.metadata else {}
+        call = worker.stub.Generate(gen, timeout=self.remaining_s(), **extra)
         try:
             async for ev in call:
                 yield ev

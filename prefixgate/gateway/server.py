@@ -51,6 +51,7 @@ from prefixgate.model.catalog import ModelSpec
 from prefixgate.model.tokenizer import ChatTokenizer
 from prefixgate.registry import Registry, WorkerRecord
 from prefixgate.security import auth, identity
+from prefixgate.telemetry import tracing
 from prefixgate.v1 import chat_pb2
 from prefixgate.wire import rpc
 from prefixgate.wire.protocol import RequestLimits
@@ -117,7 +118,9 @@ class ChatService(TurnCore):
         remaining = context.time_remaining()
         caller = Caller(auth.metadata_value(context.invocation_metadata(), "authorization")
                         if self.tokens is not None else None,  # read only when checked
-                        None if remaining is None else time.monotonic() + remaining)
+                        None if remaining is None else time.monotonic() + remaining,
+                        tracing.incoming(context.invocation_metadata())
+                        if tracing.enabled() else ())
         try:
             async for ev in self.turn(request, caller, request_id):
                 yield ev

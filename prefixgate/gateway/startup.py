@@ -32,6 +32,7 @@ class GatewayStartup:
     metrics_port: int = 0  # Prometheus /metrics on config.host (0: off)
     log_level: str = "INFO"
     log_format: str = "text"
+    otel_traces: str = "off"  # telemetry/tracing.py EXPORTERS
 
 
 async def run_gateway(startup: GatewayStartup, stop: asyncio.Event,
@@ -52,6 +53,9 @@ def serve_process(startup: GatewayStartup, on_listening: Callable[[], None]) -> 
     from prefixgate.telemetry import logs
 
     logs.configure(startup.log_level, startup.log_format)
+    from prefixgate.telemetry import tracing
+
+    tracing.configure(startup.otel_traces, "prefixgate-gateway")
 
     async def main() -> None:
         started: asyncio.Future[int] = asyncio.get_running_loop().create_future()

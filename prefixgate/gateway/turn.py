@@ -58,6 +58,7 @@ from prefixgate.model.catalog import ModelSpec
 from prefixgate.model.tokenizer import ChatTokenizer
 from prefixgate.radix import Hashers, HashMemo
 from prefixgate.security import auth
+from prefixgate.telemetry import tracing
 from prefixgate.telemetry.trace_recorder import TraceRecorder
 from prefixgate.v1 import chat_pb2, common_pb2, worker_pb2
 from prefixgate.wire.protocol import (
@@ -102,6 +103,8 @@ class Caller:
 
     authorization: str | None = None  # the Authorization value (bearer token), if any
     deadline: float | None = None  # time.monotonic() seconds; None: no deadline
+    # W3C trace context the caller sent (traceparent, tracestate: telemetry/tracing.py).
+    trace_headers: tuple[tuple[str, str], ...] = ()
 
     def time_remaining(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
@@ -147,18 +150,39 @@ class TurnCore:
 
     async def turn(self, request: chat_pb2.ChatRequest, caller: Caller,
                    request_id: str) -> AsyncIterator[chat_pb2.ChatEvent]:
-        """One turn's events (module docstring); raises TurnError."""
+        """One turn's events (module docstring); raises TurnError. Traced (when tracing
+        is on) as a span continuing the caller's trace context."""
         arrival = time.monotonic()
-        namespace, prompt = await self.admit(request, caller)
-        turn, decision = self.route(prompt, namespace, request.conversation_id)
-        gen = worker_pb2.GenerateRequest(request_id=request_id,
-                                         packed_prompt_token_ids=prompt.obj,
-                                         sampling=request.sampling, namespace=namespace)
-        if not gen.sampling.context_overflow:
-            gen.sampling.context_overflow = OVERFLOW_TO_PROTO[self.config.context_overflow]
-        async for ev in self.relay(turn, decision, gen, caller, arrival,
-                                   no_resume=request.no_resume):
-            yield ev
+        span = tracing.start("prefixgate.turn", caller.trace_headers, "server", {
+            "prefixgate.request_id": request_id,
+            "prefixgate.conversation_id": request.conversation_id})
+        error: BaseException | str | None = None
+        figures: dict = {}
+        try:
+            namespace, prompt = await self.admit(request, caller)
+            turn, decision = self.route(prompt, namespace, request.conversation_id)
+            gen = worker_pb2.GenerateRequest(request_id=request_id,
+                                             packed_prompt_token_ids=prompt.obj,
+                                             sampling=request.sampling, namespace=namespace)
+            if not gen.sampling.context_overflow:
+                gen.sampling.context_overflow = OVERFLOW_TO_PROTO[self.config.context_overflow]
+            async for ev in self.relay(turn, decision, gen, caller, arrival,
+                                       no_resume=request.no_resume, span=span):
+                if span is not None and ev.HasField("final"):
+                    usage = ev.final.usage
+                    figures = {"prefixgate.worker_id": ev.final.worker_id,
+                               "prefixgate.prompt_tokens": usage.prompt_tokens,
+                               "prefixgate.cached_tokens": usage.cached_tokens,
+                               "prefixgate.completion_tokens": usage.completion_tokens}
+                yield ev
+        except GeneratorExit:
+            error = "the client went away"
+            raise
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            tracing.end(span, error, figures)
 
     async def admit(self, request: chat_pb2.ChatRequest,
                     caller: Caller) -> tuple[str, memoryview]:
@@ -198,8 +222,8 @@ class TurnCore:
         return turn, decision
 
     async def relay(self, turn: Turn, decision: Decision, gen: worker_pb2.GenerateRequest,
-                    caller: Caller, arrival: float,
-                    no_resume: bool = False) -> AsyncIterator[chat_pb2.ChatEvent]:
+                    caller: Caller, arrival: float, no_resume: bool = False,
+                    span: object = None) -> AsyncIterator[chat_pb2.ChatEvent]:
         """Stream the reply of the first ranked worker that answers (failover rules in the
         module docstring; a worker lost mid-reply: gateway/resume.py), then the final event
         (`account`)."""
@@ -220,11 +244,16 @@ class TurnCore:
             if self.feed is not None:
                 self.feed.predicted(worker.record, turn.block_hashes)
             # The prefill this turn adds to the worker's queue, until its first token.
+            # This attempt's span; its trace context goes to the worker with the call.
+            call = tracing.start("prefixgate.worker_call", span, "client", {
+                "prefixgate.worker_id": worker.worker_id, "prefixgate.attempt": attempt})
+            call_error: Exception | None = None
             with worker.lease(max(0, turn.num_prompt_tokens - expected
                                   - charge.num_tokens)) as lease:
                 try:
                     ttft_ms = 0.0
-                    reply = resume.Reply(self, worker, gen, caller.time_remaining, no_resume)
+                    reply = resume.Reply(self, worker, gen, caller.time_remaining, no_resume,
+                                         metadata=tracing.headers(call))
                     async for ev in reply:
                         if ev.HasField("chunk"):
                             chunk = ev.chunk
@@ -248,9 +277,11 @@ class TurnCore:
                                                grpc.aio.Metadata(), grpc.aio.Metadata(),
                                                "stream ended without a final event")
                 except grpc.aio.AioRpcError as exc:
+                    call_error = exc
                     failures.append(self._failed(worker, exc, sent_tokens))
                 finally:
                     charge.release()
+                    tracing.end(call, call_error)
         remaining = caller.time_remaining()
         if remaining is not None and remaining <= 0:
             raise TurnError(grpc.StatusCode.DEADLINE_EXCEEDED,

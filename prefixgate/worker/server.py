@@ -36,6 +36,7 @@ import grpc
 
 from prefixgate.model.catalog import ModelSpec
 from prefixgate.security import auth
+from prefixgate.telemetry import tracing
 from prefixgate.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from prefixgate.wire import rpc
 from prefixgate.wire.events import OwnershipEvent
@@ -176,6 +177,34 @@ class WorkerService(WorkerServiceBase):
 
     async def Generate(self, request: worker_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext):
+        """`_generate`, traced (when tracing is on: telemetry/tracing.py) as a span that
+        continues the gateway's trace context from the call's metadata."""
+        if not tracing.enabled():
+            async for ev in self._generate(request, context):
+                yield ev
+            return
+        span = tracing.start("prefixgate.worker.generate",
+                             tracing.incoming(context.invocation_metadata()), "server",
+                             {"prefixgate.worker_id": self.config.worker_id,
+                              "prefixgate.request_id": request.request_id})
+        error: BaseException | None = None
+        figures: dict = {}
+        try:
+            async for ev in self._generate(request, context):
+                if ev.HasField("final"):
+                    usage = ev.final.usage
+                    figures = {"prefixgate.prompt_tokens": usage.prompt_tokens,
+                               "prefixgate.cached_tokens": usage.cached_tokens,
+                               "prefixgate.completion_tokens": usage.completion_tokens}
+                yield ev
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            tracing.end(span, error, figures)
+
+    async def _generate(self, request: worker_pb2.GenerateRequest,
+                        context: grpc.aio.ServicerContext):
         # Failures that belong to this request carry REQUEST_SCOPED in their trailing
         # metadata: the gateway returns them to the client, never retries them elsewhere.
         try:

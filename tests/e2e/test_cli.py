@@ -249,6 +249,11 @@ def test_missing_extras_say_what_to_install(tmp_path) -> None:
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert "not a usable checkpoint directory" in _without(
         [], ["gateway", "--worker", "x:1", "--model", str(tmp_path)], env).stderr
+    # Tracing is optional: asked for without OpenTelemetry, a message (a gateway that does
+    # not ask never imports it: the fault suite's gateways run without it just the same).
+    r = _without(["opentelemetry"], ["gateway", "--worker", "127.0.0.1:1", "--model",
+                                     "tiny-random", "--otel-traces", "console"], env)
+    assert r.returncode == 1 and "pip install 'prefixgate[tracing]'" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["plain-holder", "reuseport-holder"])
