@@ -150,6 +150,10 @@ class WorkerHandle:
         return self.status.transfer_bytes_per_s if self.status is not None else 0.0
 
     @property
+    def transfer_setup_s(self) -> float:
+        return self.status.transfer_setup_s if self.status is not None else 0.0
+
+    @property
     def kv_bytes_per_token(self) -> int:
         return self.status.kv_bytes_per_token if self.status is not None else 0
 

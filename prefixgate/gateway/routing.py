@@ -26,6 +26,7 @@ Interface (shared by the gateway and the replay simulator)
   `prefill_chunk_tokens` (0: a prompt is prefilled alone, decode does not delay it),
   `kv_fill` (used share of the KV cache, 0..1; default 1: full, the steady state),
   `transfer_bytes_per_s` (the rate its block transfers run at; 0: not measured),
+  `transfer_setup_s` (the set-up time of one pull into it, whatever its size),
   `kv_bytes_per_token` (KV bytes one cached token takes in its dtype and layout; 0:
   unknown, the worker neither pulls nor is pulled from) and `export_queued_bytes` (bytes
   of pulls from it routed and not finished: its link's queue).
@@ -57,12 +58,14 @@ Policies (RoutingConfig.policy)
                           prefill starts when both are done (turns arriving during the
                           pull may go first: not priced):
                             transfer_s = export_queued_bytes(holder) / bw
+                                         + setup_s(worker)
                                          + pulled tokens x kv_bytes_per_token / bw
                             wait_s     = max(queue_s + decode_s, transfer_s)
                             cost       = load_weight x (queue_s + decode_s)
                                        + prefix_weight x (wait_s - queue_s - decode_s
                                                           + rest_s + miss_s)
-                          bw: the slower end's measured transfer rate; holders: workers
+                          bw: the slower end's measured transfer rate, setup_s the
+                          receiver's measured set-up of a pull; holders: workers
                           whose *events* say they hold more leading blocks (a predicted
                           block may not be computed yet); the holder giving the lowest
                           cost. A worker's cost is the cheaper of its two ways (pull or
@@ -155,6 +158,7 @@ class LoadSnapshot:
     prefill_chunk_tokens: int = 0  # 0: prompts are prefilled alone
     kv_fill: float = 1.0  # used share of the KV cache
     transfer_bytes_per_s: float = 0.0  # 0: not measured
+    transfer_setup_s: float = 0.0  # set-up of one pull into it, seconds
     kv_bytes_per_token: int = 0  # 0: unknown (no transfers to or from it)
     export_queued_bytes: int = 0  # bytes of pulls from it routed and not finished
 
@@ -403,9 +407,16 @@ class Router:
         if not measured:  # nothing measured: a pull cannot be priced
             return None
         mean = sum(measured) / len(measured)
+        # The set-up as the rates: a worker that measured none counts at its peers' mean.
+        setups = [getattr(w, "transfer_setup_s", 0.0) for w in workers
+                  if getattr(w, "transfer_bytes_per_s", 0.0) > 0]
+        setup = sum(setups) / len(setups)
         link = {w.worker_id: (getattr(w, "transfer_bytes_per_s", 0.0) or mean,
                               getattr(w, "kv_bytes_per_token", 0),
-                              getattr(w, "export_queued_bytes", 0)) for w in workers}
+                              getattr(w, "export_queued_bytes", 0),
+                              getattr(w, "transfer_setup_s", 0.0)
+                              if getattr(w, "transfer_bytes_per_s", 0.0) > 0 else setup)
+                for w in workers}
         holders = [(wid, tokens, min(match.cached_blocks[wid], len(turn.block_hashes)))
                    for wid, tokens in certain.items() if wid in link and link[wid][1] > 0]
         return {"link": link, "holders": holders} if holders else None
@@ -415,18 +426,19 @@ class Router:
         """Every pull into `w` (holding `have` tokens of the prompt) from a holder with more
         of it in the same KV layout (as `Pull`s)."""
         link = links["link"]
-        rate, bpt, _ = link[w.worker_id]
+        rate, bpt, _, setup_s = link[w.worker_id]
         if bpt <= 0:
             return
         for hid, tokens, blocks in links["holders"]:
             if hid == w.worker_id or tokens <= have:
                 continue
-            h_rate, h_bpt, h_queued = link[hid]
+            h_rate, h_bpt, h_queued, _ = link[hid]
             if h_bpt != bpt:  # another dtype or layout: the receiver would refuse it
                 continue
             bw = min(rate, h_rate)  # the slower end sets the pace
             num_tokens = int(tokens - have)
-            yield Pull(hid, blocks, num_tokens, (h_queued + num_tokens * bpt) / bw)
+            yield Pull(hid, blocks, num_tokens,
+                       setup_s + (h_queued + num_tokens * bpt) / bw)
 
     def _rank_prefix(self, workers: list[W], turn: Turn, cached: dict[str, int],
                      certain: dict[str, int], match: PrefixMatch | None,

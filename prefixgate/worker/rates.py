@@ -47,20 +47,38 @@ class ServiceRates:
                 self.decode_step_s, decode_ms / 1e3 / (final.completion_tokens - 1))
 
 
-MIN_TRANSFER_BYTES = 64 << 10  # smaller pulls measure the call's latency, not the rate
-
-
 class TransferRate:
-    """Bytes per second of KV pulled from peers (running mean over about `window` pulls
-    of at least MIN_TRANSFER_BYTES, set-up included: what a router pays); 0 until one."""
+    """What a pull from a peer costs, as a router prices it: `setup_s + bytes /
+    bytes_per_s` (set-up: the calls, pins and reservations a pull makes whatever its size;
+    then the bytes at the link's rate). Fitted by least squares over about `window` recent
+    pulls (exponentially weighted means of bytes, seconds and their products): small pulls
+    pin down the set-up, large ones the rate, so neither is mistaken for the other (a rate
+    alone, averaged over pulls of every size, prices a small pull at a fraction of what its
+    set-up takes). Until pulls of different sizes have been seen (or when the fit is not
+    a rate: non-positive slope), the set-up is 0 and the rate the mean bytes over the mean
+    seconds. 0 until the first pull."""
 
     def __init__(self, window: int = 10) -> None:
         self.alpha = 2.0 / (window + 1)
         self.bytes_per_s = 0.0
+        self.setup_s = 0.0
+        self._means: list[float] | None = None  # bytes, seconds, bytes^2, bytes*seconds
 
     def observe(self, num_bytes: int, seconds: float) -> None:
-        if num_bytes < MIN_TRANSFER_BYTES or seconds <= 0:
+        if num_bytes <= 0 or seconds <= 0:
             return
-        rate = num_bytes / seconds
-        old = self.bytes_per_s
-        self.bytes_per_s = rate if old == 0.0 else old + self.alpha * (rate - old)
+        x, y = float(num_bytes), seconds
+        sample = (x, y, x * x, x * y)
+        if self._means is None:
+            self._means = list(sample)
+        else:
+            a = self.alpha
+            self._means = [m + a * (v - m) for m, v in zip(self._means, sample, strict=True)]
+        mx, my, mxx, mxy = self._means
+        var, cov = mxx - mx * mx, mxy - mx * my
+        slope = cov / var if var > 0 else 0.0
+        intercept = my - slope * mx
+        if slope > 0 and intercept >= 0:
+            self.bytes_per_s, self.setup_s = 1.0 / slope, intercept
+        else:  # one size so far, or noise: the plain rate
+            self.bytes_per_s, self.setup_s = mx / my, 0.0

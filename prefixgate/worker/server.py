@@ -324,7 +324,8 @@ class WorkerService(WorkerServiceBase):
             decode_step_s=self.rates.decode_step_s,
             kv_bytes_per_token=(self.engine.transfer.format.bytes_per_token
                                 if self.engine.transfer is not None else 0),
-            transfer_bytes_per_s=self.transfer_rate.bytes_per_s)
+            transfer_bytes_per_s=self.transfer_rate.bytes_per_s,
+            transfer_setup_s=self.transfer_rate.setup_s)
 
     # --- block transfer (worker/transfer.py) ---------------------------------------------
 

@@ -429,3 +429,20 @@ def test_pull_takes_only_blocks_the_holders_events_confirm() -> None:
     serve(index, "w0", list(range(200)))  # half of it confirmed
     d = router.decide([_link("w0", queued=2000), _link("w1")], turn)
     assert d.pull_of("w1").num_blocks == 50
+
+
+def test_a_pulls_set_up_is_paid_whatever_its_size() -> None:
+    """A 400-token prefix at 1 MB/s is 0.04 s of bytes; with 0.5 s of measured set-up per
+    pull, recomputing it (0.4 s) is cheaper, and a 4,000-token prefix still pulls."""
+    index = PrefixIndex()
+    serve(index, "w0", list(range(400)))
+    slow_setup = [LoadSnapshot(w, q, 0, prefill_tokens_per_s=1000.0, decode_step_s=0.01,
+                               transfer_bytes_per_s=1e6, transfer_setup_s=0.5,
+                               kv_bytes_per_token=100) for w, q in (("w0", 5000), ("w1", 0))]
+    d = Router(RoutingConfig(), index).decide(slow_setup, make_turn(list(range(444)), HASHER))
+    assert d.ranked[0].worker_id == "w1" and d.pull_of("w1") is None
+    serve(index, "w0", [t % 250 for t in range(4000)])
+    d = Router(RoutingConfig(), index).decide(
+        slow_setup, make_turn([t % 250 for t in range(4040)], HASHER))
+    pull = d.pull_of("w1")
+    assert pull is not None and abs(pull.transfer_s - (0.5 + 0.4)) < 1e-9

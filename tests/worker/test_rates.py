@@ -30,3 +30,21 @@ def test_requests_that_measure_nothing_change_nothing() -> None:
     r.observe(final(40, 32, 1, queue_ms=1, ttft_ms=5, total_ms=5))  # 8 uncached, 1 token
     r.observe(final(900, 0, 5, queue_ms=3, ttft_ms=3.5, total_ms=3.9))  # under 1 ms
     assert (r.prefill_tokens_per_s, r.decode_step_s) == (0.0, 0.0)
+
+
+def test_transfer_cost_is_fitted_as_set_up_plus_bytes_at_a_rate() -> None:
+    """Pulls that take 50 ms of set-up plus their bytes at 1 GB/s: the fit finds both once
+    pulls of different sizes were seen; before, the plain rate of the one size."""
+    from prefixgate.worker.rates import TransferRate
+
+    rate = TransferRate()
+    assert rate.bytes_per_s == 0.0 and rate.setup_s == 0.0
+    rate.observe(10_000_000, 0.05 + 0.01)
+    assert rate.setup_s == 0.0 and abs(rate.bytes_per_s - 10e6 / 0.06) < 1e-3
+    for size in (1_000_000, 100_000_000, 20_000_000, 3_000_000, 60_000_000):
+        rate.observe(size, 0.05 + size / 1e9)
+    assert abs(rate.setup_s - 0.05) < 1e-9 and abs(rate.bytes_per_s - 1e9) < 1e-3
+    # A small pull is priced at its set-up, not at a rate averaged over pulls of all sizes.
+    assert abs(rate.setup_s + 100_000 / rate.bytes_per_s - (0.05 + 1e-4)) < 1e-9
+    rate.observe(0, 1.0)  # nothing came: no measure
+    assert abs(rate.setup_s - 0.05) < 1e-9
