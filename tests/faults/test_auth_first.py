@@ -135,3 +135,34 @@ def test_token_holders_long_prompts_wait_in_a_bounded_line(gateway) -> None:
            peak_rss_growth_mib=round(rss.peak - idle, 1))
     assert set(counts) <= {400, 429} and counts.get(429, 0) >= 1, counts
     assert counts.get(400, 0) >= 2, counts  # the bounded line did admit some
+
+
+def test_token_holders_long_grpc_prompts_wait_in_a_bounded_line(gateway) -> None:
+    """The same bound on gRPC: 16 concurrent 500 KB chat messages from a token holder; two
+    are tokenized (then refused: over --max-prompt-tokens), the rest RESOURCE_EXHAUSTED at
+    once, and the gateway's memory grows by about one tokenization."""
+    from prefixgate.v1 import chat_pb2, chat_pb2_grpc
+
+    proc, port, _ = gateway
+    idle = rss_mb(proc.pid)
+    request = chat_pb2.ChatRequest()
+    request.messages.messages.add(role="user", content=PROMPT)
+
+    def one(_: int) -> str:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            try:
+                list(chat_pb2_grpc.ChatServiceStub(ch).Chat(
+                    request, metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=60))
+                return "OK"
+            except grpc.RpcError as exc:
+                return exc.code().name
+
+    import concurrent.futures
+
+    with _PeakRSS(proc.pid) as rss, concurrent.futures.ThreadPoolExecutor(16) as pool:
+        codes = list(pool.map(one, range(16)))
+    counts = {c: codes.count(c) for c in set(codes)}
+    report("token_holder_500kb_burst_grpc", requests=16, statuses=counts,
+           peak_rss_growth_mib=round(rss.peak - idle, 1))
+    assert set(counts) <= {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}, counts
+    assert counts.get("RESOURCE_EXHAUSTED", 0) >= 1 and counts.get("INVALID_ARGUMENT", 0) >= 2
