@@ -38,6 +38,8 @@ import grpc
 
 __all__ = ["VLLMClient", "VLLMError", "VLLMMetrics", "parse_metrics"]
 
+_JSON = {"Content-Type": "application/json"}
+
 
 class VLLMError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
@@ -175,28 +177,40 @@ class VLLMClient:
 
     async def completions(self, body: dict, timeout_s: float | None
                           ) -> AsyncIterator[dict]:
-        try:
-            async with self.session.post(self.base_url + "/v1/completions", json=body,
-                                         timeout=self._timeout(timeout_s)) as resp:
-                await _raise_for_status(resp)
-                async for line in resp.content:
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        return
-                    chunk = json.loads(data)
-                    if "error" in chunk and "choices" not in chunk:
-                        err = chunk["error"]
-                        raise VLLMError(grpc.StatusCode.INTERNAL, "vLLM failed the request: "
-                                        + str(err.get("message") if isinstance(err, dict)
-                                              else err))
-                    yield chunk
-        except (aiohttp.ClientError, OSError) as exc:
-            raise _transport(self.base_url, exc) from None
-        except (TimeoutError, asyncio.TimeoutError):
-            raise VLLMError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                            "the deadline passed before vLLM finished the reply") from None
+        payload = json.dumps(body, separators=(",", ":")).encode()
+        for attempt in (0, 1):
+            answered = False
+            try:
+                async with self.session.post(
+                        self.base_url + "/v1/completions", data=payload,
+                        headers=_JSON, timeout=self._timeout(timeout_s)) as resp:
+                    answered = True
+                    await _raise_for_status(resp)
+                    async for line in resp.content:
+                        if not line.startswith(b"data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            return
+                        chunk = json.loads(data)
+                        if "error" in chunk and "choices" not in chunk:
+                            err = chunk["error"]
+                            raise VLLMError(grpc.StatusCode.INTERNAL, "vLLM failed the request: "
+                                            + str(err.get("message") if isinstance(err, dict)
+                                                  else err))
+                        yield chunk
+                return
+            except aiohttp.ServerDisconnectedError as exc:
+                # A kept-alive connection the server closed as we reused it (uvicorn drops
+                # idle ones after 5 s): nothing was answered, so vLLM never ran the
+                # request; one fresh connection, not a worker marked down.
+                if attempt or answered:
+                    raise _transport(self.base_url, exc) from None
+            except (aiohttp.ClientError, OSError) as exc:
+                raise _transport(self.base_url, exc) from None
+            except (TimeoutError, asyncio.TimeoutError):
+                raise VLLMError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                "the deadline passed before vLLM finished the reply") from None
 
 
 def _transport(base_url: str, exc: BaseException) -> VLLMError:

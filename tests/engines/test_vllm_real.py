@@ -194,6 +194,23 @@ def test_a_server_with_another_model_is_refused(vllm, tiny_spec) -> None:
     asyncio.run(main())
 
 
+def test_a_connection_idle_past_vllms_keepalive_is_not_a_failure(vllm) -> None:
+    """uvicorn closes a kept-alive connection after 5 idle seconds; the next turn must not
+    fail (and mark the worker down) for reusing it."""
+    async def main():
+        client = VLLMClient(vllm.url)
+        body = {"model": vllm.served_name, "prompt": [1, 2, 3], "max_tokens": 1,
+                "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            for _ in range(2):
+                chunks = [c async for c in client.completions(body, 60)]
+                assert chunks[-1]["usage"]["completion_tokens"] == 1
+                await asyncio.sleep(6)
+        finally:
+            await client.close()
+    asyncio.run(main())
+
+
 def test_vllm_refusals_are_invalid_argument(vllm) -> None:
     async def main():
         client = VLLMClient(vllm.url)

