@@ -17,6 +17,7 @@ redis-server and exercised as each role.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -40,7 +41,7 @@ except ModuleNotFoundError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
 DEPLOY = REPO / "deploy"
-OVERLAYS = ("cpu-dev", "gpu")
+OVERLAYS = ("cpu-dev", "gpu", "vllm")
 # A recent release, and the oldest the manifests are meant for; kubernetes-validate ships
 # their schemas in its wheel (no network).
 KUBERNETES_VERSIONS = ("1.35.0", "1.30.0")
@@ -49,7 +50,7 @@ CRD_GROUPS = ("monitoring.coreos.com/",)
 # Secrets an overlay expects to exist in the cluster (deploy/secrets.sh makes them).
 SECRETS = {"prefixgate-redis", "prefixgate-tls", "prefixgate-internal-tls", "prefixgate-auth",
            "prefixgate-worker-keys"}
-EXTERNAL_SECRETS = {"cpu-dev": SECRETS, "gpu": SECRETS}
+EXTERNAL_SECRETS = {"cpu-dev": SECRETS, "gpu": SECRETS, "vllm": SECRETS}
 # Variables the manifests set that are not prefixgate flags (Kubernetes downward API, the
 # parts the Redis URL is built from, $HOME for torch's caches, redis-cli's auth).
 NON_FLAG_VARIABLES = {"POD_NAME", "POD_NAMESPACE", "REDIS_USER", "REDIS_PASSWORD",
@@ -176,7 +177,9 @@ def _containers(objs: list[dict]) -> dict[str, Container]:
     out = {}
     for workload, command in (("Deployment", "gateway"), ("StatefulSet", "worker")):
         wl = _one(objs, workload, f"prefixgate-{command}")
-        (spec,) = wl["spec"]["template"]["spec"]["containers"]
+        # The prefixgate container (a vLLM worker pod also runs vLLM beside it).
+        (spec,) = [c for c in wl["spec"]["template"]["spec"]["containers"]
+                   if c["name"] == command]
         env = _resolve_env(objs, spec)
         args = [_expand(a, env) for a in spec["args"]]
         assert args[0] == command, f"{workload} runs `prefixgate {args[0]}`, not {command}"
@@ -741,6 +744,8 @@ def _bytes(quantity: str) -> int:
 def test_worker_kv_pool_and_threads_fit_the_pod(containers) -> None:
     for overlay, cs in containers.items():
         worker = cs["worker"]
+        if worker.args.engine == "vllm":
+            continue  # the model runs in vLLM (test_vllm_overlay)
         resources = worker.spec["resources"]
         # The KV pool is bytes (--kv-cache-memory), the model and activations need the rest.
         assert worker.args.kv_cache_memory <= _bytes(resources["limits"]["memory"]) / 2, overlay
@@ -890,3 +895,83 @@ def test_images_match_the_manifests(component: str, containers) -> None:
             for source in rest.split()[:-1]:
                 assert (REPO / source).exists(), source
                 assert f"!{source.rstrip('/')}" in [p.rstrip("/") for p in ignore], source
+
+
+# --- vLLM workers ------------------------------------------------------------------------
+
+
+def _vllm_container(objs: list[dict]) -> dict:
+    worker = _one(objs, "StatefulSet", "prefixgate-worker")
+    (c,) = [c for c in worker["spec"]["template"]["spec"]["containers"] if c["name"] == "vllm"]
+    return c
+
+
+def _vllm_options(args: list[str]) -> dict[str, str]:
+    """--name=value and bare --name (value "") options of a vLLM command line."""
+    return dict((a[2:].split("=", 1) + [""])[:2] for a in args if a.startswith("--"))
+
+
+def test_vllm_overlay(rendered, containers) -> None:
+    """The sidecar (`prefixgate worker --engine vllm`) reaches vLLM where vLLM listens, vLLM
+    has what prefixgate needs switched on, serves the model the gateways resolve, gets no
+    prefixgate variable or credential, keeps serving through the sidecar's drain, and no
+    other pod reaches vLLM's ports."""
+    objs, sidecar = rendered["vllm"], containers["vllm"]["worker"]
+    vllm = _vllm_container(objs)
+    args = sidecar.args
+    assert args.engine == "vllm" and args.worker_id == "pod-0"
+    options = _vllm_options(vllm["args"])
+    ports = {p["name"]: p["containerPort"] for p in vllm["ports"]}
+    url = urlsplit(args.vllm_url)
+    assert (url.hostname, url.port) == (options["host"], int(options["port"])) \
+        == ("127.0.0.1", ports["vllm-http"])
+    events = json.loads(options["kv-events-config"])
+    assert events["enable_kv_cache_events"] is True and events["publisher"] == "zmq"
+    for flag, key, port in (("vllm_events", "endpoint", "kv-events"),
+                            ("vllm_replay", "replay_endpoint", "kv-replay")):
+        # vLLM binds endpoints written with '*' (others it connects to).
+        assert events[key] == f"tcp://*:{ports[port]}"
+        assert getattr(args, flag) == f"tcp://127.0.0.1:{ports[port]}"
+    assert {"enable-prefix-caching", "enable-prompt-tokens-details"} <= set(options)
+    assert options["model"] == args.model == containers["vllm"]["gateway"].args.model
+    # The sidecar runs no model: the torch-free image, no model-sized resources.
+    assert sidecar.spec["image"].startswith("prefixgate-gateway:")
+    assert "nvidia.com/gpu" in vllm["resources"]["limits"]
+    assert "nvidia.com/gpu" not in sidecar.spec["resources"]["limits"]
+    assert not [e for e in vllm.get("env", []) if e["name"].startswith("PREFIXGATE_")]
+    secret_volumes = {v["name"] for v in _one(objs, "StatefulSet", "prefixgate-worker")[
+        "spec"]["template"]["spec"]["volumes"] if "secret" in v}
+    assert not {m["name"] for m in vllm.get("volumeMounts", [])} & secret_volumes
+    # vLLM outlives the sidecar's drain, within the pod's grace period.
+    sleep = float(vllm["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert args.drain_seconds <= sleep < sidecar.pod["spec"]["terminationGracePeriodSeconds"]
+    policies = _of_kind(objs, "NetworkPolicy")
+    pods = {"gateway": _one(objs, "Deployment", "prefixgate-gateway")["spec"]["template"],
+            "worker": sidecar.pod}
+    for port in ("vllm-http", "kv-events", "kv-replay"):
+        for source in [*(p["metadata"]["labels"] for p in pods.values()), None]:
+            assert not _allowed(policies, source, sidecar.pod, port), port
+
+
+def test_vllm_arguments_parse_with_vllm(rendered, tmp_path: Path) -> None:
+    """vLLM's own parser accepts the overlay's arguments and `prefixgate up --engine vllm`'s
+    (skipped without a vLLM environment: tests/engines/vllm_server.py)."""
+    from prefixgate.launch.vllm import VLLMLaunch, VLLMServer, vllm_argv
+    from tests.engines.vllm_server import vllm_python
+
+    python = vllm_python()
+    up = vllm_argv(VLLMLaunch(python, tmp_path, "m", max_model_len=4096,
+                              extra_args=("--max-num-seqs", "8")),
+                   VLLMServer("vllm-0", "127.0.0.1", 8000, 5557, 5558))[3:]
+    code = ("import json, sys\n"
+            "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
+            "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+            "for argv in json.loads(sys.argv[1]):\n"
+            "    a = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)\n"
+            "    print(json.dumps([a.enable_prefix_caching, a.enable_prompt_tokens_details,\n"
+            "                      a.kv_events_config.enable_kv_cache_events]))\n")
+    out = subprocess.run([python, "-c", code, json.dumps([_vllm_container(rendered["vllm"])[
+        "args"], up])], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("[")]
+    assert got == [[True, True, True]] * 2
