@@ -45,7 +45,7 @@ class OpenAILogprobs:
                    offset: int, width: int) -> dict:
         """`width`: characters the delta holding these tokens added to the text (all at
         the first token: a delta's text is not split per token)."""
-        offsets = [offset] + [offset + width] * (len(ids) - 1)
+        offsets = [offset] + [offset + width] * (len(ids) - 1) if ids else []
         return {"tokens": [self.text(i) for i in ids],
                 "token_logprobs": [lp.logprob for lp in lps],
                 "top_logprobs": [{self.text(t): v for t, v in
