@@ -212,7 +212,9 @@ async def _replay(args: argparse.Namespace, trace) -> dict:
                        "start_s": round(r.start_s, 4), "status": r.status,
                        "ttft_s": round(r.ttft_s, 4), "e2e_s": round(r.e2e_s, 4),
                        "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
-                       "completion_tokens": r.completion_tokens, "worker": r.worker}
+                       "completion_tokens": r.completion_tokens, "worker": r.worker,
+                       # What a prefixgate gateway predicted cached (-1: not reported).
+                       "predicted_cached_tokens": r.predicted_cached_tokens}
                       for r in result.records]}
 
 
