@@ -9,7 +9,8 @@
   `auth.PermissionDenied` PERMISSION_DENIED, with the guard's message. The request is
   parsed only after the guard let the call in: gRPC hands the handler the raw bytes
   (bounded by the server's max receive size), so a caller without a credential costs no
-  parsing, and nothing of its message reaches the service.
+  parsing, and nothing of its message reaches the service. A handler may return or
+  yield a response as bytes already in its wire form (sent as they are).
 - `add_health_and_reflection` adds the standard health service (grpc.health.v1) and
   server reflection; the returned servicer's statuses are the server's readiness.
 - TLS (`TLSConfig`): `bind` adds a server's port (TLS when the config has a certificate;
@@ -92,6 +93,14 @@ def _stream(name: str, handler: Callable, guard: Guard | None, request_cls: type
     return wrapped
 
 
+def _serializer(cls: type) -> Callable[[Any], bytes]:
+    """`cls`'s serializer, passing bytes through: a handler may yield a response already
+    in its wire form (worker/transfer.py builds KV chunks of megabytes that way, without
+    protobuf's copies)."""
+    serialize = cls.SerializeToString
+    return lambda m: m if isinstance(m, bytes) else serialize(m)
+
+
 def add_service(server: grpc.aio.Server, service: _descriptor.ServiceDescriptor,
                 servicer: object, guard: Guard | None = None) -> None:
     """Register `servicer` (an object with one async method per RPC, named as in the
@@ -106,7 +115,7 @@ def add_service(server: grpc.aio.Server, service: _descriptor.ServiceDescriptor,
         response_cls = message_factory.GetMessageClass(method.output_type)
         impl = getattr(servicer, method.name)
         kwargs = dict(request_deserializer=_raw,
-                      response_serializer=response_cls.SerializeToString)
+                      response_serializer=_serializer(response_cls))
         if method.server_streaming:
             handlers[method.name] = grpc.unary_stream_rpc_method_handler(
                 _stream(method.name, impl, guard, request_cls), **kwargs)

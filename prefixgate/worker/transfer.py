@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.internal.encoder import _VarintBytes
 
 from prefixgate.radix import Hashers
 from prefixgate.v1 import worker_pb2
@@ -166,11 +167,28 @@ class PullResult:
         return self.num_cached_before + self.num_pulled
 
 
+def encode_chunk(first_block: int, num_blocks: int, k: bytes, v: bytes) -> bytes:
+    """The wire form of ExportBlocksEvent(chunk=KVBlocksChunk(...)), built with one copy
+    of the pages (protobuf's own building and serializing copied them twice, ~20x slower
+    here); rpc.add_service sends bytes as they are."""
+    head = worker_pb2.KVBlocksChunk(first_block=first_block,
+                                    num_blocks=num_blocks).SerializeToString()
+    k_field = _K_TAG + _VarintBytes(len(k))
+    v_field = _V_TAG + _VarintBytes(len(v))
+    size = len(head) + len(k_field) + len(k) + len(v_field) + len(v)
+    return b"".join((_CHUNK_TAG, _VarintBytes(size), head, k_field, k, v_field, v))
+
+
+# Field tags (field number << 3 | 2, length-delimited): ExportBlocksEvent.chunk = 2,
+# KVBlocksChunk.k = 3, KVBlocksChunk.v = 4.
+_CHUNK_TAG, _K_TAG, _V_TAG = bytes([2 << 3 | 2]), bytes([3 << 3 | 2]), bytes([4 << 3 | 2])
+
+
 async def export_events(transfer: BlockTransfer, request: worker_pb2.ExportBlocksRequest,
                         worker_id: str, chunk_bytes: int = CHUNK_BYTES
-                        ) -> AsyncIterator[worker_pb2.ExportBlocksEvent]:
-    """WorkerService.ExportBlocks: header, then chunks (TransferError NOT_FOUND when
-    nothing past from_block is cached here)."""
+                        ) -> AsyncIterator[worker_pb2.ExportBlocksEvent | bytes]:
+    """WorkerService.ExportBlocks: header, then chunks in their wire form
+    (`encode_chunk`); TransferError NOT_FOUND when nothing past from_block is cached here."""
     chain, start = list(request.block_hashes), request.from_block
     if start >= len(chain):
         raise TransferError(grpc.StatusCode.INVALID_ARGUMENT,
@@ -196,12 +214,7 @@ async def export_events(transfer: BlockTransfer, request: worker_pb2.ExportBlock
                 if nxt < total:
                     reading = asyncio.ensure_future(asyncio.to_thread(
                         transfer.read, pin, nxt, min(per_chunk, total - nxt)))
-                # Filled in place: a KVBlocksChunk built first would be copied into the
-                # event (pages of megabytes each).
-                event = worker_pb2.ExportBlocksEvent()
-                chunk = event.chunk
-                chunk.first_block, chunk.num_blocks, chunk.k, chunk.v = start + first, count, k, v
-                yield event
+                yield encode_chunk(start + first, count, k, v)
                 first = nxt
         finally:
             if not reading.done():

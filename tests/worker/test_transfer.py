@@ -212,3 +212,25 @@ def test_drain_hands_the_most_reused_chain_to_a_peer(loop_thread, tiny_spec, tin
     assert third.usage.cached_tokens >= len(history) // 16 * 16 - 16
     _, fourth = _generate(peer, other + [5])
     assert fourth.usage.cached_tokens == 32  # taken too: the peer had room
+
+
+def test_pages_of_scattered_blocks_round_trip(tiny_spec, tiny_model) -> None:
+    """read() of blocks scattered over the pool and write() into other scattered blocks
+    move exactly their slots (runs of consecutive blocks copied as slices)."""
+    from prefixgate.worker.kv_transfer import _Pin
+    from prefixgate.worker.transfer import Reservation
+    from tests.helpers import make_engine
+
+    engine = make_engine(tiny_spec, tiny_model, num_blocks=64)
+    transfer, pool = engine.transfer, engine.pool
+    torch.manual_seed(0)
+    pool.k.copy_(torch.randn_like(pool.k))
+    pool.v.copy_(torch.randn_like(pool.v))
+    src_ids, dst_ids = [3, 4, 9, 10, 11, 30], [50, 12, 13, 40, 41, 63]
+    pin = _Pin(handle=None, block_ids=[1, *src_ids], from_block=1)
+    k, v = transfer.read(pin, 0, len(src_ids))
+    res = Reservation((), 0, len(dst_ids), (None, [], dst_ids))
+    transfer.write(res, 0, k, v)
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        assert torch.equal(pool.k[:, s * 16:(s + 1) * 16], pool.k[:, d * 16:(d + 1) * 16])
+        assert torch.equal(pool.v[:, s * 16:(s + 1) * 16], pool.v[:, d * 16:(d + 1) * 16])
