@@ -89,7 +89,6 @@ from prefixgate.wire.protocol import (
     clip,
     sampling_from_proto,
 )
-from prefixgate.wire.status import watch_status
 from prefixgate.wire.token_ids import prompt_token_ids
 from prefixgate.worker.api import FinalEvent, FinishReason
 from prefixgate.worker.rates import ServiceRates
@@ -307,14 +306,6 @@ class VLLMWorker(WorkerServiceBase):
             kv_capacity_tokens=m.kv_capacity_tokens,
             prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
             decode_step_s=self.rates.decode_step_s)
-
-    async def GetStatus(self, request, context) -> worker_pb2.WorkerStatus:
-        return self._status()
-
-    async def WatchStatus(self, request: worker_pb2.WatchStatusRequest, context):
-        async for status in watch_status(self._status, request.min_interval_ms,
-                                         lambda: self._closing):
-            yield status
 
     async def FlushCache(self, request, context) -> worker_pb2.FlushCacheResponse:
         held = self.mapper.num_held_blocks * self.config.block_size

@@ -91,9 +91,10 @@ class WorkerConfig:
 
 class WorkerServiceBase:
     """What every implementation of the Worker API shares, and all `serve()` needs: its
-    configuration, model, KV event log with the WatchEvents streams over it, and
-    `shutdown()` (after the server drained). Subclasses answer the other calls:
-    `WorkerService` over an `Engine`, engines/vllm.py over a vLLM server."""
+    configuration, model, KV event log with the WatchEvents streams over it, GetStatus and
+    WatchStatus over the subclass's `_status()`, and `shutdown()` (after the server
+    drained). Subclasses answer the other calls: `WorkerService` over an `Engine`,
+    engines/vllm.py over a vLLM server."""
 
     def __init__(self, spec: ModelSpec, config: WorkerConfig,
                  events: EventLog | None = None) -> None:
@@ -106,6 +107,19 @@ class WorkerServiceBase:
 
     async def shutdown(self) -> None:
         """Stop serving requests (the server has drained)."""
+
+    def _status(self) -> worker_pb2.WorkerStatus:
+        """The load now (what GetStatus and WatchStatus send)."""
+        raise NotImplementedError
+
+    async def GetStatus(self, request, context) -> worker_pb2.WorkerStatus:
+        return self._status()
+
+    async def WatchStatus(self, request: worker_pb2.WatchStatusRequest, context):
+        """Push the load: now, then on change (prefixgate/wire/status.py)."""
+        async for status in watch_status(self._status, request.min_interval_ms,
+                                         lambda: self._closing):
+            yield status
 
     async def WatchEvents(self, request: worker_pb2.WatchEventsRequest,
                           context: grpc.aio.ServicerContext):
@@ -303,15 +317,6 @@ class WorkerService(WorkerServiceBase):
             model_fingerprint=self.spec.fingerprint, block_size=self.config.block_size,
             max_context_tokens=self.spec.max_context_tokens,
             kv_capacity_tokens=status.kv_capacity_tokens)
-
-    async def GetStatus(self, request, context) -> worker_pb2.WorkerStatus:
-        return self._status()
-
-    async def WatchStatus(self, request: worker_pb2.WatchStatusRequest, context):
-        """Push the load: now, then on change (prefixgate/wire/status.py)."""
-        async for status in watch_status(self._status, request.min_interval_ms,
-                                         lambda: self._closing):
-            yield status
 
     def _status(self) -> worker_pb2.WorkerStatus:
         s = self.engine.status()
