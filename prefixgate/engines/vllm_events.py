@@ -312,7 +312,7 @@ class VLLMEventMapper:
                 for k, dep_list in enumerate(deps):
                     for a in dep_list:
                         if a in self._blocks:
-                            self._blocks[a].straddle.append((vh, k))
+                            self._straddle(self._blocks[a], vh, k)
             else:
                 self._blocks.move_to_end(vh)
             b.copies += 1
@@ -330,6 +330,16 @@ class VLLMEventMapper:
             prev_hash = vh
         self._emit_stored(stored)
         self._cap()
+
+    def _straddle(self, a: _Block, child: VHash, k: int) -> None:
+        """Record that gateway block k of `child` overlaps `a`. A block many chains pass
+        through (a shared system prompt) gathers one entry per child ever stored: entries
+        of children forgotten since are dropped whenever the list doubles (amortised)."""
+        lst = a.straddle
+        lst.append((child, k))
+        n = len(lst)
+        if n >= 64 and not n & (n - 1):
+            lst[:] = [(c, j) for c, j in lst if c in self._blocks]
 
     def _deps(self, parent: VHash | None, start: int, tail_tokens: int, gbs: int,
               full: int) -> tuple[tuple[VHash, ...], ...]:

@@ -262,3 +262,16 @@ def test_mapping_matches_a_simple_model(vbs, gbs, stems, salts, ops) -> None:
         assert sink.blocks == expected
         assert {h for h in expected if m.holds(h)} == expected
         assert m.num_held_blocks == len(expected)
+
+
+def test_a_shared_block_keeps_no_entries_of_forgotten_children() -> None:
+    """vLLM 16, gateway 32: each gateway block overlaps two vLLM blocks, so a shared first
+    block is told of every child; children the bounded map forgot do not pile up there."""
+    m, sink = mapper(32, max_blocks=20)
+    root = list(range(16))
+    apply(m, stored_chain(root, 16, 0, 1))
+    for i in range(500):
+        apply(m, stored_chain(root + [1000 + i] * 16, 16, 1, 2))
+    first = m._blocks[vhash(root)]
+    assert len(first.straddle) < 2 * 20 + 64
+    assert sink.blocks == {ours(root + [1000 + i] * 16, 32)[0] for i in range(500 - 19, 500)}
