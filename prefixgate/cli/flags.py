@@ -75,7 +75,9 @@ class _Extend(argparse.Action):
                 continue
             try:
                 items.append(self.item_type(v))
-            except (TypeError, ValueError, argparse.ArgumentTypeError):
+            except argparse.ArgumentTypeError as exc:  # the type says what is wrong
+                parser.error(f"argument {option_string}: {exc}")
+            except (TypeError, ValueError):
                 parser.error(f"argument {option_string}: invalid "
                              f"{_type_name(self.item_type)} value: {v!r}")
         setattr(namespace, self.dest, items)
