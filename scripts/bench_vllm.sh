@@ -8,7 +8,7 @@
 #   round-robin     the same gateway with --policy round-robin
 #   vllm-router     vllm-router --policy cache_aware   (OpenAI HTTP)
 #   smg             smg launch --policy cache_aware    (OpenAI HTTP)
-# vLLM's own prefix cache is emptied before each run (POST /reset_prefix_cache: the servers
+# vLLM's own prefix cache is emptied as each run starts (POST /reset_prefix_cache: the servers
 # run in vLLM's dev mode). Prints one line per run (hit rate, TTFT p50/p99, mean cached
 # tokens per turn) and the index truth (share of prefixgate's turns whose predicted cached
 # tokens are within one vLLM block of what vLLM reported), and writes the replays' JSON and
@@ -107,6 +107,7 @@ async def main():
     raise SystemExit("the gateway does not route to both servers")
 asyncio.run(main())
 EOF
+  reset_caches
   replay "$1" "127.0.0.1:$gp"
   kill "$gw"; wait "$gw" 2>/dev/null || true
 }
@@ -115,22 +116,26 @@ router_run() {  # name command...
   local rp; rp=$(port)
   "$@" --port "$rp" > "$OUT/$name.log" 2>&1 &
   local pid=$!
-  wait_http "http://127.0.0.1:$rp/v1/models"
+  # Ready once it relays a completion (it may answer before it has checked its workers).
+  for _ in $(seq 300); do
+    curl -sf "http://127.0.0.1:$rp/v1/completions" -H 'Content-Type: application/json' \
+      -d "{\"model\": \"$MODEL\", \"prompt\": \"Hi\", \"max_tokens\": 1}" > /dev/null && break
+    sleep 1
+  done
+  reset_caches
   replay "$name" "http://127.0.0.1:$rp" --openai-model "$MODEL"
   kill "$pid"; wait "$pid" 2>/dev/null || true
 }
 
 RUNS=()
-reset_caches; gateway_run prefixgate prefix; RUNS+=(prefixgate)
-reset_caches; gateway_run round-robin round-robin; RUNS+=(round-robin)
+gateway_run prefixgate prefix; RUNS+=(prefixgate)
+gateway_run round-robin round-robin; RUNS+=(round-robin)
 if [[ -x $ROUTER_VENV/bin/vllm-router ]]; then
-  reset_caches
   router_run vllm-router "$ROUTER_VENV/bin/vllm-router" --host 127.0.0.1 --policy cache_aware \
     --worker-urls "${URLS[@]}"
   RUNS+=(vllm-router)
 fi
 if [[ -x $ROUTER_VENV/bin/smg ]]; then
-  reset_caches
   router_run smg "$ROUTER_VENV/bin/smg" launch --host 127.0.0.1 --policy cache_aware \
     --worker-urls "${URLS[@]}"
   RUNS+=(smg)

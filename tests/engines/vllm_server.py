@@ -6,7 +6,6 @@ cached-token usage on, eager mode (no compile: starts in about a minute on a CPU
 from __future__ import annotations
 
 import functools
-import json
 import os
 import subprocess
 import time
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from prefixgate.launch.vllm import VLLMLaunch, vllm_argv
+from prefixgate.launch.vllm import VLLMServer as LaunchedServer
 from prefixgate.wire.rpc import free_port
 
 
@@ -49,17 +50,11 @@ class VLLMServer:
         self.replay = f"tcp://127.0.0.1:{self.replay_port}"
         self.served_name = served_name
         self.log_path = log_path
-        config = {"enable_kv_cache_events": True, "publisher": "zmq",
-                  "endpoint": f"tcp://*:{self.events_port}",
-                  "replay_endpoint": f"tcp://*:{self.replay_port}"}
-        self.cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server",
-                    "--model", str(model_dir), "--served-model-name", served_name,
-                    "--host", "127.0.0.1", "--port", str(self.port),
-                    "--max-model-len", str(max_model_len),
-                    "--kv-cache-memory-bytes", str(kv_cache_bytes),
-                    "--block-size", str(block_size), "--dtype", "float32", "--enforce-eager",
-                    "--enable-prefix-caching", "--enable-prompt-tokens-details",
-                    "--kv-events-config", json.dumps(config)]
+        # The command line `prefixgate up --engine vllm` runs (prefixgate/launch/vllm.py).
+        self.cmd = vllm_argv(
+            VLLMLaunch(vllm_python(), Path(model_dir), served_name, block_size=block_size,
+                       kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len),
+            LaunchedServer("vllm", "127.0.0.1", self.port, self.events_port, self.replay_port))
         self.proc: subprocess.Popen | None = None
 
     @property
