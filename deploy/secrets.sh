@@ -3,12 +3,13 @@
 # values and certificates:
 #   prefixgate-redis         password (Redis administrator), gateway-password, worker-password
 #   prefixgate-tls           tls.crt, tls.key, ca.crt: the Chat API's certificate
-#   prefixgate-internal-tls  ca.crt, worker.crt/.key (server), gateway.crt/.key (client)
+#   prefixgate-internal-tls  ca.crt, gateway.crt/.key (the gateways' client certificate)
 #   prefixgate-auth          tokens (hashed), internal-token, worker-keyring (gateways':
 #                            each worker's Ed25519 public key, and the gateways' own key)
-#   prefixgate-worker-keys   one key per worker pod, named by the pod (prefixgate-worker-0,
-#                            ...): that worker's Ed25519 private key; each worker pod sees
-#                            only its own (a subPathExpr mount of its name)
+#   prefixgate-worker-keys   per worker pod, named by the pod (prefixgate-worker-0, ...):
+#                            <pod>.keyring (its Ed25519 private key) and <pod>.crt/.key (its
+#                            server certificate, valid for its own DNS name only); each
+#                            worker pod sees only its own (subPathExpr mounts of its name)
 # A Secret that already exists is left alone (bring your own certificate by creating
 # prefixgate-tls first, e.g. with cert-manager). Prints the first client token, bound to
 # the namespace TENANT (default: "default"), once: it is stored nowhere else.
@@ -62,7 +63,6 @@ cert gateway-public public-ca prefixgate-gateway \
     "DNS:prefixgate-gateway,DNS:prefixgate-gateway.$namespace,DNS:prefixgate-gateway.$namespace.svc,DNS:prefixgate-gateway.$namespace.$svc,DNS:localhost,IP:127.0.0.1" \
     serverAuth
 ca internal-ca "prefixgate internal CA"
-cert worker internal-ca prefixgate-worker "DNS:*.prefixgate-worker.$namespace.$svc" serverAuth
 cert gateway internal-ca prefixgate-gateway "" clientAuth
 
 token="pg_$(openssl rand -base64 32 | tr '+/' '-_' | tr -d '=\n')"
@@ -82,9 +82,12 @@ for i in $(seq 0 $((workers - 1))); do
     id="prefixgate-worker-$i"
     openssl genpkey -algorithm ed25519 -out key.pem 2>/dev/null
     printf '%s ed25519-private:%s\n' "$id" "$(openssl pkey -in key.pem -outform DER | raw32)" \
-        > "worker-keys/$id"
+        > "worker-keys/$id.keyring"
     printf '%s ed25519:%s\n' "$id" "$(openssl pkey -in key.pem -pubout -outform DER | raw32)" \
         >> worker-keyring
+    # Its own certificate: another pod's files cannot serve TLS under this pod's name.
+    cert "worker-keys/$id" internal-ca "$id" "DNS:$id.prefixgate-worker.$namespace.$svc" serverAuth
+    rm -f "worker-keys/$id.csr" "worker-keys/$id.ext"
 done
 rm -f key.pem
 hex 24 > redis-password
@@ -116,8 +119,8 @@ secret prefixgate-redis Opaque password=redis-password gateway-password=redis-ga
     worker-password=redis-worker-password
 secret prefixgate-tls kubernetes.io/tls tls.crt=gateway-public.crt tls.key=gateway-public.key \
     ca.crt=public-ca.crt
-secret prefixgate-internal-tls Opaque ca.crt=internal-ca.crt worker.crt=worker.crt \
-    worker.key=worker.key gateway.crt=gateway.crt gateway.key=gateway.key
+secret prefixgate-internal-tls Opaque ca.crt=internal-ca.crt gateway.crt=gateway.crt \
+    gateway.key=gateway.key
 secret prefixgate-auth Opaque tokens=tokens internal-token=internal-token \
     worker-keyring=worker-keyring
 worker_keys=()

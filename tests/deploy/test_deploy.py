@@ -487,7 +487,7 @@ CREDENTIALS = {
                 "worker_keyring": "prefixgate-auth", "worker_tls_ca": "prefixgate-internal-tls",
                 "worker_tls_cert": "prefixgate-internal-tls",
                 "worker_tls_key": "prefixgate-internal-tls"},
-    "worker": {"tls_cert": "prefixgate-internal-tls", "tls_key": "prefixgate-internal-tls",
+    "worker": {"tls_cert": "prefixgate-worker-keys", "tls_key": "prefixgate-worker-keys",
                "tls_client_ca": "prefixgate-internal-tls",
                "internal_token_file": "prefixgate-auth",
                "worker_keyring": "prefixgate-worker-keys"},
@@ -517,6 +517,9 @@ def test_secure_by_default(containers, made_secrets) -> None:
             ring = Keyring.from_file(made_secrets / name / key)
             if command == "worker":
                 ring.for_worker("prefixgate-worker-0", key)  # its own, nothing else
+                # Its own certificate, for its own name only.
+                cert = (made_secrets / name / files[c.args.tls_cert][1]).read_text()
+                assert files[c.args.tls_cert][1] == "prefixgate-worker-0.crt" and cert
             else:
                 assert ring.for_gateway(key).gateway_key is not None
                 assert {f"prefixgate-worker-{i}" for i in range(16)} <= set(ring.public)

@@ -43,14 +43,14 @@ def test_credentials_load_and_bind_the_first_token(secrets) -> None:
     # worker: its own private key only, matching the public one gateways hold.
     gateways = Keyring.from_file(out / "prefixgate-auth" / "worker-keyring").for_gateway("g")
     assert gateways.gateway_key is not None
-    keys = sorted((out / "prefixgate-worker-keys").iterdir())
-    assert [k.name for k in keys] == sorted(f"prefixgate-worker-{i}" for i in range(16))
+    keys = sorted((out / "prefixgate-worker-keys").glob("*.keyring"))
+    assert [k.stem for k in keys] == sorted(f"prefixgate-worker-{i}" for i in range(16))
     raw = set()
     for k in keys:
-        own = Keyring.from_file(k).for_worker(k.name, str(k))
-        raw.add(own.private_key(k.name).private_bytes_raw())
-        assert (own.public_key(k.name).public_bytes_raw()
-                == gateways.public_key(k.name).public_bytes_raw())
+        own = Keyring.from_file(k).for_worker(k.stem, str(k))
+        raw.add(own.private_key(k.stem).private_bytes_raw())
+        assert (own.public_key(k.stem).public_bytes_raw()
+                == gateways.public_key(k.stem).public_bytes_raw())
     assert len(raw) == 16
     # Every role's Redis password is its own.
     passwords = {p.read_text() for p in (out / "prefixgate-redis").iterdir()}
@@ -77,12 +77,15 @@ async def _health_over_tls(server_tls: rpc.TLSConfig, client_tls: rpc.TLSConfig,
 
 
 def test_mutual_tls_between_gateway_and_worker_pods(secrets) -> None:
-    d = secrets[0] / "prefixgate-internal-tls"
-    worker = rpc.TLSConfig(str(d / "worker.crt"), str(d / "worker.key"), str(d / "ca.crt"))
+    d, keys = secrets[0] / "prefixgate-internal-tls", secrets[0] / "prefixgate-worker-keys"
+    worker = rpc.TLSConfig(str(keys / "prefixgate-worker-3.crt"),
+                           str(keys / "prefixgate-worker-3.key"), str(d / "ca.crt"))
     gateway = rpc.TLSConfig(str(d / "gateway.crt"), str(d / "gateway.key"), str(d / "ca.crt"))
     pod = f"prefixgate-worker-3.prefixgate-worker.{NAMESPACE}.svc.cluster.local"
     assert asyncio.run(_health_over_tls(worker, gateway, pod)) == \
         health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.aio.AioRpcError):  # worker-3's files cannot pass for worker-0
+        asyncio.run(_health_over_tls(worker, gateway, pod.replace("-3.", "-0.", 1)))
     with pytest.raises(grpc.aio.AioRpcError):  # no client certificate: refused
         asyncio.run(_health_over_tls(worker, rpc.TLSConfig(ca_file=str(d / "ca.crt")), pod))
     with pytest.raises(grpc.aio.AioRpcError):  # the worker certificate names only worker pods
