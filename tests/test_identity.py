@@ -77,7 +77,7 @@ def test_registration_verifies_only_as_signed_by_that_workers_key() -> None:
 
 def test_sequence_numbers_are_bounded_and_never_replayed() -> None:
     assert position_refused(None, (3, 1)) == ""
-    assert position_refused(None, (3, 10**12)) != ""
+    assert position_refused(None, (3, 10**6)) == ""  # a gateway starting late follows on
     assert position_refused((3, 5), (3, 6)) == ""
     assert position_refused((3, 5), (3, 5 + MAX_SEQ_AHEAD)) == ""
     for refused in [(3, 5), (3, 4), (2, 9), (3, 10**12), (3, 0), (4, 10**12), (10**12, 1)]:

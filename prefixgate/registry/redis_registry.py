@@ -271,9 +271,12 @@ class RedisRegistry(Registry):
             blocks = dict(zip(pairs[::2], [p or None for p in pairs[1::2]], strict=True))
             if self.keyring is not None:
                 seq = int(kvseq or 0)
-                if not self._held_set_verifies(wid, int(epoch), seq, blocks, kvmac):
+                if self._held_set_verifies(wid, int(epoch), seq, blocks, kvmac):
+                    # Batches resume after the signed one; an unsigned kvseq (anyone with
+                    # a worker's Redis user can write one) is never where they resume.
+                    self._accepted[wid] = (int(epoch), seq)
+                elif blocks:
                     continue
-                self._accepted[wid] = (int(epoch), seq)
             out[wid] = (int(epoch), blocks)
         return last_id, added, out
 
@@ -297,7 +300,7 @@ class RedisRegistry(Registry):
             log.warning("ignoring the %d blocks Redis lists for worker %s: they are not "
                         "signed with its key (forged, or written without --worker-keyring)",
                         len(blocks), wid)
-        return not blocks
+        return False
 
     def _batch_verifies(self, f: dict[bytes, bytes]) -> bool:
         assert self.keyring is not None
@@ -331,7 +334,7 @@ class RedisRegistry(Registry):
             mac = identity.prediction_mac(key, wid, int(f[b"e"]), source, seq, f[b"h"])
             if identity.hmac.compare_digest(mac, f[b"s"]):
                 last = self._predictions_seen.get(source)
-                if identity.position_refused(None if last is None else (0, last), (0, seq)):
+                if last is not None and identity.position_refused((0, last), (0, seq)):
                     return False  # a copy put back on the stream, or far ahead
                 if len(self._predictions_seen) >= 4096:  # gateway ids seen (restarts)
                     self._predictions_seen.clear()

@@ -253,12 +253,14 @@ def verify_batch(keyring: Keyring, worker_id: str, message: bytes, signature: by
 
 def position_refused(last: tuple[int, int] | None, position: tuple[int, int]) -> str:
     """"" when a verified batch at (epoch, seq) `position` may be applied after `last`
-    (the last one applied for that worker; None: none yet), else why not."""
+    (the last one applied for that worker; None: none yet, and then any position is the
+    start: a gateway that starts while a worker has sent 10^5 batches must follow it;
+    only that worker's key signs its batches), else why not."""
     epoch, seq = position
     if seq < 1:
         return "its sequence number is not positive"
     if last is None:
-        return "" if seq <= MAX_SEQ_AHEAD else f"sequence number {seq} is far ahead of any"
+        return ""
     if position <= last:
         return "not after the last one applied (a copy put back on the stream)"
     if epoch == last[0] and seq > last[1] + MAX_SEQ_AHEAD:

@@ -424,6 +424,34 @@ def test_far_future_sequence_numbers_are_refused_and_fence_nothing(redis_flush) 
     asyncio.run(scenario())
 
 
+def test_a_forged_held_set_number_fences_nothing_at_a_starting_gateway(redis_flush) -> None:
+    """Anyone with a worker's Redis user can run the publish script for another worker's
+    id with a made-up signature and sequence number 10^12 (it writes kvseq beside pg:kv).
+    A gateway that starts then neither trusts that set nor resumes after that number: the
+    worker's genuine next batch applies there."""
+    worker_ring, keyring = _keyrings()
+
+    async def scenario() -> None:
+        worker = RedisRegistry(redis_flush, keyring=worker_ring)
+        rec = await worker.register(WorkerRecord("w", "h:1", "fp"), lease_ms=10_000)
+        assert await worker.publish(rec, [OwnershipEvent("store", hashes(0, 16))])
+        attacker = RedisRegistry(redis_flush)
+        await attacker._publish(
+            keys=[attacker._key("lease", "w"), attacker._key("kv", "w"), attacker.events_key,
+                  attacker._key("worker", "w")],
+            args=["w", rec.epoch, 1000, b"x" * 64, "ab" * 64, str(10**12), b"clear", b"", b""])
+        gateway = RedisRegistry(redis_flush, keyring=keyring)
+        position, _, owners = await gateway.ownership_snapshot()
+        assert owners["w"] == (rec.epoch, {})  # nothing held: nothing to trust or forge
+        assert await worker.publish(rec, [OwnershipEvent("store", hashes(100, 16))])
+        *_, genuine = await gateway.read_events(position, block_ms=100)
+        assert [e.kind for e in genuine.events] == ["store"]
+        for r in (worker, attacker, gateway):
+            await r.close()
+
+    asyncio.run(scenario())
+
+
 def test_unsigned_leave_and_reap_entries_are_refused(redis_flush) -> None:
     """With keys, a "leave" or "reap" entry written by anyone who can XADD (it would make
     gateways forget a live worker's blocks) is refused; the worker's own signed leave and a
