@@ -497,17 +497,9 @@ def worker_id_of(url: str) -> str:
 async def start_local_workers(spec: ModelSpec, tokenizer: ChatTokenizer,
                               configs: Sequence[VLLMConfig], block_size: int
                               ) -> dict[str, VLLMWorker]:
-    """Start one `VLLMWorker` per config in this process: registry address -> worker."""
-    out: dict[str, VLLMWorker] = {}
-    for cfg in configs:
-        w = VLLMWorker(spec, tokenizer, WorkerConfig(worker_id_of(cfg.url),
-                                                     block_size=block_size), cfg)
-        await w.start()
-        out[cfg.address] = w
-    return out
-
-
-async def close_all(workers: Sequence[VLLMWorker]) -> None:
-    with contextlib.suppress(Exception):
-        await asyncio.gather(*(w.close() for w in workers))
-
+    """Start one `VLLMWorker` per config in this process (all at once: each waits a few
+    seconds for its server): registry address -> worker."""
+    workers = {cfg.address: VLLMWorker(spec, tokenizer, WorkerConfig(
+        worker_id_of(cfg.url), block_size=block_size), cfg) for cfg in configs}
+    await asyncio.gather(*(w.start() for w in workers.values()))
+    return workers
