@@ -3,7 +3,8 @@
 Packages, one job each (the README's layout section draws them and their imports):
   wire/       the wire contract: message validation, packed token ids, gRPC plumbing,
               KV events, pushed status, the Chat client
-  security/   bearer tokens and tenants (auth), worker keyrings and signatures (identity)
+  security/   bearer tokens and tenants (auth), per-worker keys and signatures (identity),
+              `up --secure` credentials (local)
   model/      model catalogue, chat tokenizer, context-overflow policy (torch-free)
   telemetry/  logging, Prometheus exposition, trace recording
   radix/      block hashing and the radix tree; pure Python, no torch, no I/O
