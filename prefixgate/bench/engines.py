@@ -38,7 +38,9 @@ import asyncio
 import os
 import random
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 TARGETS = {"cpu_ratio_vllm_over_prefixgate": 1.0}
@@ -124,7 +126,8 @@ def _start_vllm(procs, args: argparse.Namespace, model_dir, served: str) -> str:
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if procs.procs["vllm"].poll() is not None:
-            raise SystemExit("bench engines: vLLM exited before answering (its log is above)")
+            raise SystemExit(f"bench engines: vLLM exited before answering: see "
+                             f"{procs.log_path('vllm')}")
         try:
             with urllib.request.urlopen(url + "/v1/models", timeout=2):
                 return f"{url},tcp://127.0.0.1:{events},tcp://127.0.0.1:{replay}"
@@ -151,7 +154,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     vocab_size = ChatTokenizer(spec).vocab_size
     emulated_dir = emulation_model_dir(args.model)
     quiet = ["--log-level", "WARNING"]
-    procs = ProcessGroup()
+    # The children's output goes to files: vLLM prints to stdout, where the JSON goes.
+    logdir = Path(tempfile.mkdtemp(prefix="bench-engines-"))
+    print(f"bench engines: logs of the servers in {logdir}", file=sys.stderr)
+    procs = ProcessGroup(logdir, new_session=True)
     load_before = os.getloadavg()
     results = []
     try:
