@@ -88,6 +88,7 @@ from prefixgate.wire.protocol import (
     check_prompt_tokens,
     clip,
     sampling_from_proto,
+    with_generation_defaults,
 )
 from prefixgate.wire.token_ids import prompt_token_ids
 from prefixgate.worker.api import FinalEvent, FinishReason
@@ -383,8 +384,9 @@ class VLLMWorker(WorkerServiceBase):
             packed = prompt_token_ids(request.prompt_token_ids, request.packed_prompt_token_ids,
                                       self.tokenizer.vocab_size)
             check_prompt_tokens(len(packed), self.config.limits)
-            sampling = sampling_from_proto(request.sampling, len(packed),
-                                           self.max_context_tokens, "fail")
+            sampling = sampling_from_proto(  # unset fields: the model's defaults, as workers
+                with_generation_defaults(request.sampling, self.spec.generation), len(packed),
+                self.max_context_tokens, "fail")
             if len(packed) + sampling.max_tokens > self.max_context_tokens:
                 raise InvalidRequest(
                     f"the prompt is {len(packed)} tokens and max_tokens {sampling.max_tokens}, "
