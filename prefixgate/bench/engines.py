@@ -5,9 +5,11 @@ Two backends, each measured directly and through its own gateway process (one ou
 token per request; the same prompts, of `--prompt-tokens` tokens in the multi-turn shape:
 one of a few conversations sent before plus `--new-tokens` new ids, packed):
 
-* prefixgate: an emulated worker (`prefixgate worker --emulate`, prefill and decode
-  instant: only its gRPC and cache work); direct = its `Generate` over gRPC; gateway =
-  `prefixgate gateway --worker` `Chat` (packed prompt);
+* prefixgate: an emulated worker (`prefixgate worker --emulate`: the real WorkerService,
+  no model), its turns made as long as vLLM's (it prefills the new tokens at the pace
+  vLLM was measured at first), so that what a gateway does while a turn runs (status
+  pushes, event batches) weighs alike on both; direct = its `Generate` over gRPC;
+  gateway = `prefixgate gateway --worker` `Chat` (packed prompt);
 * vllm: a real vLLM server (started from `--vllm-python`, or given by `--vllm` as
   URL,EVENTS[,REPLAY]); direct = its `/v1/completions` over HTTP with the body the
   adapter sends (token ids, streamed with usage); gateway = `prefixgate gateway
@@ -23,8 +25,7 @@ process's CPU per request (/proc, 10 ms ticks: use enough requests);
 `gateway_idle_cpu_ms_per_s`, what it spends per second with no turn (following status and
 events; for vLLM, polling /metrics), sampled for `IDLE_S` first; and
 `gateway_turn_cpu_ms_per_request`, the run's CPU less that idle rate over the run, per
-request: what a turn costs, whatever the backend's speed (a vLLM turn on this CPU takes
-~25x longer, and the idle rate would otherwise count 25 times as much against it). vLLM
+request: what a turn costs. vLLM
 computes on this machine's CPU, so its latencies are noisy where the emulated worker's are
 not: the CPU figures are the comparison that holds. Target: a turn costs the gateway no
 more in front of vLLM than in front of a prefixgate worker (`cpu_ratio_vllm_over_prefixgate`
@@ -163,13 +164,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         vllm = args.vllm or _start_vllm(procs, args, spec.model_dir, spec.name)
         cfg = VLLMConfig.parse(vllm)
+        # The emulated worker takes as long over a turn as vLLM does (its prefill of the
+        # new tokens at vLLM's measured pace): a gateway's work that goes with a turn's
+        # length (status pushes, event batches while it runs) then weighs alike on both.
+        vllm_s = asyncio.run(_vllm_turn_s(cfg.url, spec.name, vocab_size, args))
+        prefill_rate = args.new_tokens / max(1e-3, vllm_s)
+        print(f"bench engines: a vLLM turn takes {vllm_s * 1e3:.0f} ms; the emulated worker "
+              f"prefills at {prefill_rate:.0f} tokens/s to match", file=sys.stderr)
         wport, eport, vport = free_port(), free_port(), free_port()
         aport, cport = free_port(), free_port()
         procs.start_prefixgate("worker", "worker", "--emulate", "--model", str(emulated_dir),
                                "--port", str(wport), "--worker-id", "bench-worker",
                                "--block-size", str(args.block_size), "--num-blocks", "1000000",
-                               "--prefill-tokens-per-s", "1e15", "--decode-s-per-token", "0",
-                               *quiet)
+                               "--prefill-tokens-per-s", str(prefill_rate),
+                               "--decode-s-per-token", "0", *quiet)
         ge = procs.start_prefixgate("gateway-prefixgate", "gateway", "--model", str(emulated_dir),
                                     "--worker", f"127.0.0.1:{wport}", "--port", str(eport),
                                     "--block-size", str(args.block_size), "--http-port", "-1",
@@ -207,6 +215,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         procs.stop(20, first=["gateway"])
     return _report(args, results, load_before)
+
+
+async def _vllm_turn_s(url: str, served: str, vocab_size: int, args: argparse.Namespace
+                       ) -> float:
+    """vLLM's median time for one request of the run's shape (a known prefix plus
+    `new_tokens` new ones, one output token), on the direct path."""
+    import statistics
+
+    from prefixgate.bench.gateway import _Prompts
+
+    prompts = _Prompts("turn", random.Random(args.seed + 1), min(args.prompt_tokens),
+                       vocab_size, 1, args.new_tokens)
+    direct = _VLLMDirect(url, served)
+    try:
+        await direct.one(0, direct.request(prompts.bases[0]))
+        times = [await direct.one(0, direct.request(prompts.next())) for _ in range(10)]
+    finally:
+        await direct.close()
+    return statistics.median(t for t in times if t is not None)
 
 
 async def _measure(make_clients, pids: dict[str, int], args: argparse.Namespace, prompts,
