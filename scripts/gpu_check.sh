@@ -27,7 +27,8 @@ root=$PWD
 # tokenizers, jinja2, aiohttp, safetensors, tqdm, pyyaml: the image's own.
 WHEELS=(grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1
         protobuf==7.36.2 gguf==0.19.0 redis==8.1.0 python-json-logger==4.2.0 tenacity==9.2.1
-        msgspec==0.22.0 pyzmq==27.3.0 xxhash==4.1.0 prometheus-client==0.26.0)
+        msgspec==0.22.0 pyzmq==27.3.0 xxhash==4.1.0 prometheus-client==0.26.0
+        cryptography==50.0.2 cffi==2.1.1 pycparser==3.12)
 
 if [ "${1:-}" = "--fetch-wheels" ]; then
   dir=${2:-.gpu-wheels}
@@ -65,7 +66,7 @@ missing() {
 import importlib
 names = ["torch", "triton", "transformers", "safetensors", "tokenizers", "jinja2", "gguf",
          "xxhash", "numpy", "tqdm", "prometheus_client", "pythonjsonlogger", "tenacity",
-         "redis", "zmq", "msgspec", "grpc_health.v1", "grpc_reflection.v1alpha",
+         "redis", "zmq", "msgspec", "cryptography", "grpc_health.v1", "grpc_reflection.v1alpha",
          "prefixgate.v1.chat_pb2_grpc", "prefixgate.v1.worker_pb2_grpc"]
 bad = []
 for name in names:
