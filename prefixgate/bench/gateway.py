@@ -339,6 +339,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "--block-size", str(args.block_size), "--num-blocks", "1000000",
                            "--prefill-tokens-per-s", "1e15", "--decode-s-per-token", "0",
                            *quiet)
+    if args.relay and "uvloop" in args.relay_impls:
+        import importlib.util
+
+        if importlib.util.find_spec("uvloop") is None:
+            raise SystemExit("bench gateway: --relay-impls uvloop needs uvloop "
+                             "(pip install uvloop); it is not a prefixgate dependency")
     relays: dict[str, tuple[int, Any]] = {}  # path -> (port, process)
     for impl in (args.relay_impls if args.relay else []):
         rport = free_port()
