@@ -42,6 +42,8 @@ Contract
   that has not started), 400 is INVALID_ARGUMENT scoped to the request. A turn that asks
   to drop old turns (context_overflow) and does not fit is INVALID_ARGUMENT: vLLM cannot
   do that. A client that goes away closes the HTTP stream, which aborts the request in vLLM.
+- GetInfo's `reuse_block_tokens` is vLLM's block size: vLLM reuses only whole blocks of
+  its own size, so the gateway rounds what it predicts cached there down to them.
 - Status: running and waiting requests and KV use from vLLM's /metrics (all clients of
   the server; polled at the gateway's status interval, or less often if a poll costs over
   1 % of the time between polls), the KV capacity from its cache configuration; queued prefill from the
@@ -295,7 +297,16 @@ class VLLMWorker(WorkerServiceBase):
                         else self.spec.name),
             model_fingerprint="vllm:" + self.served_model if refused else self.spec.fingerprint,
             block_size=self.config.block_size, max_context_tokens=self.max_context_tokens,
-            kv_capacity_tokens=self.metrics.kv_capacity_tokens)
+            kv_capacity_tokens=self.metrics.kv_capacity_tokens,
+            reuse_block_tokens=self.reuse_block_tokens)
+
+    @property
+    def reuse_block_tokens(self) -> int:
+        """vLLM reuses a cached prefix only in whole blocks of its own size (its config in
+        /metrics, else its events; 0 until either says): a turn whose match ends inside
+        one of its blocks is served that block's tokens anew, so the gateway must not
+        count them as cached (gateway/routing.reusable_tokens)."""
+        return self.metrics.block_size or self.mapper.engine_block_size
 
     def _status(self) -> worker_pb2.WorkerStatus:
         m = self.metrics

@@ -202,6 +202,7 @@ class VLLMEventMapper:
         self.suspended = False
         self.num_unplaced_blocks = 0  # vLLM blocks stored after an unknown parent
         self.num_unknown_removals = 0  # removals of vLLM blocks not known here
+        self.engine_block_size = 0  # tokens per vLLM block, as its events say (0: none yet)
 
     # ------------------------------------------------------------------ queries
 
@@ -278,6 +279,7 @@ class VLLMEventMapper:
             log.warning("vLLM BlockStored with %d tokens for %d blocks of %d: skipped",
                         len(ev.token_ids), n, bs)
             return
+        self.engine_block_size = bs
         if ev.parent is None:
             namespace = self._root_namespace(ev)
             if namespace is None:

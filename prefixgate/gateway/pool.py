@@ -158,6 +158,12 @@ class WorkerHandle:
         return self.status.kv_bytes_per_token if self.status is not None else 0
 
     @property
+    def reuse_block_tokens(self) -> int:
+        """Tokens the worker's engine reuses a prefix in whole multiples of (0: any
+        length; routing.reusable_tokens)."""
+        return self.info.reuse_block_tokens if self.info is not None else 0
+
+    @property
     def kv_fill(self) -> float:
         s = self.status
         if s is None or not s.kv_capacity_tokens:

@@ -28,8 +28,10 @@ Interface (shared by the gateway and the replay simulator)
   `transfer_bytes_per_s` (the rate its block transfers run at; 0: not measured),
   `transfer_setup_s` (the set-up time of one pull into it, whatever its size),
   `kv_bytes_per_token` (KV bytes one cached token takes in its dtype and layout; 0:
-  unknown, the worker neither pulls nor is pulled from) and `export_queued_bytes` (bytes
-  of pulls from it routed and not finished: its link's queue).
+  unknown, the worker neither pulls nor is pulled from), `export_queued_bytes` (bytes
+  of pulls from it routed and not finished: its link's queue) and `reuse_block_tokens`
+  (its engine reuses a cached prefix only in whole multiples of this many tokens; 0: any
+  length up to the matched blocks and the last prompt token).
 
 Policies (RoutingConfig.policy)
 -------------------------------
@@ -80,7 +82,11 @@ Policies (RoutingConfig.policy)
                Cached tokens of a worker: the leading blocks it holds (events) plus,
                credited at the index's measured `prediction_confidence`, the blocks it is
                *expected* to hold (routed there, not yet confirmed), × block size, capped at
-               prompt length - 1 (one token is always computed).
+               prompt length - 1 (one token is always computed), rounded down to a whole
+               multiple of the worker's `reuse_block_tokens` (the granularity its engine
+               reuses a prefix at: vLLM's block size, which may exceed the gateway's; absent
+               or 0: any length, as prefixgate workers, which copy a partial block): what
+               the engine will really reuse.
                Shared-prefix spread: when the longest match ends at a block from which
                `spread_fanout` or more different continuations are already indexed (a
                system prompt other conversations share), those cached tokens are credited
@@ -117,7 +123,7 @@ from prefixgate.gateway.index import PrefixIndex, PrefixMatch
 from prefixgate.radix import BlockHasher
 
 __all__ = ["POLICIES", "Decision", "LoadSnapshot", "Pull", "Router", "RoutingConfig", "Turn",
-           "WorkerLoad", "make_turn", "queued_prefill_tokens"]
+           "WorkerLoad", "make_turn", "queued_prefill_tokens", "reusable_tokens"]
 
 POLICIES = ("prefix", "session", "least-loaded", "round-robin", "random")
 
@@ -161,6 +167,7 @@ class LoadSnapshot:
     transfer_setup_s: float = 0.0  # set-up of one pull into it, seconds
     kv_bytes_per_token: int = 0  # 0: unknown (no transfers to or from it)
     export_queued_bytes: int = 0  # bytes of pulls from it routed and not finished
+    reuse_block_tokens: int = 0  # its engine reuses prefixes in multiples of it (0: any)
 
 
 W = TypeVar("W", bound=WorkerLoad)
@@ -223,6 +230,15 @@ class Turn:
     conversation_id: str = ""
     block_hashes: Sequence[int] = ()
     block_size: int = 16
+
+
+def reusable_tokens(matched_tokens: int, max_tokens: int, unit_tokens: int) -> int:
+    """Tokens of a prompt an engine serves from its cache when the gateway's index matches
+    `matched_tokens` of it there: the engine computes the last prompt token itself (at most
+    `max_tokens`, the prompt length - 1, come from cache) and reuses a prefix only in
+    whole multiples of `unit_tokens`, its own reuse block (vLLM's block size; a match that
+    ends inside one of its blocks gains nothing from that block's first part)."""
+    return min(matched_tokens, max_tokens) // unit_tokens * unit_tokens
 
 
 def make_turn(token_ids: Sequence[int], hasher: BlockHasher, conversation_id: str = "") -> Turn:
@@ -345,13 +361,16 @@ class Router:
                  if self.index is not None and turn.block_hashes else None)
         cached: dict[str, int] = {}
         certain: dict[str, int] = {}
+        workers = list(workers)
         if match is not None:
             cap = max(0, turn.num_prompt_tokens - 1)
             bs = turn.block_size
-            certain = {w: min(cap, n * bs) for w, n in match.cached_blocks.items()}
-            cached = {w: min(cap, n * bs) for w, n in match.expected_blocks.items() if n}
+            unit = {w.worker_id: getattr(w, "reuse_block_tokens", 0) or 1 for w in workers}
+            certain = {w: reusable_tokens(n * bs, cap, unit.get(w, 1))
+                       for w, n in match.cached_blocks.items()}
+            cached = {w: reusable_tokens(n * bs, cap, unit.get(w, 1))
+                      for w, n in match.expected_blocks.items() if n}
         shared = bool(match and match.shared)
-        workers = list(workers)
         costs: dict[str, float] = {}
         pulls: dict[str, Pull] = {}
         if policy == "prefix":

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from prefixgate.v1 import common_pb2 as prefixgate_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprefixgate/v1/worker.proto\x12\rprefixgate.v1\x1a\x1aprefixgate/v1/common.proto\"L\n\x08PullSpec\x12\x14\n\x0cpeer_address\x18\x01 \x01(\t\x12\x16\n\x0epeer_worker_id\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"?\n\x13\x45xportBlocksRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\x12\x12\n\nfrom_block\x18\x02 \x01(\r\"\xf3\x01\n\x0eKVBlocksHeader\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\'\n\x06layout\x18\x05 \x01(\x0e\x32\x17.prefixgate.v1.KVLayout\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x07 \x01(\r\x12\x10\n\x08head_dim\x18\x08 \x01(\r\x12\x17\n\x0f\x62ytes_per_token\x18\t \x01(\x04\x12\x12\n\nnum_blocks\x18\n \x01(\r\"N\n\rKVBlocksChunk\x12\x13\n\x0b\x66irst_block\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\t\n\x01k\x18\x03 \x01(\x0c\x12\t\n\x01v\x18\x04 \x01(\x0c\"|\n\x11\x45xportBlocksEvent\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.prefixgate.v1.KVBlocksHeaderH\x00\x12-\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1c.prefixgate.v1.KVBlocksChunkH\x00\x42\x07\n\x05\x65vent\"W\n\x11PullBlocksRequest\x12\x14\n\x0cpeer_address\x18\x01 \x01(\t\x12\x16\n\x0epeer_worker_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\"n\n\x12PullBlocksResponse\x12\x19\n\x11num_cached_blocks\x18\x01 \x01(\r\x12\x19\n\x11num_pulled_blocks\x18\x02 \x01(\r\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"\xcb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1f\n\x17packed_prompt_token_ids\x18\x05 \x01(\x0c\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.prefixgate.v1.SamplingParams\x12\x11\n\tnamespace\x18\x04 \x01(\t\x12%\n\x04pull\x18\x06 \x01(\x0b\x32\x17.prefixgate.v1.PullSpec\"n\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.prefixgate.v1.TokenLogprob\"\xcd\x01\n\rGenerateFinal\x12#\n\x05usage\x18\x01 \x01(\x0b\x32\x14.prefixgate.v1.Usage\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.prefixgate.v1.FinishReason\x12\'\n\x07timings\x18\x03 \x01(\x0b\x32\x16.prefixgate.v1.Timings\x12:\n\x15sample_finish_reasons\x18\x04 \x03(\x0e\x32\x1b.prefixgate.v1.FinishReason\"v\n\rGenerateEvent\x12-\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1c.prefixgate.v1.GenerateChunkH\x00\x12-\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1c.prefixgate.v1.GenerateFinalH\x00\x42\x07\n\x05\x65vent\"\x10\n\x0eGetInfoRequest\"\x9a\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x05 \x01(\r\x12\x1a\n\x12kv_capacity_tokens\x18\x06 \x01(\x04\"\x12\n\x10GetStatusRequest\"\xc8\x02\n\x0cWorkerStatus\x12\x1c\n\x14num_running_requests\x18\x01 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x02 \x01(\r\x12!\n\x19num_queued_prefill_tokens\x18\x03 \x01(\x04\x12\x16\n\x0ekv_used_tokens\x18\x04 \x01(\x04\x12\x1a\n\x12kv_capacity_tokens\x18\x05 \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\x06 \x01(\x01\x12\x15\n\rdecode_step_s\x18\x07 \x01(\x01\x12\x1c\n\x14prefill_chunk_tokens\x18\x08 \x01(\r\x12\x1a\n\x12kv_bytes_per_token\x18\t \x01(\x04\x12\x1c\n\x14transfer_bytes_per_s\x18\n \x01(\x01\x12\x18\n\x10transfer_setup_s\x18\x0b \x01(\x01\"-\n\x12WatchStatusRequest\x12\x17\n\x0fmin_interval_ms\x18\x01 \x01(\r\"\x13\n\x11\x46lushCacheRequest\"0\n\x12\x46lushCacheResponse\x12\x1a\n\x12num_flushed_tokens\x18\x01 \x01(\x04\"<\n\x12WatchEventsRequest\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\"I\n\x08KVStored\x12\x12\n\nhas_parent\x18\x01 \x01(\x08\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x06\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\"!\n\tKVRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\"\x0b\n\tKVCleared\"\x97\x01\n\x07KVEvent\x12)\n\x06stored\x18\x01 \x01(\x0b\x32\x17.prefixgate.v1.KVStoredH\x00\x12+\n\x07removed\x18\x02 \x01(\x0b\x32\x18.prefixgate.v1.KVRemovedH\x00\x12+\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x18.prefixgate.v1.KVClearedH\x00\x42\x07\n\x05\x65vent\"\x82\x01\n\x0cKVEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x10\n\x08last_seq\x18\x03 \x01(\x04\x12\x10\n\x08snapshot\x18\x04 \x01(\x08\x12&\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x16.prefixgate.v1.KVEvent*I\n\x08KVLayout\x12\x19\n\x15KV_LAYOUT_UNSPECIFIED\x10\x00\x12\"\n\x1eKV_LAYOUT_LAYER_TOKEN_HEAD_DIM\x10\x01\x32\x8b\x05\n\rWorkerService\x12J\n\x08Generate\x12\x1e.prefixgate.v1.GenerateRequest\x1a\x1c.prefixgate.v1.GenerateEvent0\x01\x12\x43\n\x07GetInfo\x12\x1d.prefixgate.v1.GetInfoRequest\x1a\x19.prefixgate.v1.WorkerInfo\x12I\n\tGetStatus\x12\x1f.prefixgate.v1.GetStatusRequest\x1a\x1b.prefixgate.v1.WorkerStatus\x12Q\n\nFlushCache\x12 .prefixgate.v1.FlushCacheRequest\x1a!.prefixgate.v1.FlushCacheResponse\x12O\n\x0bWatchEvents\x12!.prefixgate.v1.WatchEventsRequest\x1a\x1b.prefixgate.v1.KVEventBatch0\x01\x12O\n\x0bWatchStatus\x12!.prefixgate.v1.WatchStatusRequest\x1a\x1b.prefixgate.v1.WorkerStatus0\x01\x12V\n\x0c\x45xportBlocks\x12\".prefixgate.v1.ExportBlocksRequest\x1a .prefixgate.v1.ExportBlocksEvent0\x01\x12Q\n\nPullBlocks\x12 .prefixgate.v1.PullBlocksRequest\x1a!.prefixgate.v1.PullBlocksResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprefixgate/v1/worker.proto\x12\rprefixgate.v1\x1a\x1aprefixgate/v1/common.proto\"L\n\x08PullSpec\x12\x14\n\x0cpeer_address\x18\x01 \x01(\t\x12\x16\n\x0epeer_worker_id\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"?\n\x13\x45xportBlocksRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\x12\x12\n\nfrom_block\x18\x02 \x01(\r\"\xf3\x01\n\x0eKVBlocksHeader\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\'\n\x06layout\x18\x05 \x01(\x0e\x32\x17.prefixgate.v1.KVLayout\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x07 \x01(\r\x12\x10\n\x08head_dim\x18\x08 \x01(\r\x12\x17\n\x0f\x62ytes_per_token\x18\t \x01(\x04\x12\x12\n\nnum_blocks\x18\n \x01(\r\"N\n\rKVBlocksChunk\x12\x13\n\x0b\x66irst_block\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\t\n\x01k\x18\x03 \x01(\x0c\x12\t\n\x01v\x18\x04 \x01(\x0c\"|\n\x11\x45xportBlocksEvent\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.prefixgate.v1.KVBlocksHeaderH\x00\x12-\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1c.prefixgate.v1.KVBlocksChunkH\x00\x42\x07\n\x05\x65vent\"W\n\x11PullBlocksRequest\x12\x14\n\x0cpeer_address\x18\x01 \x01(\t\x12\x16\n\x0epeer_worker_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\"n\n\x12PullBlocksResponse\x12\x19\n\x11num_cached_blocks\x18\x01 \x01(\r\x12\x19\n\x11num_pulled_blocks\x18\x02 \x01(\r\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"\xcb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1f\n\x17packed_prompt_token_ids\x18\x05 \x01(\x0c\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.prefixgate.v1.SamplingParams\x12\x11\n\tnamespace\x18\x04 \x01(\t\x12%\n\x04pull\x18\x06 \x01(\x0b\x32\x17.prefixgate.v1.PullSpec\"n\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.prefixgate.v1.TokenLogprob\"\xcd\x01\n\rGenerateFinal\x12#\n\x05usage\x18\x01 \x01(\x0b\x32\x14.prefixgate.v1.Usage\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.prefixgate.v1.FinishReason\x12\'\n\x07timings\x18\x03 \x01(\x0b\x32\x16.prefixgate.v1.Timings\x12:\n\x15sample_finish_reasons\x18\x04 \x03(\x0e\x32\x1b.prefixgate.v1.FinishReason\"v\n\rGenerateEvent\x12-\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1c.prefixgate.v1.GenerateChunkH\x00\x12-\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1c.prefixgate.v1.GenerateFinalH\x00\x42\x07\n\x05\x65vent\"\x10\n\x0eGetInfoRequest\"\xb6\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x05 \x01(\r\x12\x1a\n\x12kv_capacity_tokens\x18\x06 \x01(\x04\x12\x1a\n\x12reuse_block_tokens\x18\x07 \x01(\r\"\x12\n\x10GetStatusRequest\"\xc8\x02\n\x0cWorkerStatus\x12\x1c\n\x14num_running_requests\x18\x01 \x01(\r\x12\x1c\n\x14num_waiting_requests\x18\x02 \x01(\r\x12!\n\x19num_queued_prefill_tokens\x18\x03 \x01(\x04\x12\x16\n\x0ekv_used_tokens\x18\x04 \x01(\x04\x12\x1a\n\x12kv_capacity_tokens\x18\x05 \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\x06 \x01(\x01\x12\x15\n\rdecode_step_s\x18\x07 \x01(\x01\x12\x1c\n\x14prefill_chunk_tokens\x18\x08 \x01(\r\x12\x1a\n\x12kv_bytes_per_token\x18\t \x01(\x04\x12\x1c\n\x14transfer_bytes_per_s\x18\n \x01(\x01\x12\x18\n\x10transfer_setup_s\x18\x0b \x01(\x01\"-\n\x12WatchStatusRequest\x12\x17\n\x0fmin_interval_ms\x18\x01 \x01(\r\"\x13\n\x11\x46lushCacheRequest\"0\n\x12\x46lushCacheResponse\x12\x1a\n\x12num_flushed_tokens\x18\x01 \x01(\x04\"<\n\x12WatchEventsRequest\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\"I\n\x08KVStored\x12\x12\n\nhas_parent\x18\x01 \x01(\x08\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x06\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x06\"!\n\tKVRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\"\x0b\n\tKVCleared\"\x97\x01\n\x07KVEvent\x12)\n\x06stored\x18\x01 \x01(\x0b\x32\x17.prefixgate.v1.KVStoredH\x00\x12+\n\x07removed\x18\x02 \x01(\x0b\x32\x18.prefixgate.v1.KVRemovedH\x00\x12+\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x18.prefixgate.v1.KVClearedH\x00\x42\x07\n\x05\x65vent\"\x82\x01\n\x0cKVEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x10\n\x08last_seq\x18\x03 \x01(\x04\x12\x10\n\x08snapshot\x18\x04 \x01(\x08\x12&\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x16.prefixgate.v1.KVEvent*I\n\x08KVLayout\x12\x19\n\x15KV_LAYOUT_UNSPECIFIED\x10\x00\x12\"\n\x1eKV_LAYOUT_LAYER_TOKEN_HEAD_DIM\x10\x01\x32\x8b\x05\n\rWorkerService\x12J\n\x08Generate\x12\x1e.prefixgate.v1.GenerateRequest\x1a\x1c.prefixgate.v1.GenerateEvent0\x01\x12\x43\n\x07GetInfo\x12\x1d.prefixgate.v1.GetInfoRequest\x1a\x19.prefixgate.v1.WorkerInfo\x12I\n\tGetStatus\x12\x1f.prefixgate.v1.GetStatusRequest\x1a\x1b.prefixgate.v1.WorkerStatus\x12Q\n\nFlushCache\x12 .prefixgate.v1.FlushCacheRequest\x1a!.prefixgate.v1.FlushCacheResponse\x12O\n\x0bWatchEvents\x12!.prefixgate.v1.WatchEventsRequest\x1a\x1b.prefixgate.v1.KVEventBatch0\x01\x12O\n\x0bWatchStatus\x12!.prefixgate.v1.WatchStatusRequest\x1a\x1b.prefixgate.v1.WorkerStatus0\x01\x12V\n\x0c\x45xportBlocks\x12\".prefixgate.v1.ExportBlocksRequest\x1a .prefixgate.v1.ExportBlocksEvent0\x01\x12Q\n\nPullBlocks\x12 .prefixgate.v1.PullBlocksRequest\x1a!.prefixgate.v1.PullBlocksResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'prefixgate.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVLAYOUT']._serialized_start=2631
-  _globals['_KVLAYOUT']._serialized_end=2704
+  _globals['_KVLAYOUT']._serialized_start=2659
+  _globals['_KVLAYOUT']._serialized_end=2732
   _globals['_PULLSPEC']._serialized_start=73
   _globals['_PULLSPEC']._serialized_end=149
   _globals['_EXPORTBLOCKSREQUEST']._serialized_start=151
@@ -59,29 +59,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETINFOREQUEST']._serialized_start=1515
   _globals['_GETINFOREQUEST']._serialized_end=1531
   _globals['_WORKERINFO']._serialized_start=1534
-  _globals['_WORKERINFO']._serialized_end=1688
-  _globals['_GETSTATUSREQUEST']._serialized_start=1690
-  _globals['_GETSTATUSREQUEST']._serialized_end=1708
-  _globals['_WORKERSTATUS']._serialized_start=1711
-  _globals['_WORKERSTATUS']._serialized_end=2039
-  _globals['_WATCHSTATUSREQUEST']._serialized_start=2041
-  _globals['_WATCHSTATUSREQUEST']._serialized_end=2086
-  _globals['_FLUSHCACHEREQUEST']._serialized_start=2088
-  _globals['_FLUSHCACHEREQUEST']._serialized_end=2107
-  _globals['_FLUSHCACHERESPONSE']._serialized_start=2109
-  _globals['_FLUSHCACHERESPONSE']._serialized_end=2157
-  _globals['_WATCHEVENTSREQUEST']._serialized_start=2159
-  _globals['_WATCHEVENTSREQUEST']._serialized_end=2219
-  _globals['_KVSTORED']._serialized_start=2221
-  _globals['_KVSTORED']._serialized_end=2294
-  _globals['_KVREMOVED']._serialized_start=2296
-  _globals['_KVREMOVED']._serialized_end=2329
-  _globals['_KVCLEARED']._serialized_start=2331
-  _globals['_KVCLEARED']._serialized_end=2342
-  _globals['_KVEVENT']._serialized_start=2345
-  _globals['_KVEVENT']._serialized_end=2496
-  _globals['_KVEVENTBATCH']._serialized_start=2499
-  _globals['_KVEVENTBATCH']._serialized_end=2629
-  _globals['_WORKERSERVICE']._serialized_start=2707
-  _globals['_WORKERSERVICE']._serialized_end=3358
+  _globals['_WORKERINFO']._serialized_end=1716
+  _globals['_GETSTATUSREQUEST']._serialized_start=1718
+  _globals['_GETSTATUSREQUEST']._serialized_end=1736
+  _globals['_WORKERSTATUS']._serialized_start=1739
+  _globals['_WORKERSTATUS']._serialized_end=2067
+  _globals['_WATCHSTATUSREQUEST']._serialized_start=2069
+  _globals['_WATCHSTATUSREQUEST']._serialized_end=2114
+  _globals['_FLUSHCACHEREQUEST']._serialized_start=2116
+  _globals['_FLUSHCACHEREQUEST']._serialized_end=2135
+  _globals['_FLUSHCACHERESPONSE']._serialized_start=2137
+  _globals['_FLUSHCACHERESPONSE']._serialized_end=2185
+  _globals['_WATCHEVENTSREQUEST']._serialized_start=2187
+  _globals['_WATCHEVENTSREQUEST']._serialized_end=2247
+  _globals['_KVSTORED']._serialized_start=2249
+  _globals['_KVSTORED']._serialized_end=2322
+  _globals['_KVREMOVED']._serialized_start=2324
+  _globals['_KVREMOVED']._serialized_end=2357
+  _globals['_KVCLEARED']._serialized_start=2359
+  _globals['_KVCLEARED']._serialized_end=2370
+  _globals['_KVEVENT']._serialized_start=2373
+  _globals['_KVEVENT']._serialized_end=2524
+  _globals['_KVEVENTBATCH']._serialized_start=2527
+  _globals['_KVEVENTBATCH']._serialized_end=2657
+  _globals['_WORKERSERVICE']._serialized_start=2735
+  _globals['_WORKERSERVICE']._serialized_end=3386
 # @@protoc_insertion_point(module_scope)

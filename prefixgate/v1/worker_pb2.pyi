@@ -152,20 +152,22 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "model_name", "model_fingerprint", "block_size", "max_context_tokens", "kv_capacity_tokens")
+    __slots__ = ("worker_id", "model_name", "model_fingerprint", "block_size", "max_context_tokens", "kv_capacity_tokens", "reuse_block_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REUSE_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model_name: str
     model_fingerprint: str
     block_size: int
     max_context_tokens: int
     kv_capacity_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ...) -> None: ...
+    reuse_block_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., reuse_block_tokens: _Optional[int] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

@@ -16,6 +16,7 @@ import pytest
 from prefixgate.engines.local import LocalWorker
 from prefixgate.engines.vllm import VLLMConfig, VLLMWorker
 from prefixgate.engines.vllm_http import VLLMClient, VLLMError
+from prefixgate.gateway.routing import reusable_tokens
 from prefixgate.gateway.server import GatewayConfig, serve
 from prefixgate.model.tokenizer import ChatTokenizer
 from prefixgate.radix import BlockHasher
@@ -80,8 +81,9 @@ async def _two_turns(port: int):
 def _reused_and_predicted(f1, f2, worker_id: str) -> None:
     assert f1.worker_id == f2.worker_id == worker_id
     assert f2.usage.cached_tokens > 0
-    # The index (fed by vLLM's events) predicted vLLM's own figure within one vLLM block.
-    assert abs(f2.predicted_cached_tokens - f2.usage.cached_tokens) < VLLM_BLOCK
+    # The index (fed by vLLM's events), rounded down to whole vLLM blocks, predicted
+    # vLLM's own figure.
+    assert f2.predicted_cached_tokens == f2.usage.cached_tokens
 
 
 def test_two_turns_through_the_gateway(vllm, smollm2_spec) -> None:
@@ -123,8 +125,10 @@ def test_the_worker_form_through_redis(vllm, smollm2_spec, redis_flush) -> None:
 
 
 def test_mapping_equals_vllm_hits_and_keeps_namespaces_apart(vllm, smollm2_spec) -> None:
-    """After each turn, the blocks the event-fed mapping holds for the next prompt are the
-    tokens vLLM then reports cached (both in whole vLLM blocks)."""
+    """After each turn, the blocks the event-fed mapping holds for the next prompt, rounded
+    down to whole vLLM blocks as the gateway's router does (GetInfo's reuse_block_tokens),
+    are the tokens vLLM then reports cached. Prompts whose match ends inside a vLLM block
+    (48 and 112 shared tokens: three and seven gateway blocks) are among them."""
     rng = random.Random(7)
 
     async def main():
@@ -135,11 +139,17 @@ def test_mapping_equals_vllm_hits_and_keeps_namespaces_apart(vllm, smollm2_spec)
         try:
             base = [rng.randrange(1000, 20000) for _ in range(150)]
             prompts = [(base, ""), (base[:100] + [7] * 60, ""), (base + [9] * 40, ""),
+                       (base[:48] + [5] * 60, ""), (base[:112] + [3] * 30, ""),
                        (base, "acme"), (base + [11] * 40, "acme")]
+            info = await stub.GetInfo(worker_pb2.GetInfoRequest())
+            assert info.reuse_block_tokens == VLLM_BLOCK and info.block_size == 16
+            misaligned = 0
             for prompt, namespace in prompts:
                 hasher = BlockHasher(16, smollm2_spec.fingerprint, namespace)
                 hashes = hasher.hash_blocks(packed(tokens_to_bytes(prompt)))
-                predicted = w.mapper.held_prefix_blocks(hashes) * 16
+                matched = w.mapper.held_prefix_blocks(hashes) * 16
+                predicted = reusable_tokens(matched, len(prompt) - 1, info.reuse_block_tokens)
+                misaligned += matched % VLLM_BLOCK != 0
                 batches = w.stream.num_batches
                 final = None
                 async for ev in stub.Generate(worker_pb2.GenerateRequest(
@@ -151,6 +161,7 @@ def test_mapping_equals_vllm_hits_and_keeps_namespaces_apart(vllm, smollm2_spec)
                 assert final.usage.cached_tokens == predicted, (namespace, len(prompt))
                 await _until(lambda b=batches: w.stream.num_batches > b)
             assert w.stream.num_gaps == 0 and w.mapper.num_unplaced_blocks == 0
+            assert misaligned >= 2  # the rounding was exercised, not only aligned matches
         finally:
             await w.close()
     asyncio.run(main())

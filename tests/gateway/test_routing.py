@@ -9,7 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixgate.gateway.index import PrefixIndex
-from prefixgate.gateway.routing import LoadSnapshot, Router, RoutingConfig, make_turn
+from prefixgate.gateway.routing import (
+    LoadSnapshot,
+    Router,
+    RoutingConfig,
+    make_turn,
+    reusable_tokens,
+)
 from prefixgate.radix import BlockHasher
 
 BS = 4
@@ -40,6 +46,27 @@ def test_prefix_policy_prefers_the_longest_cached_prefix() -> None:
     assert d.expected_cached_tokens == 40 and d.cached_tokens_of("w2") == 20
     # A hit never covers the last prompt token.
     assert router.decide(workers(3), make_turn(list(range(40)), HASHER)).expected_cached_tokens == 39
+
+
+def test_matched_tokens_round_down_to_the_engines_reuse_block() -> None:
+    """A worker whose engine reuses prefixes in whole blocks of 8 tokens (twice the
+    gateway's 4, as vLLM at 32 behind a gateway at 16) is credited only the whole blocks
+    of its own that the match covers, the last prompt token's block part included."""
+    assert [reusable_tokens(m, 99, 8) for m in (0, 4, 8, 12, 20, 24)] == [0, 0, 8, 8, 16, 24]
+    assert reusable_tokens(24, 23, 8) == 16 and reusable_tokens(24, 23, 1) == 23
+    index = PrefixIndex()
+    shared = list(range(12))  # 3 gateway blocks: ends inside the engine's second block
+    serve(index, "coarse", shared + [50] * 12)
+    serve(index, "fine", shared + [60] * 12)
+    router = Router(RoutingConfig(), index)
+    ws = [LoadSnapshot("coarse", reuse_block_tokens=8), LoadSnapshot("fine")]
+    d = router.decide(ws, make_turn(shared + [70] * 9, HASHER))
+    assert d.cached_tokens_of("coarse") == 8 and d.certain_tokens["coarse"] == 8
+    assert d.cached_tokens_of("fine") == 12  # no reuse block: as before
+    assert d.ranked[0].worker_id == "fine"  # 4 more tokens really cached there
+    # A whole prompt matched: the engine computes its last token, so its last block too.
+    d = router.decide(ws, make_turn(shared + [50] * 4, HASHER))
+    assert d.cached_tokens_of("coarse") == 8 and d.cached_tokens_of("fine") == 12
 
 
 def test_load_outweighs_a_small_prefix_but_not_a_large_one() -> None:
