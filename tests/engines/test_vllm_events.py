@@ -1,6 +1,7 @@
 """vLLM KV events mapped onto prefixgate's block hashes: decoding both encodings, the
-rules of engines/vllm_events.py, and a property test against a simple model of vLLM's
-cache for every pair of block sizes."""
+rules of engines/vllm_events.py, a property test against a simple model of vLLM's
+cache for every pair of block sizes, and the router's predicted cached tokens at a vLLM
+worker (its matches rounded to whole vLLM blocks) against vLLM's own hit."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from prefixgate.engines.vllm_events import (
 )
 from prefixgate.gateway.feeds import apply_event
 from prefixgate.gateway.index import PrefixIndex
+from prefixgate.gateway.routing import LoadSnapshot, Router, RoutingConfig, make_turn
 from prefixgate.radix import BlockHasher, Hashers
 from prefixgate.wire.events import KVEventSink
 from tests.engines.vllm_wire import encode, stored_chain, vhash
@@ -275,3 +277,74 @@ def test_a_shared_block_keeps_no_entries_of_forgotten_children() -> None:
     first = m._blocks[vhash(root)]
     assert len(first.straddle) < 2 * 20 + 64
     assert sink.blocks == {ours(root + [1000 + i] * 16, 32)[0] for i in range(500 - 19, 500)}
+
+
+# ------------------------------------------- what the router predicts against vLLM's hit
+
+class _IndexSink(KVEventSink):
+    """A worker's mapped events into a real gateway index, as gateway/feeds.py applies them."""
+
+    def __init__(self, index: PrefixIndex, worker_id: str) -> None:
+        self.index, self.worker_id = index, worker_id
+
+    def stored(self, parent_hash, block_hashes):
+        apply_event(self.index, self.worker_id, 1, "store", parent_hash, block_hashes, "test")
+
+    def removed(self, block_hashes):
+        apply_event(self.index, self.worker_id, 1, "remove", None, block_hashes, "test")
+
+    def cleared(self):
+        apply_event(self.index, self.worker_id, 1, "clear", None, (), "test")
+
+
+def _vllm_hit(cached: set[bytes], prompt: list[int], vbs: int) -> int:
+    """vLLM's cached_tokens for `prompt`: its leading whole blocks in the cache, never the
+    block holding the last prompt token (vLLM's find_longest_cache_hit over num_tokens - 1)."""
+    k = 0
+    while k < (len(prompt) - 1) // vbs and vhash(prompt[:(k + 1) * vbs]) in cached:
+        k += 1
+    return k * vbs
+
+
+def _predicted(cached_seqs: list[list[int]], prompts: list[list[int]], vbs: int, gbs: int
+               ) -> list[tuple[int, int]]:
+    """(router's predicted cached tokens, vLLM's hit) per prompt, for a vLLM worker that
+    cached `cached_seqs` (their whole blocks) with the gateway's blocks of `gbs` tokens."""
+    index = PrefixIndex()
+    m = VLLMEventMapper(Hashers(gbs, FP), _IndexSink(index, "v1"))
+    vllm_cache: set[bytes] = set()
+    for seq in cached_seqs:
+        n = len(seq) // vbs
+        if n:
+            m.apply(decode_batch(encode([stored_chain(seq, vbs, 0, n)]))[1])
+            vllm_cache.update(vhash(seq[:(i + 1) * vbs]) for i in range(n))
+    router = Router(RoutingConfig(), index)
+    worker = LoadSnapshot("v1", reuse_block_tokens=m.engine_block_size)
+    hasher = BlockHasher(gbs, FP)
+    return [(router.decide([worker], make_turn(p, hasher)).cached_tokens_of("v1"),
+             _vllm_hit(vllm_cache, p, vbs)) for p in prompts]
+
+
+def test_a_match_inside_a_vllm_block_is_not_predicted() -> None:
+    """vLLM at 32 tokens a block, the gateway at 16: a new conversation sharing one gateway
+    block (a chat template's system prompt) with a cached one finds nothing at vLLM, and
+    the router predicts nothing; longer matches are predicted in whole vLLM blocks."""
+    system = list(range(1000, 1016))
+    chat = system + list(range(2000, 2080))  # 96 tokens: three vLLM blocks cached
+    new = system + list(range(3000, 3050))
+    later = chat[:80] + list(range(4000, 4030))  # 80 shared: five gateway blocks, 2.5 vLLM
+    assert _predicted([chat], [new, later, chat, chat + [1]], 32, 16) == [
+        (0, 0), (64, 64), (64, 64), (96, 96)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.sampled_from([(4, 2), (8, 2), (8, 4), (6, 3), (4, 4)]),
+       stems=st.lists(st.lists(st.integers(0, 2), min_size=4, max_size=30), min_size=2,
+                      max_size=6))
+def test_router_predicts_vllms_own_hit(sizes: tuple[int, int], stems: list[list[int]]) -> None:
+    """For any vLLM block size that is a multiple of the gateway's, the router's predicted
+    cached tokens at a vLLM worker equal vLLM's hit, prompt for prompt."""
+    vbs, gbs = sizes
+    cached, prompts = stems[: len(stems) // 2], stems[len(stems) // 2:]
+    for predicted, hit in _predicted(cached, prompts + cached, vbs, gbs):
+        assert predicted == hit
