@@ -68,21 +68,41 @@ def service_flags(p: argparse.ArgumentParser, who: str) -> None:
          help=f"{who}: seconds per output token of one sequence (decoding is batched)")
 
 
-def transfer_flags(p: argparse.ArgumentParser, who: str) -> None:
+def transfer_flags(p: argparse.ArgumentParser, who: str, real_workers: bool = False) -> None:
     """--transfer-bytes-per-s and --kv-bytes-per-token: an emulated or simulated worker's
     block-transfer link and the KV bytes of one token of the model it stands for,
-    defaults from emulate/service.py (100 Gb/s, an 8B model)."""
+    defaults from emulate/service.py (100 Gb/s, an 8B model). With `real_workers` (the
+    worker command), --transfer-bytes-per-s also declares a real worker's link: its
+    default is then None (`transfer_bytes_per_s_of` gives the emulated default)."""
     from prefixgate.emulate.service import (
         DEFAULT_KV_BYTES_PER_TOKEN,
         DEFAULT_TRANSFER_BYTES_PER_S,
     )
 
-    flag(p, "--transfer-bytes-per-s", type=float, default=DEFAULT_TRANSFER_BYTES_PER_S,
+    real = ("; a real worker: its declared link rate, reported as its transfer rate until "
+            "its pulls measure it (default: probed at start-up, docs/transfer.md)"
+            if real_workers else "")
+    flag(p, "--transfer-bytes-per-s", type=float,
+         default=None if real_workers else DEFAULT_TRANSFER_BYTES_PER_S,
          help=f"{who}: each worker's link for KV block transfers, bytes per emulated second "
-              "(default 12.5e9: 100 Gb/s between GPUs; 0: no transfers)")
+              f"(default 12.5e9: 100 Gb/s between GPUs; 0: no transfers){real}")
     flag(p, "--kv-bytes-per-token", type=int, default=DEFAULT_KV_BYTES_PER_TOKEN,
          help=f"{who}: KV bytes of one token (default 131072: an 8B model, Llama-3-8B in "
               "bf16, the model the default prefill rate stands for)")
+
+
+def transfer_bytes_per_s_of(args: argparse.Namespace, emulated: bool) -> float:
+    """--transfer-bytes-per-s as given, else its default: emulate/service.py's link for
+    an emulated worker, 0 (none declared: probe) for a real one."""
+    from prefixgate.emulate.service import DEFAULT_TRANSFER_BYTES_PER_S
+
+    value = args.transfer_bytes_per_s
+    if value is None:
+        return DEFAULT_TRANSFER_BYTES_PER_S if emulated else 0.0
+    if value < 0:
+        raise SystemExit(f"prefixgate {args.command}: --transfer-bytes-per-s must be >= 0, "
+                         f"not {value:g}")
+    return value
 
 
 def service_model(args: argparse.Namespace):

@@ -19,6 +19,7 @@ from prefixgate.cli.common import (
     service_flags,
     service_model,
     tracing_flag,
+    transfer_bytes_per_s_of,
     transfer_flags,
 )
 from prefixgate.cli.flags import flag
@@ -97,7 +98,7 @@ def emulation_flags(w: argparse.ArgumentParser) -> None:
     flag(w, "--publish-at", default="prefill", choices=("prefill", "finish"),
          help="emulated: cache and publish a prompt's blocks when its prefill completes, or "
               "only when the request finishes (as engines that publish with the reply do)")
-    transfer_flags(w, "emulated")
+    transfer_flags(w, "emulated", real_workers=True)
     flag(w, "--http-port", type=int, default=-1,
          help="emulated: also answer OpenAI /v1/completions over HTTP on this port, for HTTP "
               "routers (0: any free port; -1: off)")
@@ -166,7 +167,8 @@ async def _serve_emulated(args: argparse.Namespace) -> None:
         capacity_blocks=args.num_blocks or DEFAULT_CAPACITY_BLOCKS,
         service=service_model(args), time_scale=args.time_scale, publish_at=args.publish_at,
         records_path=args.emulate_records, http_port=args.http_port,
-        transfer_bytes_per_s=args.transfer_bytes_per_s, kv_bytes_per_token=args.kv_bytes_per_token)
+        transfer_bytes_per_s=transfer_bytes_per_s_of(args, emulated=True),
+        kv_bytes_per_token=args.kv_bytes_per_token)
     await serve_emulated(emulation, worker_config(args), registry_lease(args), stop_event())
 
 
@@ -233,6 +235,8 @@ def worker_config(args: argparse.Namespace):
     # No --worker-id: "" until bound, then worker-<bound port> (worker/server.py).
     return WorkerConfig(worker_id=args.worker_id, host=args.host, port=args.port, block_size=args.block_size,
                         drain_seconds=args.drain_seconds, limits=request_limits(args),
+                        transfer_bytes_per_s=transfer_bytes_per_s_of(args, args.emulate),
+                        transfer_probe=True,
                         **security.worker_security(args))
 
 

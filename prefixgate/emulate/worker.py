@@ -63,7 +63,7 @@ def attach_transfer(engine, service, loop: asyncio.AbstractEventLoop) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     loop.set_default_executor(ThreadPoolExecutor(64, thread_name_prefix="emulated"))
-    service.transfer_rate.bytes_per_s = engine.transfer.declared_bytes_per_s
+    service.transfer_rate.assume(engine.transfer.declared_bytes_per_s, 0.0, "declared")
 
 
 async def serve_emulated(emulation: EmulatedWorkerConfig, worker, lease: RegistryLease,

@@ -174,7 +174,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("num_running_requests", "num_waiting_requests", "num_queued_prefill_tokens", "kv_used_tokens", "kv_capacity_tokens", "prefill_tokens_per_s", "decode_step_s", "prefill_chunk_tokens", "kv_bytes_per_token", "transfer_bytes_per_s", "transfer_setup_s")
+    __slots__ = ("num_running_requests", "num_waiting_requests", "num_queued_prefill_tokens", "kv_used_tokens", "kv_capacity_tokens", "prefill_tokens_per_s", "decode_step_s", "prefill_chunk_tokens", "kv_bytes_per_token", "transfer_bytes_per_s", "transfer_setup_s", "transfer_rate_source")
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +186,7 @@ class WorkerStatus(_message.Message):
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SETUP_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_RATE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     num_running_requests: int
     num_waiting_requests: int
     num_queued_prefill_tokens: int
@@ -197,7 +198,8 @@ class WorkerStatus(_message.Message):
     kv_bytes_per_token: int
     transfer_bytes_per_s: float
     transfer_setup_s: float
-    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., transfer_bytes_per_s: _Optional[float] = ..., transfer_setup_s: _Optional[float] = ...) -> None: ...
+    transfer_rate_source: str
+    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., prefill_chunk_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., transfer_bytes_per_s: _Optional[float] = ..., transfer_setup_s: _Optional[float] = ..., transfer_rate_source: _Optional[str] = ...) -> None: ...
 
 class WatchStatusRequest(_message.Message):
     __slots__ = ("min_interval_ms",)

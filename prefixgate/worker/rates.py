@@ -56,18 +56,36 @@ class TransferRate:
     alone, averaged over pulls of every size, prices a small pull at a fraction of what its
     set-up takes). Until pulls of different sizes have been seen (or when the fit is not
     a rate: non-positive slope), the set-up is 0 and the rate the mean bytes over the mean
-    seconds. 0 until the first pull."""
+    seconds.
+
+    Before the first pull a worker still needs a figure, or no router ever offers it a
+    pull (and so it never measures one): `assume(bytes_per_s, setup_s, source)` sets one
+    that the first pull replaces. `source` says where the figures come from, in order of
+    precedence: "measured" (this worker's own pulls), then "probed" (its start-up round
+    trip through its own copy path, worker/server.py `probe_transfer`) or "declared" (the
+    link rate it was started with, `--transfer-bytes-per-s`), else "" (0: none)."""
 
     def __init__(self, window: int = 10) -> None:
         self.alpha = 2.0 / (window + 1)
         self.bytes_per_s = 0.0
         self.setup_s = 0.0
+        self.source = ""
         self._means: list[float] | None = None  # bytes, seconds, bytes^2, bytes*seconds
+
+    def assume(self, bytes_per_s: float, setup_s: float, source: str) -> None:
+        """Report these figures until a pull measures the real ones (ignored after one:
+        a measurement outranks any declaration or probe)."""
+        if source not in ("declared", "probed"):
+            raise ValueError(f"source must be declared or probed, not {source!r}")
+        if self.source == "measured" or bytes_per_s <= 0 or setup_s < 0:
+            return
+        self.bytes_per_s, self.setup_s, self.source = bytes_per_s, setup_s, source
 
     def observe(self, num_bytes: int, seconds: float) -> None:
         if num_bytes <= 0 or seconds <= 0:
             return
         x, y = float(num_bytes), seconds
+        self.source = "measured"
         sample = (x, y, x * x, x * y)
         if self._means is None:
             self._means = list(sample)

@@ -61,6 +61,12 @@ from prefixgate.worker.transfer import pull as pull_blocks
 
 log = logging.getLogger(__name__)
 
+# The transfer probe (WorkerService.probe_transfer): blocks moved at most (enough that
+# the rate shows beside the set-up, few enough to take milliseconds), rounds of a
+# one-block and a whole-chain pull, and the salt that renames the chain it imports.
+PROBE_BLOCKS = 16
+PROBE_ROUNDS = 3
+PROBE_SALT = 0x9E3779B97F4A7C15
 SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"]
 
 FINISH_TO_PROTO = {
@@ -87,6 +93,13 @@ class WorkerConfig:
     # and a client certificate for mutual TLS); the internal credential is auth's.
     peer_tls: rpc.TLSConfig = rpc.TLSConfig()
     pull_timeout_s: float = 60.0  # one pull from a peer, at most (then compute the rest)
+    # The link rate this worker was declared to have (bytes/s; `--transfer-bytes-per-s`),
+    # reported until its pulls measure it; 0: none declared, probed at start-up instead.
+    transfer_bytes_per_s: float = 0.0
+    # Without a declared rate, probe the copy path once blocks are cached
+    # (WorkerService.probe_transfer; `prefixgate worker` always does; off here so that
+    # in-process workers that do not ask for it see no extra pins or pulls).
+    transfer_probe: bool = False
 
 
 class WorkerServiceBase:
@@ -182,10 +195,19 @@ class WorkerService(WorkerServiceBase):
         self.vocab_size = vocab_size
         self.rates = ServiceRates()  # measured on finished requests, reported in the status
         self.transfer_rate = TransferRate()  # measured on pulls, reported in the status
+        if config.transfer_bytes_per_s > 0:
+            self.transfer_rate.assume(config.transfer_bytes_per_s, 0.0, "declared")
         self._peers: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerServiceStub]] = {}
         self._credential: auth.InternalCredential | None = None  # set by serve()
+        self._own_address = ""  # how this worker reaches its own server; set by serve()
+        self._probing: asyncio.Task | None = None  # the transfer probe, once started
 
     async def shutdown(self) -> None:
+        if self._probing is not None:  # milliseconds: let it give its blocks back
+            done, _ = await asyncio.wait({self._probing}, timeout=5.0)
+            if not done:
+                self._probing.cancel()
+                await asyncio.gather(self._probing, return_exceptions=True)
         await self.close_peers()
         self.engine.shutdown()
 
@@ -291,6 +313,7 @@ class WorkerService(WorkerServiceBase):
             finished = True
             first = finals[0]
             self.rates.observe(first)  # the engine's own timings: the pull is not prefill
+            self._maybe_probe_transfer(prompt, request.namespace)
             transferred, pull_ms = self._transferred_tokens(pulled, first.cached_tokens)
             yield worker_pb2.GenerateEvent(final=worker_pb2.GenerateFinal(
                 usage=common_pb2.Usage(
@@ -330,7 +353,8 @@ class WorkerService(WorkerServiceBase):
             kv_bytes_per_token=(self.engine.transfer.format.bytes_per_token
                                 if self.engine.transfer is not None else 0),
             transfer_bytes_per_s=self.transfer_rate.bytes_per_s,
-            transfer_setup_s=self.transfer_rate.setup_s)
+            transfer_setup_s=self.transfer_rate.setup_s,
+            transfer_rate_source=self.transfer_rate.source)
 
     # --- block transfer (worker/transfer.py) ---------------------------------------------
 
@@ -401,6 +425,65 @@ class WorkerService(WorkerServiceBase):
                  spec.peer_worker_id or spec.peer_address, got.num_bytes / 1e6,
                  got.seconds * 1e3)
         return got
+
+    def _maybe_probe_transfer(self, prompt, namespace: str) -> None:
+        """Once, when nothing has given this worker a transfer rate yet (no pull, no
+        declaration) and a finished request left at least two full blocks cached here:
+        measure its own copy path on them (`probe_transfer`), off the engine loop."""
+        transfer = self.engine.transfer
+        num_blocks = min(PROBE_BLOCKS, len(prompt) // self.config.block_size)
+        if (transfer is None or not self.config.transfer_probe or self.transfer_rate.source
+                or self._probing is not None
+                or not self._own_address or num_blocks < 2):
+            return
+        status = self.engine.status()
+        # Only into free blocks: a probe must not evict what is cached.
+        if status.kv_capacity_tokens - status.kv_used_tokens < 2 * PROBE_BLOCKS * self.config.block_size:
+            return
+        chain = transfer.chain(prompt[:num_blocks * self.config.block_size], namespace)
+        self._probing = asyncio.create_task(self.probe_transfer(chain))
+
+    async def probe_transfer(self, chain: list[int]) -> None:
+        """Measure this worker's own copy path, so that it reports a transfer rate before
+        its first pull (without one no router offers it a pull, and a fleet of workers
+        that never pulled would never start). Over its own gRPC server: the KV pages of
+        `chain` (cached here) are exported and imported into fresh blocks that are then
+        given back, not stored (so nothing is cached, evicted-for-good or published; the
+        pins hold the chain's blocks for the milliseconds it takes). After one uncounted
+        pull, PROBE_ROUNDS times one block and the whole chain; the line through the
+        fastest pull of each size separates set-up from rate (rates.py TransferRate; a
+        line that is no rate falls back to bytes over seconds). Nothing is reported when
+        a pull has measured the rate meanwhile, or the probe fails (logged)."""
+        transfer = self.engine.transfer
+        assert transfer is not None and self._own_address
+        stub = self._peer(self._own_address)
+        # The same blocks under names nothing else uses: the reservation takes fresh ones.
+        target = [h ^ PROBE_SALT for h in chain]
+        # Per size, the fastest of the rounds (bytes, seconds): the copy path's own cost,
+        # without the pauses other threads on a busy host add to some pulls. The first
+        # pull is not counted: it pays once-only costs (threads started, buffers grown).
+        best: dict[int, tuple[int, float]] = {}
+        try:
+            for round_ in range(PROBE_ROUNDS + 1):
+                for n in ((1,) if round_ == 0 else (1, len(chain))):
+                    got = await pull_blocks(stub, transfer, target[:n], "itself",
+                                            self.config.pull_timeout_s, source_chain=chain[:n],
+                                            keep=False)
+                    if got.error is not None:
+                        raise got.error
+                    if round_ and (n not in best or got.seconds < best[n][1]):
+                        best[n] = (got.num_bytes, got.seconds)
+        except (grpc.aio.AioRpcError, TransferError) as exc:
+            log.warning("worker %s: transfer probe failed (%s): no transfer rate until a "
+                        "pull or a later probe measures one", self.config.worker_id, exc)
+            self._probing = None  # e.g. the chain was evicted meanwhile: a later request
+            return
+        fit = TransferRate()  # two sizes: the line through both points
+        for num_bytes, seconds in best.values():
+            fit.observe(num_bytes, seconds)
+        self.transfer_rate.assume(fit.bytes_per_s, fit.setup_s, "probed")
+        log.info("worker %s: transfer probe: %.0f MB/s after %.2f ms set-up",
+                 self.config.worker_id, fit.bytes_per_s / 1e6, fit.setup_s * 1e3)
 
     def _transferred_tokens(self, pulled: PullResult | None, cached_tokens: int
                             ) -> tuple[int, float]:
@@ -480,6 +563,9 @@ async def serve(service: WorkerServiceBase, stop: asyncio.Event,
     log.info("worker %s serving %s on %s:%d", cfg.worker_id, service.spec.name, cfg.host, port)
     if started is not None:
         started.set_result(port)
+    if isinstance(service, WorkerService):  # its transfer probe calls it there
+        host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
+        service._own_address = advertise_address or f"{host}:{port}"
     await stop.wait()
     log.info("worker %s draining: NOT_SERVING, in-flight requests get up to %.0f s",
              cfg.worker_id, cfg.drain_seconds)

@@ -224,16 +224,21 @@ async def export_events(transfer: BlockTransfer, request: worker_pb2.ExportBlock
 
 
 async def pull(stub: Any, transfer: BlockTransfer, chain: Sequence[int], peer: str,
-               timeout_s: float | None = None) -> PullResult:
+               timeout_s: float | None = None,
+               source_chain: Sequence[int] | None = None, keep: bool = True) -> PullResult:
     """Fetch the blocks of `chain` this worker lacks from `peer` (its WorkerServiceStub)
     and store them. Never raises for the peer's failures: the result's `error` says why
-    fewer blocks came than asked (the caller computes the rest)."""
+    fewer blocks came than asked (the caller computes the rest). `source_chain`: ask the
+    peer for these hashes instead (the same tokens under another namespace, whose KV is
+    the same: a worker's probe of its own copy path; default `chain`). `keep=False`:
+    give the blocks back instead of storing them (the probe: only the time counts)."""
     began = transfer.clock()
     res = await asyncio.to_thread(transfer.reserve, list(chain))
     got = _Received()
     try:
         if res.num_blocks:
-            await _receive(stub, transfer, res, peer, timeout_s, got)
+            await _receive(stub, transfer, res, peer, timeout_s, got,
+                           res.chain if source_chain is None else list(source_chain))
         elif res.num_cached < len(chain):
             got.error = TransferError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                       "no KV block could be made free for the pulled blocks")
@@ -244,7 +249,8 @@ async def pull(stub: Any, transfer: BlockTransfer, chain: Sequence[int], peer: s
     finally:
         # Also on cancellation (the request went away): what arrived whole is stored,
         # the rest of the reservation given back.
-        await asyncio.shield(asyncio.to_thread(transfer.commit, res, got.blocks))
+        await asyncio.shield(asyncio.to_thread(transfer.commit, res,
+                                               got.blocks if keep else 0))
     return PullResult(res.num_cached, got.blocks, got.bytes, transfer.clock() - began,
                       got.error)
 
@@ -257,11 +263,12 @@ class _Received:
 
 
 async def _receive(stub: Any, transfer: BlockTransfer, res: Reservation, peer: str,
-                   timeout_s: float | None, got: _Received) -> None:
-    """Stream the reserved blocks from `peer` into `res`, counting them in `got`."""
+                   timeout_s: float | None, got: _Received, source: Sequence[int]) -> None:
+    """Stream the reserved blocks from `peer` (which names them `source`) into `res`,
+    counting them in `got`."""
     fmt = transfer.format
     call = stub.ExportBlocks(worker_pb2.ExportBlocksRequest(
-        block_hashes=res.chain[:res.num_cached + res.num_blocks], from_block=res.num_cached),
+        block_hashes=source[:res.num_cached + res.num_blocks], from_block=res.num_cached),
         timeout=timeout_s)
     try:
         first = await call.read()

@@ -48,3 +48,26 @@ def test_transfer_cost_is_fitted_as_set_up_plus_bytes_at_a_rate() -> None:
     assert abs(rate.setup_s + 100_000 / rate.bytes_per_s - (0.05 + 1e-4)) < 1e-9
     rate.observe(0, 1.0)  # nothing came: no measure
     assert abs(rate.setup_s - 0.05) < 1e-9
+
+
+def test_transfer_rate_sources_rank_measured_over_probed_or_declared() -> None:
+    """A worker reports no rate, then the declared or probed one, until its first pull;
+    a measurement then stands and no later declaration or probe replaces it."""
+    from prefixgate.worker.rates import TransferRate
+
+    rate = TransferRate()
+    assert (rate.bytes_per_s, rate.setup_s, rate.source) == (0.0, 0.0, "")
+    rate.assume(0.0, 0.0, "probed")  # a probe that measured nothing reports nothing
+    assert rate.source == ""
+    rate.assume(5e9, 0.0, "declared")
+    assert (rate.bytes_per_s, rate.setup_s, rate.source) == (5e9, 0.0, "declared")
+    rate.assume(2e9, 0.004, "probed")  # the later figure stands in until a pull
+    assert (rate.bytes_per_s, rate.setup_s, rate.source) == (2e9, 0.004, "probed")
+    rate.observe(10_000_000, 0.02)  # the first pull replaces it, wholly
+    assert rate.source == "measured"
+    assert rate.setup_s == 0.0 and abs(rate.bytes_per_s - 5e8) < 1e-3
+    rate.assume(9e9, 0.0, "declared")  # too late: measured outranks it
+    rate.assume(9e9, 0.0, "probed")
+    assert rate.source == "measured" and abs(rate.bytes_per_s - 5e8) < 1e-3
+    with pytest.raises(ValueError):
+        rate.assume(1e9, 0.0, "measured")
