@@ -14,7 +14,7 @@ import torch
 
 from prefixgate.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from prefixgate.wire.token_ids import pack
-from tests.helpers import start_worker
+from tests.helpers import start_worker, wait_for
 
 
 def _generate(stub, prompt, max_tokens=12, pull=None, logprobs=None, metadata=None):
@@ -150,6 +150,18 @@ def test_unknown_chain_is_not_found_and_mismatch_recomputes(workers) -> None:
             peer_address=holder_addr,
             block_hashes=engine.transfer.chain(prompt[:96], "")), timeout=30)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # The refused exports are cancelled by the puller; the holder releases their pins when
+    # the cancellation reaches it (asynchronously), and then accounts for every block again.
+    wait_for(lambda: _integral(_service_engine(holder)), timeout=10,
+             what="the holder releasing the pins of the refused exports")
+
+
+def _integral(engine) -> bool:
+    try:
+        engine.check_integrity()
+    except AssertionError:
+        return False
+    return True
 
 
 def test_pull_blocks_stores_and_publishes(workers) -> None:
