@@ -61,10 +61,11 @@ from prefixgate.worker.transfer import pull as pull_blocks
 
 log = logging.getLogger(__name__)
 
-# The transfer probe (WorkerService.probe_transfer): blocks moved at most (enough that
-# the rate shows beside the set-up, few enough to take milliseconds), rounds of a
-# one-block and a whole-chain pull, and the salt that renames the chain it imports.
-PROBE_BLOCKS = 16
+# The transfer probe (WorkerService.probe_transfer): bytes moved at most by one pull
+# (enough that the rate shows past the set-up, few enough to take milliseconds at the
+# speed of memory), rounds of a one-block and a whole-chain pull, and the salt that
+# renames the chain it imports.
+PROBE_BYTES = 16 << 20
 PROBE_ROUNDS = 3
 PROBE_SALT = 0x9E3779B97F4A7C15
 SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"]
@@ -431,14 +432,16 @@ class WorkerService(WorkerServiceBase):
         declaration) and a finished request left at least two full blocks cached here:
         measure its own copy path on them (`probe_transfer`), off the engine loop."""
         transfer = self.engine.transfer
-        num_blocks = min(PROBE_BLOCKS, len(prompt) // self.config.block_size)
+        num_blocks = len(prompt) // self.config.block_size
+        if transfer is not None:  # as many as PROBE_BYTES hold: the rate shows past set-up
+            num_blocks = min(num_blocks, max(2, PROBE_BYTES // transfer.format.bytes_per_block))
         if (transfer is None or not self.config.transfer_probe or self.transfer_rate.source
                 or self._probing is not None
                 or not self._own_address or num_blocks < 2):
             return
         status = self.engine.status()
         # Only into free blocks: a probe must not evict what is cached.
-        if status.kv_capacity_tokens - status.kv_used_tokens < 2 * PROBE_BLOCKS * self.config.block_size:
+        if status.kv_capacity_tokens - status.kv_used_tokens < 2 * num_blocks * self.config.block_size:
             return
         chain = transfer.chain(prompt[:num_blocks * self.config.block_size], namespace)
         self._probing = asyncio.create_task(self.probe_transfer(chain))

@@ -6,6 +6,8 @@ worker is served by the other worker with a pull, no pull having happened before
 
 from __future__ import annotations
 
+import time
+
 import grpc
 
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
@@ -74,12 +76,14 @@ def test_first_pull_on_real_workers_needs_no_earlier_pull(loop_thread, tiny_spec
                                         f"queued-{j}") for j in range(3)]
                     wait_for(lambda: _status(busy).num_waiting_requests == 3,
                              what="the holder to queue the cold prompts")
+                    time.sleep(0.3)  # its pushed status reaches the gateway
+                    seen = {w: _status(a) for w, (a, _) in workers.items()}
                     final = chat(prompt + list(range(40, 80)))
                 finally:
                     running.cancel()
                     for call in queued:
                         call.cancel()
-        assert final.worker_id == other
+        assert final.worker_id == other, (final, seen)
         assert final.usage.transferred_tokens == 1200 and final.predicted_transferred_tokens == 1200
         assert _status(workers[other][0]).transfer_rate_source == "measured"
     finally:
