@@ -485,7 +485,9 @@ class WorkerService(WorkerServiceBase):
         for num_bytes, seconds in best.values():
             fit.observe(num_bytes, seconds)
         self.transfer_rate.assume(fit.bytes_per_s, fit.setup_s, "probed")
-        log.info("worker %s: transfer probe: %.0f MB/s after %.2f ms set-up",
+        # Debug, not info: the probe runs after a worker's first request, mid-conversation,
+        # and its figure is in every status (transfer_rate_source "probed") anyway.
+        log.debug("worker %s: transfer probe: %.0f MB/s after %.2f ms set-up",
                  self.config.worker_id, fit.bytes_per_s / 1e6, fit.setup_s * 1e3)
 
     def _transferred_tokens(self, pulled: PullResult | None, cached_tokens: int
