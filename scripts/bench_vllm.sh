@@ -33,19 +33,7 @@ MODEL=smollm2-135m
 VLLM_BLOCK=32
 mkdir -p "$OUT"
 T=$OUT/sharegpt_dev_${CONVS}x4.jsonl.gz
-$PY - "$TRACES/sharegpt_multiturn_dev.jsonl.gz" "$T" "$CONVS" <<'EOF'
-import gzip, json, sys
-src, dst, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-with gzip.open(src, "rt") as f, gzip.open(dst, "wt") as out:
-    for line in list(f)[:n]:
-        c, turns, keep = json.loads(line), 0, []
-        for m in c["conversations"]:
-            turns += m["from"] == "human"
-            if turns > 4:
-                break
-            keep.append(m)
-        out.write(json.dumps({"id": c["id"], "conversations": keep}) + "\n")
-EOF
+$PY scripts/cut_sharegpt.py "$TRACES/sharegpt_multiturn_dev.jsonl.gz" "$T" "$CONVS" 4
 
 PIDS=()
 cleanup() {  # each server leads its own session: its engine and workers go with it
