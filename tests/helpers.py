@@ -214,3 +214,21 @@ def shifting_engine(spec: ModelSpec, model, system_tokens: int, turns: int):
     for i in range(turns):
         prompt += [*prefix, 100 + i % 50, 150 + i // 50 % 50, 200]
     return engine, prefix, prompt
+
+
+def one_token_turn(stub, token_ids: list[int], timeout: float = 30):
+    """One ChatService turn of raw token ids asking for a single reply token; its final
+    event (worker, usage, predicted tokens, timings)."""
+    from prefixgate.v1 import chat_pb2, common_pb2
+
+    req = chat_pb2.ChatRequest(sampling=common_pb2.SamplingParams(max_tokens=1))
+    req.prompt_token_ids.token_ids.extend(token_ids)
+    return list(stub.Chat(req, timeout=timeout))[-1].final
+
+
+def wait_for_workers(stub, num_workers: int) -> None:
+    """Wait until the gateway behind ChatService `stub` lists `num_workers` workers."""
+    from prefixgate.v1 import chat_pb2
+
+    wait_for(lambda: stub.ListModels(chat_pb2.ListModelsRequest()).models[0].num_workers
+             == num_workers, what=f"the gateway to list {num_workers} workers")

@@ -183,8 +183,8 @@ def test_gateway_moves_kv_to_an_idle_worker_when_the_holder_is_busy(loop_thread,
     is cached on one; that one then gets a 2 s prefill of its own; a follow-up extending
     the prompt goes to the idle worker, which pulls the 400 tokens over the real
     ExportBlocks path (0.04 s) instead of recomputing them (0.4 s) or waiting (2 s)."""
-    from prefixgate.v1 import chat_pb2, chat_pb2_grpc
-    from tests.helpers import start_gateway, wait_for
+    from prefixgate.v1 import chat_pb2_grpc
+    from tests.helpers import one_token_turn, start_gateway, wait_for_workers
 
     link = dict(service=ServiceModel(1000.0, 0.0), kv_bytes_per_token=100,
                 transfer_bytes_per_s=1e6)
@@ -195,13 +195,10 @@ def test_gateway_moves_kv_to_an_idle_worker_when_the_holder_is_busy(loop_thread,
     try:
         with grpc.insecure_channel(gw) as ch:
             stub = chat_pb2_grpc.ChatServiceStub(ch)
-            wait_for(lambda: stub.ListModels(chat_pb2.ListModelsRequest()).models[0]
-                     .num_workers == 2, what="the gateway to list both workers")
+            wait_for_workers(stub, 2)
 
             def chat(ids: list[int]):
-                req = chat_pb2.ChatRequest(sampling=common_pb2.SamplingParams(max_tokens=1))
-                req.prompt_token_ids.token_ids.extend(ids)
-                return list(stub.Chat(req, timeout=30))[-1].final
+                return one_token_turn(stub, ids, timeout=30)
 
             holder = chat(prompt).worker_id
             other = "e1" if holder == "e0" else "e0"

@@ -10,9 +10,9 @@ import time
 
 import grpc
 
-from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
+from prefixgate.v1 import chat_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
 from prefixgate.wire.token_ids import pack
-from tests.helpers import start_gateway, start_worker, wait_for
+from tests.helpers import one_token_turn, start_gateway, start_worker, wait_for, wait_for_workers
 
 
 def _status(address: str) -> worker_pb2.WorkerStatus:
@@ -44,13 +44,10 @@ def test_first_pull_on_real_workers_needs_no_earlier_pull(loop_thread, tiny_spec
         gw, gstop = start_gateway(loop_thread, tiny_spec, [a for a, _ in workers.values()])
         with grpc.insecure_channel(gw) as ch:
             stub = chat_pb2_grpc.ChatServiceStub(ch)
-            wait_for(lambda: stub.ListModels(chat_pb2.ListModelsRequest()).models[0]
-                     .num_workers == 2, what="the gateway to list both workers")
+            wait_for_workers(stub, 2)
 
             def chat(ids: list[int]):
-                req = chat_pb2.ChatRequest(sampling=common_pb2.SamplingParams(max_tokens=1))
-                req.prompt_token_ids.token_ids.extend(ids)
-                return list(stub.Chat(req, timeout=60))[-1].final
+                return one_token_turn(stub, ids, timeout=60)
 
             prompt = [3 + (i * 11) % 250 for i in range(1200)]
             holder = chat(prompt).worker_id
