@@ -162,6 +162,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         turn(w1, history[:64])
         turn(w2, history[:64])
         turn(w1, history)
+        # Each worker probes its own copy path once after its first request, holding the
+        # probed blocks pinned meanwhile: measure only once both probes are over (a flush
+        # during one keeps those blocks, and the probe's copies would share the cores).
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all(
+                s.GetStatus(worker_pb2.GetStatusRequest()).transfer_rate_source
+                for s in (w1, w2)):
+            time.sleep(0.1)
         follow_up = history + [rng.randrange(vocab) for _ in range(args.new_tokens)]
         pull = worker_pb2.PullSpec(peer_address=addresses[0], peer_worker_id="w1",
                                    num_blocks=len(history) // bs)

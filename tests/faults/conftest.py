@@ -25,8 +25,8 @@ def fleet(request: pytest.FixtureRequest,
               log_level=getattr(request.module, "FLEET_LOG_LEVEL", "WARNING"))
     try:
         f.start_redis()
-        f.start_worker("fw0")
-        f.start_worker("fw1")
+        f.start_worker("fw0", wait=False)
+        f.start_worker("fw1", wait=False)
         f.start_gateway()
         f.wait_workers(2, timeout_s=180)
         yield f

@@ -9,6 +9,7 @@ is written from that file).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -157,12 +158,19 @@ class Fleet:
         self.redis.proc.wait(10)
         self.redis.proc = None
 
-    def start_worker(self, worker_id: str, *extra: str) -> None:
+    def start_worker(self, worker_id: str, *extra: str, wait: bool = True) -> None:
+        """Start worker `worker_id` (same port as its last run); `wait`: return once it
+        serves."""
         port = self.worker_ports.setdefault(worker_id, free_port())
         self.procs.start_prefixgate(
             worker_id, "worker", "--port", str(port), "--worker-id", worker_id,
             "--lease-ms", str(self.lease_ms), "--num-blocks", "512", "--torch-threads", "1",
             "--drain-seconds", "5", *self.extra_worker_args, *extra, env=self.env)
+        # Serving before this returns: the gateway may still list the process this one
+        # replaces (its probe has not failed yet), so waiting on the gateway's count alone
+        # could return while no worker process serves.
+        if wait:
+            asyncio.run(self.procs.wait_serving(f"127.0.0.1:{port}", timeout_s=180))
 
     def signal_worker(self, worker_id: str, sig: int = signal.SIGKILL, wait_s: float = 30) -> None:
         self.procs.signal(worker_id, sig, wait_s)

@@ -38,8 +38,8 @@ def session_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     f = Fleet(tmp_path_factory.mktemp("resume"))
     try:
         f.start_redis()
-        f.start_worker("fw0")
-        f.start_worker("fw1")
+        f.start_worker("fw0", wait=False)
+        f.start_worker("fw1", wait=False)
         f.http_port = free_port()
         f.start_gateway("--policy", "session", "--http-port", str(f.http_port))
         f.wait_workers(2, timeout_s=180)
