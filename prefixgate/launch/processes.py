@@ -6,7 +6,8 @@ child processes (`start(name, argv)`, or `start_prefixgate(name, *args)` for
 they run) and stops them together:
 
   * every child gets SIGTERM when this process dies, however it dies (Linux
-    PR_SET_PDEATHSIG: `die_with_parent`), so no fleet is ever orphaned;
+    PR_SET_PDEATHSIG: `die_with_parent`, set by launch/with_parent.py, which then execs
+    the child's command), so no fleet is ever orphaned;
   * with `logdir`, a child's stdout and stderr go to `logdir/NAME.log` (appended: a child
     restarted under the same name keeps one log); without, it shares this terminal;
   * `scrub_env`: no PREFIXGATE_* variable of this process reaches a child (its flags are
@@ -43,8 +44,9 @@ __all__ = ["ProcessExited", "ProcessGroup", "die_with_parent", "prefixgate_argv"
 def die_with_parent(parent_pid: int | None = None) -> None:
     """Get SIGTERM when the parent process dies, even by SIGKILL (Linux; a no-op elsewhere).
     With `parent_pid`, exit at once if that parent is already gone (it died before this
-    call, when the signal could not be asked for yet). Runs in the child (preexec_fn, or
-    first thing in a multiprocessing target)."""
+    call, when the signal could not be asked for yet). Runs in the child (launch/
+    with_parent.py before it execs the child's command, or first thing in a
+    multiprocessing target)."""
     with contextlib.suppress(Exception):
         import ctypes
 
@@ -92,10 +94,13 @@ class ProcessGroup:
             self.logdir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_path(name), "a")  # noqa: SIM115 (the child holds it)
         try:
+            # No preexec_fn (launch/with_parent.py says why): the guard execs `argv`.
+            guarded = [sys.executable, "-m", "prefixgate.launch.with_parent", str(os.getpid()),
+                       *argv]
             proc = subprocess.Popen(
-                list(argv), env={**self.env, **(env or {})}, cwd=self.cwd, stdout=out,
+                guarded, env={**self.env, **(env or {})}, cwd=self.cwd, stdout=out,
                 stderr=subprocess.STDOUT if out is not None else None,
-                start_new_session=self.new_session, preexec_fn=die_with_parent)
+                start_new_session=self.new_session)
         finally:
             if out is not None:
                 out.close()
