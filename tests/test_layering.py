@@ -72,6 +72,16 @@ def test_the_gateway_imports_nothing_of_the_worker() -> None:
     assert not bad, "\n".join(bad)
 
 
+def test_the_wire_contract_is_the_bottom_layer() -> None:
+    """wire/ (messages, gRPC plumbing, events) imports only the generated stubs and radix/:
+    security/, the gateway and the worker build on it, never the other way round."""
+    allowed = ("prefixgate.wire", "prefixgate.v1", "prefixgate.radix")
+    bad = [line for line in imports_of("prefixgate", sorted((PACKAGE / "wire").rglob("*.py")))
+           if not any(line.endswith(f" imports {a}") or f" imports {a}." in line
+                      for a in allowed)]
+    assert not bad, "\n".join(bad)
+
+
 def test_the_check_sees_lazy_and_relative_imports(tmp_path, monkeypatch) -> None:
     """The check itself can fail: a function-level and a relative import of cli/ count."""
     pkg = tmp_path / "prefixgate"

@@ -44,22 +44,15 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+# The refusals are part of the wire contract (each has its status code there); raised here.
+from prefixgate.wire.protocol import AuthError as AuthError
+from prefixgate.wire.protocol import PermissionDenied as PermissionDenied
+from prefixgate.wire.protocol import Unauthenticated as Unauthenticated
+
 log = logging.getLogger(__name__)
 
 TOKEN_PREFIX = "pg_"
 _HASH_PREFIX = "sha256:"
-
-
-class AuthError(Exception):
-    """A call that may not proceed; `str(exc)` says what to do about it."""
-
-
-class Unauthenticated(AuthError):
-    """No credential, or one that is not known (gRPC UNAUTHENTICATED, HTTP 401)."""
-
-
-class PermissionDenied(AuthError):
-    """A known credential asking for what it may not have (gRPC PERMISSION_DENIED, HTTP 403)."""
 
 
 @dataclass(frozen=True)

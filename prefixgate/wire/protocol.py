@@ -30,6 +30,19 @@ class UnknownModel(InvalidRequest):
     `model_not_found`, as OpenAI and vLLM answer)."""
 
 
+class AuthError(Exception):
+    """A call that may not proceed (prefixgate.security.auth raises it); `str(exc)` says
+    what to do about it."""
+
+
+class Unauthenticated(AuthError):
+    """No credential, or one that is not known (gRPC UNAUTHENTICATED, HTTP 401)."""
+
+
+class PermissionDenied(AuthError):
+    """A known credential asking for what it may not have (gRPC PERMISSION_DENIED, HTTP 403)."""
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """What one request may carry, checked at the edge (gateway and worker) before any

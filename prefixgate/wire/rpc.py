@@ -5,8 +5,8 @@
   example a string field that is not UTF-8) is answered with INVALID_ARGUMENT and a
   message, not with gRPC's INTERNAL "Exception deserializing request!".
   With a `guard`, every call is first checked with `guard(method_name, metadata)`
-  (prefixgate.security.auth): `auth.Unauthenticated` is answered UNAUTHENTICATED and
-  `auth.PermissionDenied` PERMISSION_DENIED, with the guard's message. The request is
+  (prefixgate.security.auth): `protocol.Unauthenticated` is answered UNAUTHENTICATED and
+  `protocol.PermissionDenied` PERMISSION_DENIED, with the guard's message. The request is
   parsed only after the guard let the call in: gRPC hands the handler the raw bytes
   (bounded by the server's max receive size), so a caller without a credential costs no
   parsing, and nothing of its message reaches the service. A handler may return or
@@ -38,11 +38,11 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from prefixgate.security.auth import AuthError, PermissionDenied
+from prefixgate.wire.protocol import AuthError, PermissionDenied
 
 log = logging.getLogger(__name__)
 
-# guard(method name, invocation metadata): raises auth.AuthError to refuse the call.
+# guard(method name, invocation metadata): raises protocol.AuthError to refuse the call.
 Guard = Callable[[str, Sequence[tuple[str, Any]]], object]
 
 
