@@ -82,6 +82,10 @@ class WorkerHandle:
     # The fastest prefill this gateway has seen the worker deliver (tokens per second; 0:
     # none yet). Its self-reported rate counts only up to this.
     observed_prefill_tokens_per_s: float = 0.0
+    # The fastest pull this gateway has seen land at, or leave, the worker: bytes pulled
+    # over the time from sending the turn to its first token (bytes per second; 0: none
+    # yet). Its self-reported transfer rate counts only up to this once there is one.
+    observed_transfer_bytes_per_s: float = 0.0
     # The shortest time per generated token this gateway has seen in one of its replies
     # from the worker (seconds; 0: none yet). Its self-reported decode step counts as at
     # least this: one step makes one token per stream, so a stream's time per token is at
@@ -153,9 +157,18 @@ class WorkerHandle:
     def prefill_chunk_tokens(self) -> int:
         return self.status.prefill_chunk_tokens if self.status is not None else 0
 
+    # The transfer rate is a claim too, clamped like the prefill rate once a pull to or
+    # from the worker has been seen (the time to first token holds the pull, the rest of
+    # the prefill and any queue: below the true rate, for every worker alike). Before any,
+    # the claim counts as it is: a router offers no pull without a rate, so a fleet that
+    # never pulled would never start, and a pull is priced at the slower end's rate, so
+    # one worker's inflated claim is capped by its honest peer's until the first pull
+    # between them is seen.
     @property
     def transfer_bytes_per_s(self) -> float:
-        return self.status.transfer_bytes_per_s if self.status is not None else 0.0
+        reported = self.status.transfer_bytes_per_s if self.status is not None else 0.0
+        seen = self.observed_transfer_bytes_per_s
+        return min(reported, seen) if seen > 0 else reported
 
     @property
     def transfer_setup_s(self) -> float:
@@ -215,6 +228,19 @@ class Lease:
             w.in_flight_prompt_tokens -= pending
             w.prefilled_since_status += pending
             self.pending = 0
+
+    def transferred(self, num_bytes: int, holder: WorkerHandle | None) -> None:
+        """The reply's first token came after `num_bytes` of KV were pulled from `holder`
+        to this lease's worker: the rate both ends were seen to deliver at (at least)."""
+        if not (self.first_at and num_bytes > 0):
+            return
+        elapsed = self.first_at - self.sent_at
+        if elapsed <= 0:
+            return
+        rate = num_bytes / elapsed
+        for w in (self.worker, holder):
+            if w is not None:
+                w.observed_transfer_bytes_per_s = max(w.observed_transfer_bytes_per_s, rate)
 
     def decoded(self, num_tokens: int) -> None:
         """The reply ended with `num_tokens` generated tokens in all: the time per token

@@ -238,6 +238,7 @@ class TurnCore:
             expected = decision.cached_tokens_of(worker.worker_id)
             # Block transfer: the leading blocks this worker lacks, from their holder.
             charge = pulls.attach(gen, decision, worker, decision.ranked)
+            holder = charge.holder  # (the charge forgets it once released)
             # Predictive ownership: the prompt's blocks are expected there from now on, here
             # and (Redis) at every gateway, until the worker's events confirm or drop them.
             self.router.dispatch(turn, worker.worker_id)
@@ -269,6 +270,8 @@ class TurnCore:
                             continue
                         if reply.worker is worker:  # not resumed elsewhere: its own pace
                             lease.decoded(sent_tokens)
+                            lease.transferred(ev.final.usage.transferred_tokens
+                                              * worker.kv_bytes_per_token, holder)
                         yield self.account(turn, decision, reply.worker, ev.final, arrival,
                                            ttft_ms, attempt, charge.num_tokens, reply.num_resumes)
                         return

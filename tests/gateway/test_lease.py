@@ -83,3 +83,27 @@ def test_a_reported_decode_step_counts_as_at_least_what_the_gateway_saw() -> Non
     assert h.decode_step_s == h.observed_decode_step_s
     h.set_status(worker_pb2.WorkerStatus(decode_step_s=1.0))  # slower than seen: as said
     assert h.decode_step_s == 1.0
+
+
+def test_a_reported_transfer_rate_counts_only_up_to_the_pulls_the_gateway_saw() -> None:
+    """A worker's transfer rate counts as reported until a pull to or from it has been
+    seen (a fleet that never pulled must be able to start), then at most the fastest
+    pull seen: bytes over the time to the turn's first token, at both ends of the link."""
+    import time
+
+    receiver, holder = _handle(), _handle()
+    for h in (receiver, holder):
+        h.set_status(worker_pb2.WorkerStatus(transfer_bytes_per_s=1e15))
+    assert receiver.transfer_bytes_per_s == holder.transfer_bytes_per_s == 1e15
+    with receiver.lease(100) as lease:
+        lease.transferred(1 << 20, holder)  # no first token yet: nothing seen
+    assert receiver.transfer_bytes_per_s == 1e15
+    with receiver.lease(100) as lease:
+        time.sleep(0.05)
+        lease.first_token()
+        lease.transferred(1 << 20, holder)  # 1 MiB before a first token >= 50 ms later
+    seen = receiver.observed_transfer_bytes_per_s
+    assert 0 < seen <= (1 << 20) / 0.05
+    assert receiver.transfer_bytes_per_s == holder.transfer_bytes_per_s == seen
+    receiver.set_status(worker_pb2.WorkerStatus(transfer_bytes_per_s=seen / 4))  # slower
+    assert receiver.transfer_bytes_per_s == seen / 4
