@@ -82,6 +82,7 @@ from prefixgate.engines.vllm_stream import VLLMEventStream
 from prefixgate.model.catalog import ModelSpec, _fingerprint
 from prefixgate.model.tokenizer import ChatTokenizer
 from prefixgate.radix import Hashers, HashMemo
+from prefixgate.telemetry.tracing import trace_context
 from prefixgate.v1 import common_pb2, worker_pb2
 from prefixgate.wire.protocol import (
     REQUEST_SCOPED,
@@ -423,7 +424,8 @@ class VLLMWorker(WorkerServiceBase):
         try:
             # aclosing: a client that went away closes the HTTP stream at once (vLLM aborts).
             async with contextlib.aclosing(self.client.completions(
-                    self._body(prompt, sampling, namespace), context.time_remaining())) as chunks:
+                    self._body(prompt, sampling, namespace), context.time_remaining(),
+                    trace_context(context.invocation_metadata()))) as chunks:
                 async for chunk in chunks:
                     for choice in chunk.get("choices") or ():
                         ids = choice.get("token_ids") or ()

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -175,15 +175,18 @@ class VLLMClient:
             raise
         return True
 
-    async def completions(self, body: dict, timeout_s: float | None
-                          ) -> AsyncIterator[dict]:
+    async def completions(self, body: dict, timeout_s: float | None,
+                          headers: Sequence[tuple[str, str]] = ()) -> AsyncIterator[dict]:
+        """The chunks of a streamed /v1/completions; `headers` go with the request (the
+        caller's W3C trace context: a vLLM with --otlp-traces-endpoint continues it)."""
         payload = json.dumps(body, separators=(",", ":")).encode()
+        sent = {**_JSON, **dict(headers)} if headers else _JSON
         for attempt in (0, 1):
             answered = False
             try:
                 async with self.session.post(
                         self.base_url + "/v1/completions", data=payload,
-                        headers=_JSON, timeout=self._timeout(timeout_s)) as resp:
+                        headers=sent, timeout=self._timeout(timeout_s)) as resp:
                     answered = True
                     await _raise_for_status(resp)
                     async for line in resp.content:

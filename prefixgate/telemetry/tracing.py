@@ -14,10 +14,12 @@ serves as before).
 Spans (W3C Trace Context): a gateway turn is a SERVER span "prefixgate.turn", child of
 the `traceparent` the client sent (gRPC metadata or HTTP header), with one CLIENT span
 "prefixgate.worker_call" per worker tried; that call carries the span's `traceparent` in
-its gRPC metadata, and the worker's SERVER span "prefixgate.worker.generate" continues it.
+its gRPC metadata, and the worker's SERVER span "prefixgate.worker.generate" continues it;
+a vLLM worker passes it on to vLLM's HTTP API, where vLLM's own tracing continues it.
 
   incoming(pairs)        the trace headers (traceparent, tracestate) among `pairs`, the
                          metadata or headers of a call, as a tuple of (name, value)
+  trace_context(pairs)   the same, also when tracing is off here (to pass them on)
   start(name, parent, kind, attributes)
                          a started span (None when off); `parent`: trace headers, or a
                          span of this process
@@ -92,7 +94,15 @@ def configure(exporter: Any, service_name: str = "prefixgate") -> None:
 def incoming(pairs: Iterable[tuple[str, str]] | Mapping[str, str] | None
              ) -> tuple[tuple[str, str], ...]:
     """The W3C trace headers among a call's metadata or headers (() when off)."""
-    if _tracer is None or not pairs:
+    return trace_context(pairs) if _tracer is not None else ()
+
+
+def trace_context(pairs: Iterable[tuple[str, str]] | Mapping[str, str] | None
+                  ) -> tuple[tuple[str, str], ...]:
+    """The W3C trace headers among `pairs`, whether or not this process records spans: a
+    hop that only passes the caller's context on (the vLLM adapter to vLLM) needs no
+    tracer of its own."""
+    if not pairs:
         return ()
     items = pairs.items() if isinstance(pairs, Mapping) else pairs
     return tuple((k.lower(), v) for k, v in items

@@ -107,3 +107,51 @@ def test_local_worker_reports_servicer_failures_as_grpc_would() -> None:
         assert _codes(gen.value) == (grpc.StatusCode.RESOURCE_EXHAUSTED, True)
         assert await stub.serving()
     asyncio.run(main())
+
+
+def test_completions_pass_the_callers_trace_context_on() -> None:
+    """The vLLM adapter sends the caller's W3C trace headers with the completion request
+    (vLLM's own tracing continues the trace), whether or not its process traces, and
+    sends none it was not given."""
+    from aiohttp import web
+
+    from prefixgate.engines.vllm_http import VLLMClient
+    from prefixgate.telemetry.tracing import trace_context
+
+    seen: list[dict[str, str]] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        seen.append(dict(request.headers))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"index": 0, "text": "hi", "token_ids": [1]}]}'
+                         b'\n\ndata: [DONE]\n\n')
+        return resp
+
+    async def main() -> list[list[dict]]:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        client = VLLMClient(f"http://127.0.0.1:{port}")
+        parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        metadata = (("authorization", "Bearer x"), ("traceparent", parent),
+                    ("tracestate", "pg=1"))
+        try:
+            got = []
+            for md in (metadata, ()):
+                got.append([c async for c in client.completions(
+                    {"prompt": [1]}, 10, trace_context(md))])
+            return got
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    replies = asyncio.run(main())
+    assert [len(r) for r in replies] == [1, 1]
+    assert seen[0]["traceparent"].startswith("00-0af7651916cd43dd8448eb211c80319c-")
+    assert seen[0]["tracestate"] == "pg=1"
+    assert "Authorization" not in seen[0]  # only the trace headers go on
+    assert "traceparent" not in seen[1]
