@@ -154,11 +154,17 @@ class ProcessGroup:
     # ---------------------------------------------------------------- stopping
 
     def signal(self, name: str, sig: int = signals.SIGKILL, wait_s: float = 30) -> int:
-        """Send `sig` to child `name`, wait for it to exit, forget it; its exit code."""
+        """Send `sig` to child `name`, wait for it to exit, forget it; its exit code. A
+        child still running after `wait_s` is killed, then TimeoutExpired is raised."""
         proc = self.procs.pop(name)
         if proc.poll() is None:
             self._send(proc, sig)
-        return proc.wait(wait_s)
+        try:
+            return proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            self._send(proc, signals.SIGKILL)
+            proc.wait(5)
+            raise
 
     def _send(self, proc: subprocess.Popen, sig: int) -> None:
         if sig == signals.SIGKILL and self.new_session:

@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
-import sys
 import time
 
 import redis
 
+from prefixgate.launch.processes import ProcessGroup
 from prefixgate.v1 import common_pb2
 from prefixgate.wire.rpc import free_port
 from tests.helpers import REPO, cli_env, wait_for
 
-PG = [sys.executable, "-m", "prefixgate"]
 FOUR = common_pb2.SamplingParams(max_tokens=4)
 
 
@@ -27,15 +25,14 @@ def test_workers_and_gateway_on_redis(tmp_path, redis_flush) -> None:
     env = cli_env(PREFIXGATE_CACHE_DIR=str(tmp_path), PREFIXGATE_MODEL="tiny-random",
                   PREFIXGATE_REDIS_URL=redis_flush, PREFIXGATE_LOG_LEVEL="WARNING")
     r = redis.Redis.from_url(redis_flush)
-    procs = {}
+    procs = ProcessGroup(tmp_path / "logs", env=env, cwd=REPO)
     gw_port = free_port()
     try:
         for wid in ("cw0", "cw1"):
-            procs[wid] = subprocess.Popen(
-                [*PG, "worker", "--port", "0", "--worker-id", wid, "--lease-ms", "1500",
-                 "--num-blocks", "256", "--torch-threads", "1", "--drain-seconds", "2"], env=env, cwd=REPO)
-        procs["gw"] = subprocess.Popen([*PG, "gateway", "--port", str(gw_port)], env=env,
-                                       cwd=REPO)
+            procs.start_prefixgate(
+                wid, "worker", "--port", "0", "--worker-id", wid, "--lease-ms", "1500",
+                "--num-blocks", "256", "--torch-threads", "1", "--drain-seconds", "2")
+        procs.start_prefixgate("gw", "gateway", "--port", str(gw_port))
         wait_for(lambda: r.scard("pg:workers") == 2, timeout=120, what="workers to register")
 
         async def conversation() -> tuple[str, str, int]:
@@ -64,22 +61,18 @@ def test_workers_and_gateway_on_redis(tmp_path, redis_flush) -> None:
         holder, other = w1, ("cw1" if w1 == "cw0" else "cw0")
         # SIGKILL: no deregistration; the lease expires and the gateway reaps the blocks.
         assert r.hlen(f"pg:kv:{holder}") > 0
-        procs[holder].send_signal(signal.SIGKILL)
+        procs.signal(holder, signal.SIGKILL)
         wait_for(lambda: not r.sismember("pg:workers", holder) and not r.exists(f"pg:kv:{holder}"),
                  timeout=20, what="the killed worker to be reaped")
         entries = r.xrange("pg:events")
         assert any(f[b"k"] == b"reap" and f[b"w"] == holder.encode() for _, f in entries)
         # SIGTERM: the worker deregisters itself (a "leave" entry), then exits.
-        procs[other].send_signal(signal.SIGTERM)
-        assert procs[other].wait(timeout=60) == 0
+        assert procs.signal(other, signal.SIGTERM, wait_s=60) == 0
         entries = r.xrange("pg:events")
         assert any(f[b"k"] == b"leave" and f[b"w"] == other.encode() for _, f in entries)
         assert r.scard("pg:workers") == 0
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-            p.wait(10)
+        procs.stop(timeout_s=10)
 
 
 def test_workers_on_port_0_take_their_ids_from_their_bound_ports(tmp_path, redis_flush) -> None:
@@ -88,8 +81,10 @@ def test_workers_on_port_0_take_their_ids_from_their_bound_ports(tmp_path, redis
     env = cli_env(PREFIXGATE_CACHE_DIR=str(tmp_path), PREFIXGATE_MODEL="tiny-random",
                   PREFIXGATE_REDIS_URL=redis_flush, PREFIXGATE_LOG_LEVEL="WARNING")
     r = redis.Redis.from_url(redis_flush)
-    procs = [subprocess.Popen([*PG, "worker", "--emulate", "--port", "0", "--lease-ms", "1500"],
-                              env=env, cwd=REPO) for _ in range(2)]
+    procs = ProcessGroup(tmp_path / "logs", env=env, cwd=REPO)
+    for i in range(2):
+        procs.start_prefixgate(f"w{i}", "worker", "--emulate", "--port", "0", "--lease-ms",
+                               "1500")
     try:
         wait_for(lambda: r.scard("pg:workers") == 2, timeout=60, what="two workers to register")
         ids = sorted(m.decode() for m in r.smembers("pg:workers"))
@@ -98,7 +93,4 @@ def test_workers_on_port_0_take_their_ids_from_their_bound_ports(tmp_path, redis
         time.sleep(2)
         assert sorted(m.decode() for m in r.smembers("pg:workers")) == ids
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            p.wait(30)
+        procs.stop(timeout_s=30)

@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import subprocess
-import sys
 import urllib.request
 
 import grpc
 import pytest
 
+from prefixgate.launch.processes import ProcessGroup
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2
 from prefixgate.wire.rpc import free_port
 from tests.helpers import REPO, cli_env, start_worker, wait_for
@@ -64,12 +63,12 @@ def free_port_pair() -> int:
 
 def test_two_processes_share_a_port_and_route_alike(workers, tiny_spec) -> None:
     port, metrics = free_port(), free_port_pair()
-    env = cli_env(PREFIXGATE_LOG_LEVEL="WARNING")
-    gw = subprocess.Popen(
-        [sys.executable, "-m", "prefixgate", "gateway", "--processes", "2", "--port", str(port),
-         "--model", "tiny-random", "--cache-dir", str(tiny_spec.model_dir.parent.parent),
-         "--metrics-port", str(metrics), "--drain-seconds", "1", "--http-port", "-1",
-         *(a for address in workers for a in ("--worker", address))], env=env, cwd=REPO)
+    group = ProcessGroup(env=cli_env(PREFIXGATE_LOG_LEVEL="WARNING"), cwd=REPO)
+    gw = group.start_prefixgate(
+        "gateway", "gateway", "--processes", "2", "--port", str(port),
+        "--model", "tiny-random", "--cache-dir", str(tiny_spec.model_dir.parent.parent),
+        "--metrics-port", str(metrics), "--drain-seconds", "1", "--http-port", "-1",
+        *(a for address in workers for a in ("--worker", address)))
     # Connections opened before both processes listen would all land on the first one.
     wait_for(lambda: gw.poll() is not None or listening_sockets(port) >= 2, timeout=120,
              what="both gateway processes listening")
@@ -108,12 +107,10 @@ def test_two_processes_share_a_port_and_route_alike(workers, tiny_spec) -> None:
     finally:
         for ch in channels:
             ch.close()
-        gw.send_signal(signal.SIGTERM)
         try:
-            assert gw.wait(timeout=30) == 0
+            assert group.signal("gateway", signal.SIGTERM, wait_s=30) == 0
         finally:
-            if gw.poll() is None:
-                gw.kill()
+            group.stop(timeout_s=1)
 
 
 def test_bench_gateway_runs_and_reports_both_kinds(capsys) -> None:

@@ -11,6 +11,7 @@ import sys
 import grpc
 import redis
 
+from prefixgate.launch.processes import ProcessGroup
 from prefixgate.security.auth import hash_token, new_token
 from prefixgate.security.identity import new_gateway_key, new_worker_key
 from prefixgate.wire.client import ChatClient
@@ -34,21 +35,21 @@ def test_secure_worker_gateway_and_chat(tmp_path, redis_flush) -> None:
                   PREFIXGATE_REDIS_URL=redis_flush, PREFIXGATE_LOG_LEVEL="WARNING",
                   PREFIXGATE_INTERNAL_TOKEN_FILE=str(tmp_path / "internal"))
     gw_port, worker_port = free_port(), free_port()
-    procs = []
+    procs = ProcessGroup(tmp_path / "logs", env=env, cwd=REPO)
     try:
-        procs.append(subprocess.Popen(
-            [*PG, "worker", "--port", str(worker_port), "--worker-id", "sw0",
-             "--num-blocks", "256", "--torch-threads", "1", "--drain-seconds", "1",
-             "--tls-cert", internal["server_cert"], "--tls-key", internal["server_key"],
-             "--tls-client-ca", internal["ca"],
-             "--worker-keyring", str(tmp_path / "worker-keyring")], env=env, cwd=REPO))
-        procs.append(subprocess.Popen(
-            [*PG, "gateway", "--port", str(gw_port), "--drain-seconds", "1",
-             "--tls-cert", public["server_cert"], "--tls-key", public["server_key"],
-             "--tokens-file", str(tmp_path / "tokens"),
-             "--worker-tls-ca", internal["ca"], "--worker-tls-cert", internal["client_cert"],
-             "--worker-tls-key", internal["client_key"],
-             "--worker-keyring", str(tmp_path / "gateway-keyring")], env=env, cwd=REPO))
+        procs.start_prefixgate(
+            "worker", "worker", "--port", str(worker_port), "--worker-id", "sw0",
+            "--num-blocks", "256", "--torch-threads", "1", "--drain-seconds", "1",
+            "--tls-cert", internal["server_cert"], "--tls-key", internal["server_key"],
+            "--tls-client-ca", internal["ca"],
+            "--worker-keyring", str(tmp_path / "worker-keyring"))
+        procs.start_prefixgate(
+            "gateway", "gateway", "--port", str(gw_port), "--drain-seconds", "1",
+            "--tls-cert", public["server_cert"], "--tls-key", public["server_key"],
+            "--tokens-file", str(tmp_path / "tokens"),
+            "--worker-tls-ca", internal["ca"], "--worker-tls-cert", internal["client_cert"],
+            "--worker-tls-key", internal["client_key"],
+            "--worker-keyring", str(tmp_path / "gateway-keyring"))
         r = redis.Redis.from_url(redis_flush)
         wait_for(lambda: r.hget("pg:worker:sw0", "sig"), timeout=120,
                  what="the worker to register, signed")
@@ -77,13 +78,7 @@ def test_secure_worker_gateway_and_chat(tmp_path, redis_flush) -> None:
         other = run("--token-file", str(tmp_path / "token"), "--namespace", "globex")
         assert "error: PERMISSION_DENIED" in other and "bound to namespace 'acme'" in other
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        procs.stop(timeout_s=20)
 
 
 def test_up_secure_runs_everything_with_fresh_local_credentials(tmp_path) -> None:

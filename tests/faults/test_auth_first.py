@@ -11,9 +11,9 @@ before its token was looked at.
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,12 +22,12 @@ import aiohttp
 import grpc
 import pytest
 
+from prefixgate.launch.processes import ProcessGroup
 from prefixgate.security.auth import hash_token, new_token
 from prefixgate.wire.rpc import free_port
 from tests.faults.fleet import report, rss_mb
 from tests.helpers import REPO, cli_env, wait_for
 
-PG = [sys.executable, "-m", "prefixgate"]
 TOKEN = new_token()
 PROMPT = " ".join("lorem ipsum dolor sit amet" for _ in range(19_000))  # ~500 KB
 NUM_REQUESTS = 64
@@ -38,14 +38,13 @@ def gateway(tmp_path_factory) -> tuple[subprocess.Popen, int, int]:
     d: Path = tmp_path_factory.mktemp("authfirst")
     (d / "tokens").write_text(f"{hash_token(TOKEN)} acme\n")
     port, http_port = free_port(), free_port()
-    log = open(d / "gateway.log", "w")  # noqa: SIM115 (the process owns it)
-    proc = subprocess.Popen(
-        [*PG, "gateway", "--port", str(port), "--http-port", str(http_port),
-         "--tokens-file", str(d / "tokens"), "--tokenize-threads", "1",
-         "--max-tokenize-waiting", "1", "--worker", f"127.0.0.1:{free_port()}"],
-        env=cli_env(PREFIXGATE_CACHE_DIR=str(d / "cache"), PREFIXGATE_MODEL="tiny-random",
-                    PREFIXGATE_LOG_LEVEL="WARNING"),
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    group = ProcessGroup(d, env=cli_env(PREFIXGATE_CACHE_DIR=str(d / "cache"),
+                                        PREFIXGATE_MODEL="tiny-random",
+                                        PREFIXGATE_LOG_LEVEL="WARNING"), cwd=REPO)
+    proc = group.start_prefixgate(
+        "gateway", "gateway", "--port", str(port), "--http-port", str(http_port),
+        "--tokens-file", str(d / "tokens"), "--tokenize-threads", "1",
+        "--max-tokenize-waiting", "1", "--worker", f"127.0.0.1:{free_port()}")
 
     def up() -> bool:  # the HTTP front listens last
         try:
@@ -57,8 +56,7 @@ def gateway(tmp_path_factory) -> tuple[subprocess.Popen, int, int]:
         wait_for(up, timeout=120, what="the gateway to listen")
         yield proc, port, http_port
     finally:
-        proc.kill()
-        proc.wait(10)
+        group.signal("gateway", signal.SIGKILL, 10)
 
 
 class _PeakRSS:
