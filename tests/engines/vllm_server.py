@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from prefixgate.launch.processes import ProcessGroup
 from prefixgate.launch.vllm import VLLMLaunch, vllm_argv
 from prefixgate.launch.vllm import VLLMServer as LaunchedServer
 from prefixgate.wire.rpc import free_port
@@ -56,6 +57,7 @@ class VLLMServer:
                        kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len),
             LaunchedServer("vllm", "127.0.0.1", self.port, self.events_port, self.replay_port))
         self.proc: subprocess.Popen | None = None
+        self.group: ProcessGroup | None = None
 
     @property
     def spec(self) -> str:
@@ -63,10 +65,13 @@ class VLLMServer:
         return f"{self.url},{self.events},{self.replay}"
 
     def start(self, timeout_s: float = 600) -> VLLMServer:
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-        log = self.log_path.open("w")
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        """Start the server (again, after `stop`: its log goes on) and wait until it
+        answers /v1/models. Its own session: stopping it leaves none of vLLM's engine
+        processes behind."""
+        if self.group is None:
+            self.group = ProcessGroup(self.log_path.parent, new_session=True,
+                                      env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
+        self.proc = self.group.start(self.log_path.stem, self.cmd)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -82,10 +87,5 @@ class VLLMServer:
         raise RuntimeError(f"vLLM did not start within {timeout_s:.0f} s: see {self.log_path}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, 15)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait(10)
+        if self.group is not None:
+            self.group.stop(timeout_s=30)
