@@ -576,8 +576,8 @@ class HTTPFront:
         self.turns_in_flight += 1
         try:
             if stream:
-                return await self._stream(request, turn, events, include_usage)
-            return await self._collect(turn, events)
+                return await self._stream(request, turn, events, include_usage, caller)
+            return await self._collect(turn, events, caller)
         finally:
             self.turns_in_flight -= 1
             await events.aclose()
@@ -600,8 +600,8 @@ class HTTPFront:
         except TurnError as exc:
             raise turn_failed(exc.code, exc.details) from None
 
-    async def _collect(self, turn: _Turn, events: AsyncIterator[chat_pb2.ChatEvent]
-                       ) -> web.Response:
+    async def _collect(self, turn: _Turn, events: AsyncIterator[chat_pb2.ChatEvent],
+                       caller: Caller) -> web.Response:
         texts: list[list[str]] = [[] for _ in range(turn.n)]
         logprobs: list[list[dict]] = [[] for _ in range(turn.n)]
         offsets = [0] * turn.n
@@ -629,7 +629,8 @@ class HTTPFront:
                         "finish_reason": reasons[i]} for i, t in enumerate(texts)]
         return web.json_response(
             turn.envelope(choices, usage=usage_json(final.usage)),
-            headers={"X-Request-Id": turn.request_id, "X-Prefixgate-Worker": final.worker_id})
+            headers={"X-Request-Id": turn.request_id, "X-Prefixgate-Worker": final.worker_id,
+                     **dict(caller.trace_reply)})
 
     def _logprobs(self, turn: _Turn, delta: chat_pb2.ChatDelta, offset: int) -> dict:
         """The OpenAI logprobs of one delta's tokens (gateway/logprobs.py); `offset`:
@@ -640,14 +641,14 @@ class HTTPFront:
                                                len(delta.text))
 
     async def _stream(self, request: web.Request, turn: _Turn,
-                      events: AsyncIterator[chat_pb2.ChatEvent], include_usage: bool
-                      ) -> web.StreamResponse:
+                      events: AsyncIterator[chat_pb2.ChatEvent], include_usage: bool,
+                      caller: Caller) -> web.StreamResponse:
         # The first event comes before the headers, so a turn refused before it started
         # (bad input, no worker, auth) gets its HTTP status instead of a 200 stream.
         first = await anext(events)
         response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            "X-Request-Id": turn.request_id})
+            "X-Request-Id": turn.request_id, **dict(caller.trace_reply)})
         await response.prepare(request)
         usage_none = {"usage": None} if include_usage else {}
         if turn.chat:  # OpenAI's first chunk of each choice names the role

@@ -122,7 +122,11 @@ class ChatService(TurnCore):
                         tracing.incoming(context.invocation_metadata())
                         if tracing.enabled() else ())
         try:
+            first = True
             async for ev in self.turn(request, caller, request_id):
+                if first and caller.trace_reply:  # the turn span's traceresponse
+                    await context.send_initial_metadata(tuple(caller.trace_reply))
+                first = False
                 yield ev
         except TurnError as exc:
             await context.abort(exc.code, exc.details)

@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 import grpc
@@ -105,6 +105,9 @@ class Caller:
     deadline: float | None = None  # time.monotonic() seconds; None: no deadline
     # W3C trace context the caller sent (traceparent, tracestate: telemetry/tracing.py).
     trace_headers: tuple[tuple[str, str], ...] = ()
+    # Filled by the core when the turn's span starts (tracing on): the `traceresponse`
+    # header the transport returns (HTTP response header, gRPC initial metadata).
+    trace_reply: list[tuple[str, str]] = field(default_factory=list)
 
     def time_remaining(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
@@ -156,6 +159,7 @@ class TurnCore:
         span = tracing.start("prefixgate.turn", caller.trace_headers, "server", {
             "prefixgate.request_id": request_id,
             "prefixgate.conversation_id": request.conversation_id})
+        caller.trace_reply[:] = tracing.response_headers(span)
         error: BaseException | str | None = None
         figures: dict = {}
         try:

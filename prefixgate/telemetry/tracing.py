@@ -16,6 +16,7 @@ the `traceparent` the client sent (gRPC metadata or HTTP header), with one CLIEN
 "prefixgate.worker_call" per worker tried; that call carries the span's `traceparent` in
 its gRPC metadata, and the worker's SERVER span "prefixgate.worker.generate" continues it;
 a vLLM worker passes it on to vLLM's HTTP API, where vLLM's own tracing continues it.
+The gateway returns the turn span's `traceresponse` (HTTP header, gRPC initial metadata).
 
   incoming(pairs)        the trace headers (traceparent, tracestate) among `pairs`, the
                          metadata or headers of a call, as a tuple of (name, value)
@@ -24,6 +25,7 @@ a vLLM worker passes it on to vLLM's HTTP API, where vLLM's own tracing continue
                          a started span (None when off); `parent`: trace headers, or a
                          span of this process
   headers(span)          the trace headers to send on an outgoing call for `span` (())
+  response_headers(span) the `traceresponse` header to return to the caller `span` serves
   end(span, error)       set attributes given at the end, an error status, end the span
 """
 
@@ -137,6 +139,17 @@ def headers(span: Any) -> tuple[tuple[str, str], ...]:
     carrier: dict[str, str] = {}
     TraceContextTextMapPropagator().inject(carrier, context=trace.set_span_in_context(span))
     return tuple(carrier.items())
+
+
+def response_headers(span: Any) -> tuple[tuple[str, str], ...]:
+    """The `traceresponse` header (W3C Trace Context Level 2) naming `span`, for the
+    reply to the call it serves: a client learns the trace id and the gateway's span of
+    its turn, whether or not it sent a traceparent (() when off)."""
+    if span is None:
+        return ()
+    ctx = span.get_span_context()
+    return (("traceresponse",
+             f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"),)
 
 
 def end(span: Any, error: BaseException | str | None = None,

@@ -47,13 +47,30 @@ def test_turn_spans_continue_the_callers_trace_into_the_worker(loop_thread, tiny
     try:
         wait_for(lambda: httpx.get(base + "/health").status_code == 200, what="the worker")
         traceparent = f"00-{TRACE_ID}-{CLIENT_SPAN}-01"
-        _chat(gateway, metadata=(("traceparent", traceparent),))
+        with grpc.insecure_channel(gateway) as ch:
+            call = chat_pb2_grpc.ChatServiceStub(ch).Chat(chat_pb2.ChatRequest(
+                sampling=common_pb2.SamplingParams(max_tokens=3),
+                messages=chat_pb2.Messages(messages=[chat_pb2.ChatMessage(
+                    role="user", content="hi")])), metadata=(("traceparent", traceparent),),
+                timeout=60)
+            assert list(call)[-1].HasField("final")
+            grpc_reply = dict(call.initial_metadata())["traceresponse"]
         r = httpx.post(base + "/v1/chat/completions", headers={"traceparent": traceparent},
                        timeout=60, json={"model": tiny_spec.name, "max_tokens": 3,
                                          "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200
-        wait_for(lambda: len(spans.get_finished_spans()) >= 6, what="six spans")
-        done = spans.get_finished_spans()
+        with httpx.stream("POST", base + "/v1/chat/completions", timeout=60, json={
+                "model": tiny_spec.name, "max_tokens": 3, "stream": True,
+                "messages": [{"role": "user", "content": "hi"}]}) as streamed:
+            assert streamed.status_code == 200
+            streamed.read()
+        # Each reply names its turn's span (traceresponse): the caller's trace, where the
+        # caller sent one; a new trace of the gateway's own where it did not.
+        replies = [grpc_reply, r.headers["traceresponse"], streamed.headers["traceresponse"]]
+        assert [h.split("-")[1] == TRACE_ID for h in replies] == [True, True, False]
+        wait_for(lambda: len(spans.get_finished_spans()) >= 9, what="nine spans")
+        done = [s for s in spans.get_finished_spans()
+                if format(s.context.trace_id, "032x") == TRACE_ID]
         by_name: dict[str, list] = {}
         for s in done:
             by_name.setdefault(s.name, []).append(s)
@@ -65,6 +82,8 @@ def test_turn_spans_continue_the_callers_trace_into_the_worker(loop_thread, tiny
             assert format(turn.parent.span_id, "016x") == CLIENT_SPAN
             assert turn.attributes["prefixgate.worker_id"] == "tw"
             assert turn.attributes["prefixgate.completion_tokens"] >= 1
+            assert any(h.split("-")[2] == format(turn.context.span_id, "016x")
+                       for h in replies)
             call = next(c for c in by_name["prefixgate.worker_call"]
                         if c.parent.span_id == turn.context.span_id)
             served = next(w for w in by_name["prefixgate.worker.generate"]
