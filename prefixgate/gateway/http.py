@@ -22,7 +22,9 @@ tokenizing, routing, namespaces, retries and worker calls; only the wire format 
   GET  /metrics              Prometheus text, every series labelled model_name
 
 `usage` always carries `prompt_tokens_details.cached_tokens`: prompt tokens the serving
-worker found in its prefix cache.
+worker found in its prefix cache. The worker that served the reply (its end, after a
+mid-stream resume): the `X-Prefixgate-Worker` header of a whole reply, the
+`prefixgate_worker` field of a stream's finishing chunk (known only once it ends).
 
 Routing: prompts route by their cached prefix, as on gRPC. Conversation affinity (the
 `session` policy, and the trace recorder's conversation id) comes from the request's
@@ -675,7 +677,8 @@ class HTTPFront:
                     reasons = finish_reasons(final, turn.n)
                     await response.write(turn.chunk(
                         [turn.piece(i, None if turn.chat else "", reasons[i])
-                         for i in range(turn.n)], **usage_none))
+                         for i in range(turn.n)], **usage_none,
+                        prefixgate_worker=final.worker_id))
                     if include_usage:
                         await response.write(turn.chunk([], usage=usage_json(final.usage)))
                     await response.write(b"data: [DONE]\n\n")

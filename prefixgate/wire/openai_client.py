@@ -8,7 +8,8 @@ gateway's affinity key), sampling as OpenAI's fields (`top_k`, `namespace`,
 `context_overflow`, `shifted_reuse` as prefixgate's extensions, only when set).
 `turn` returns a TurnResult: the reply, usage (cached tokens from
 `prompt_tokens_details`), the finish reason and the time to first token and total
-measured here (the stream carries no serving worker: `worker_id` is "-"). An error, as an
+measured here, and the serving worker (the finishing chunk's `prefixgate_worker`: "-"
+from a server that is not a prefixgate gateway). An error, as an
 HTTP status or as the stream's error event, raises HTTPTurnError (status, message).
 Server-sent events are read by httpx-sse.
 """
@@ -123,6 +124,7 @@ class OpenAIChatClient:
                         if on_text is not None:
                             on_text(text)
                     result.finish_reason = choice.get("finish_reason") or result.finish_reason
+                result.worker_id = doc.get("prefixgate_worker") or result.worker_id
                 usage = doc.get("usage")
                 if usage:
                     result.prompt_tokens = usage["prompt_tokens"]

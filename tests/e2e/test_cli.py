@@ -189,9 +189,11 @@ def test_up_chat_and_ctrl_c(tmp_path) -> None:
              "hello there, how are you doing today?", "--message", "and again", "--max-tokens",
              "8"], capture_output=True, text=True, timeout=120, env=env)
         assert chat.returncode == 0, chat.stderr
-        figures = re.findall(r"\[worker - \| prompt (\d+) tok \| cached (\d+) tok", chat.stdout)
+        figures = re.findall(r"\[worker (\S+) \| prompt (\d+) tok \| cached (\d+) tok",
+                             chat.stdout)
         assert len(figures) == 2, chat.stdout
-        assert int(figures[1][1]) >= int(figures[0][0]) // 16 * 16 > 0
+        (w1, p1, _), (w2, _, c2) = figures  # the serving worker named, as over gRPC
+        assert w1 == w2 and w1.startswith("worker-") and int(c2) >= int(p1) // 16 * 16 > 0
         workers = _children(up.pid)
         assert len(workers) == 2
         up.send_signal(signal.SIGINT)
