@@ -142,6 +142,19 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 20, what: str = "co
         time.sleep(0.05)
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie not reaped yet counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXGATE_")}
     env.update(extra)

@@ -5,14 +5,13 @@ so a crash stays there."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
 
-from tests.helpers import REPO
+from tests.helpers import REPO, process_alive
 
 BUSY_GRPC_PARENT = textwrap.dedent("""
     import asyncio, sys
@@ -70,25 +69,12 @@ ORPHANING_PARENT = textwrap.dedent("""
 """)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie re-parented to an init that has not reaped it yet counts as gone.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_a_child_ends_when_its_parent_is_killed() -> None:
     out = subprocess.run([sys.executable, "-c", ORPHANING_PARENT], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
     child = int(out.stdout.split()[0])
     deadline = time.monotonic() + 10
-    while _alive(child) and time.monotonic() < deadline:
+    while process_alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(child), "the child outlived its SIGKILLed parent"
+    assert not process_alive(child), "the child outlived its SIGKILLed parent"

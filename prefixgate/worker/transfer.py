@@ -193,11 +193,19 @@ async def export_events(transfer: BlockTransfer, request: worker_pb2.ExportBlock
     if start >= len(chain):
         raise TransferError(grpc.StatusCode.INVALID_ARGUMENT,
                             f"from_block {start} is past the chain's {len(chain)} blocks")
-    pin = await asyncio.to_thread(transfer.pin, chain, start)
+    pinning = asyncio.ensure_future(asyncio.to_thread(transfer.pin, chain, start))
+    try:
+        pin = await asyncio.shield(pinning)
+    except asyncio.CancelledError:
+        # The call went away while the engine pinned: the pin lands all the same (a thread
+        # once started runs on), so it is given back once it does.
+        _in_background(_unpin_once_pinned(transfer, pinning))
+        raise
     if pin is None:
         raise TransferError(grpc.StatusCode.NOT_FOUND,
                             f"worker {worker_id} holds none of blocks {start}.. of the chain "
                             "(evicted or never cached): compute them")
+    reading: asyncio.Future | None = None
     try:
         total = transfer.pinned_blocks(pin)
         yield worker_pb2.ExportBlocksEvent(header=transfer.format.header(worker_id, total))
@@ -206,21 +214,22 @@ async def export_events(transfer: BlockTransfer, request: worker_pb2.ExportBlock
         # Copy chunk i+1 while chunk i is being sent: two chunks in memory at most.
         reading = asyncio.ensure_future(asyncio.to_thread(
             transfer.read, pin, 0, min(per_chunk, total)))
-        try:
-            while first < total:
-                count = min(per_chunk, total - first)
-                k, v = await reading
-                nxt = first + count
-                if nxt < total:
-                    reading = asyncio.ensure_future(asyncio.to_thread(
-                        transfer.read, pin, nxt, min(per_chunk, total - nxt)))
-                yield encode_chunk(start + first, count, k, v)
-                first = nxt
-        finally:
-            if not reading.done():
-                await asyncio.gather(reading, return_exceptions=True)  # pages in use
+        while first < total:
+            count = min(per_chunk, total - first)
+            # Shielded: a call cancelled here leaves the copy to finish (its thread runs on
+            # regardless) rather than marking it done while it still reads the pages.
+            k, v = await asyncio.shield(reading)
+            nxt = first + count
+            if nxt < total:
+                reading = asyncio.ensure_future(asyncio.to_thread(
+                    transfer.read, pin, nxt, min(per_chunk, total - nxt)))
+            yield encode_chunk(start + first, count, k, v)
+            first = nxt
     finally:
-        await asyncio.to_thread(transfer.unpin, pin)
+        # After any copy in flight, in a task of its own: a cancelled await of a queued
+        # `to_thread` never runs it, and under load the unpin used to be lost that way
+        # (the blocks stayed pinned: never evicted, counted twice).
+        await _settled(_unpin_after(transfer, pin, reading))
 
 
 async def pull(stub: Any, transfer: BlockTransfer, chain: Sequence[int], peer: str,
@@ -233,7 +242,12 @@ async def pull(stub: Any, transfer: BlockTransfer, chain: Sequence[int], peer: s
     the same: a worker's probe of its own copy path; default `chain`). `keep=False`:
     give the blocks back instead of storing them (the probe: only the time counts)."""
     began = transfer.clock()
-    res = await asyncio.to_thread(transfer.reserve, list(chain))
+    reserving = asyncio.ensure_future(asyncio.to_thread(transfer.reserve, list(chain)))
+    try:
+        res = await asyncio.shield(reserving)
+    except asyncio.CancelledError:  # the reservation lands all the same: give it back
+        _in_background(_give_back_once_reserved(transfer, reserving))
+        raise
     got = _Received()
     try:
         if res.num_blocks:
@@ -248,18 +262,72 @@ async def pull(stub: Any, transfer: BlockTransfer, chain: Sequence[int], peer: s
         got.error = TransferError(exc.code(), f"{peer}: {exc.details()}")
     finally:
         # Also on cancellation (the request went away): what arrived whole is stored,
-        # the rest of the reservation given back.
-        await asyncio.shield(asyncio.to_thread(transfer.commit, res,
-                                               got.blocks if keep else 0))
+        # the rest of the reservation given back; after a write in flight (never commit
+        # blocks still being written), in a task of its own (so a cancellation loses
+        # neither).
+        await _settled(_commit_after(transfer, res, got, keep))
     return PullResult(res.num_cached, got.blocks, got.bytes, transfer.clock() - began,
                       got.error)
 
 
 @dataclass
 class _Received:
-    blocks: int = 0
+    blocks: int = 0  # written whole
     bytes: int = 0
     error: TransferError | None = None
+    writing: asyncio.Future | None = None  # the write in flight, if any
+    writing_to: int = 0  # `blocks` once it is done
+
+
+# Tasks that must run to their end although the call that started them was cancelled (a
+# pin's release, a reservation's commit): held here, so that they are not collected.
+_SETTLING: set[asyncio.Future] = set()
+
+
+def _in_background(coro: Any) -> asyncio.Future:
+    task = asyncio.ensure_future(coro)
+    _SETTLING.add(task)
+    task.add_done_callback(_SETTLING.discard)
+    return task
+
+
+async def _settled(coro: Any) -> Any:
+    """`coro`'s result, run in a task of its own: cancelling the caller stops the wait,
+    not the work."""
+    return await asyncio.shield(_in_background(coro))
+
+
+async def _unpin_after(transfer: BlockTransfer, pin: Any,
+                       reading: asyncio.Future | None) -> None:
+    if reading is not None:
+        await asyncio.gather(reading, return_exceptions=True)  # its pages are in use
+    await asyncio.to_thread(transfer.unpin, pin)
+
+
+async def _unpin_once_pinned(transfer: BlockTransfer, pinning: asyncio.Future) -> None:
+    pin = await pinning
+    if pin is not None:
+        await asyncio.to_thread(transfer.unpin, pin)
+
+
+async def _give_back_once_reserved(transfer: BlockTransfer, reserving: asyncio.Future) -> None:
+    await asyncio.to_thread(transfer.commit, await reserving, 0)
+
+
+async def _commit_after(transfer: BlockTransfer, res: Reservation, got: _Received,
+                        keep: bool) -> int:
+    failed: BaseException | None = None
+    if got.writing is not None:
+        (done,) = await asyncio.gather(got.writing, return_exceptions=True)
+        if isinstance(done, BaseException):
+            failed = done
+        else:
+            got.blocks = got.writing_to
+        got.writing = None
+    cached = await asyncio.to_thread(transfer.commit, res, got.blocks if keep else 0)
+    if failed is not None and not isinstance(failed, asyncio.CancelledError):
+        raise failed  # a write that failed is a bug: said, after the reservation is settled
+    return cached
 
 
 async def _receive(stub: Any, transfer: BlockTransfer, res: Reservation, peer: str,
@@ -281,35 +349,32 @@ async def _receive(stub: Any, transfer: BlockTransfer, res: Reservation, peer: s
                                 f"{peer}'s KV pages do not fit this worker: {why}")
         want = min(first.header.num_blocks, res.num_blocks)
         half = fmt.bytes_per_block // 2
-        # Chunk i is written into the pool while chunk i + 1 is received.
-        writing: asyncio.Future | None = None
+        # Chunk i is written into the pool while chunk i + 1 is received; the last write
+        # is waited for by `pull` (`_commit_after`), also when this ends early.
         received = 0
-        try:
-            while received < want:
-                ev = await call.read()
-                if ev is grpc.aio.EOF:
-                    raise TransferError(grpc.StatusCode.DATA_LOSS,
-                                        f"{peer}: the export stream ended after {received} of "
-                                        f"{want} blocks")
-                c = ev.chunk
-                if (c.first_block != res.num_cached + received or not c.num_blocks
-                        or len(c.k) != c.num_blocks * half or len(c.v) != len(c.k)):
-                    raise TransferError(grpc.StatusCode.DATA_LOSS,
-                                        f"{peer}: a malformed chunk (blocks {c.first_block}+"
-                                        f"{c.num_blocks}, {len(c.k)} bytes) after {received} "
-                                        "blocks")
-                n = min(c.num_blocks, want - received)
-                k, v = (c.k, c.v) if n == c.num_blocks else (c.k[:n * half], c.v[:n * half])
-                if writing is not None:
-                    await writing
-                    got.blocks = received
-                writing = asyncio.ensure_future(asyncio.to_thread(
-                    transfer.write, res, received, k, v))
-                received += n
-                got.bytes += 2 * n * half
-        finally:
-            if writing is not None:  # never commit blocks still being written
-                await asyncio.shield(writing)
-                got.blocks = received
+        while received < want:
+            ev = await call.read()
+            if ev is grpc.aio.EOF:
+                raise TransferError(grpc.StatusCode.DATA_LOSS,
+                                    f"{peer}: the export stream ended after {received} of "
+                                    f"{want} blocks")
+            c = ev.chunk
+            if (c.first_block != res.num_cached + received or not c.num_blocks
+                    or len(c.k) != c.num_blocks * half or len(c.v) != len(c.k)):
+                raise TransferError(grpc.StatusCode.DATA_LOSS,
+                                    f"{peer}: a malformed chunk (blocks {c.first_block}+"
+                                    f"{c.num_blocks}, {len(c.k)} bytes) after {received} "
+                                    "blocks")
+            n = min(c.num_blocks, want - received)
+            k, v = (c.k, c.v) if n == c.num_blocks else (c.k[:n * half], c.v[:n * half])
+            if got.writing is not None:
+                # Shielded: a cancelled pull leaves the write to finish (see _commit_after).
+                await asyncio.shield(got.writing)
+                got.blocks, got.writing = got.writing_to, None
+            received += n
+            got.writing = asyncio.ensure_future(asyncio.to_thread(
+                transfer.write, res, received - n, k, v))
+            got.writing_to = received
+            got.bytes += 2 * n * half
     finally:
         call.cancel()  # a no-op once the stream ended; else the peer stops sending

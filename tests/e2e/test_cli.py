@@ -12,7 +12,7 @@ import time
 import pytest
 
 from prefixgate.wire.rpc import free_port
-from tests.helpers import cli_env, start_up
+from tests.helpers import cli_env, process_alive, start_up
 
 PG = [sys.executable, "-m", "prefixgate"]
 
@@ -140,16 +140,6 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is gone for our purposes.
-    stat = open(f"/proc/{pid}/stat").read().split()[2] if os.path.exists(f"/proc/{pid}/stat") else "X"
-    return stat != "Z"
-
-
 def test_up_chat_and_ctrl_c(tmp_path) -> None:
     """`prefixgate up` (tiny-random, 2 workers) serves `prefixgate chat`; turn 2 reports
     cached tokens; Ctrl-C stops every process `up` started. A PREFIXGATE_ variable meant
@@ -199,9 +189,9 @@ def test_up_chat_and_ctrl_c(tmp_path) -> None:
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) in (0, 130)
         deadline = time.monotonic() + 20
-        while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+        while any(process_alive(p) for p in workers) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not any(_alive(p) for p in workers), "workers outlived `prefixgate up`"
+        assert not any(process_alive(p) for p in workers), "workers outlived `prefixgate up`"
     finally:
         if up.poll() is None:
             up.kill()

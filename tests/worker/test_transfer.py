@@ -246,3 +246,44 @@ def test_pages_of_scattered_blocks_round_trip(tiny_spec, tiny_model) -> None:
     for s, d in zip(src_ids, dst_ids, strict=True):
         assert torch.equal(pool.k[:, s * 16:(s + 1) * 16], pool.k[:, d * 16:(d + 1) * 16])
         assert torch.equal(pool.v[:, s * 16:(s + 1) * 16], pool.v[:, d * 16:(d + 1) * 16])
+
+
+def test_exports_cancelled_while_the_threads_are_busy_release_their_pins(
+        workers, loop_thread) -> None:
+    """Pulls cancelled just after the export's header while every thread of the event
+    loop's pool is busy: the holder's unpin still runs once a thread is free (a cancelled
+    await of a queued `to_thread` never runs it), so every block is accounted for again."""
+    import asyncio
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    holder_addr, _, _, holder = workers("holder")
+    prompt = [(i * 37) % 250 + 3 for i in range(100)]
+    _generate(holder, prompt)
+    engine = _service_engine(holder)
+    chain = engine.transfer.chain(prompt[:96], "")
+
+    async def cancel_exports() -> int:
+        loop = asyncio.get_running_loop()
+        pool = ThreadPoolExecutor(1)
+        loop.set_default_executor(pool)  # restored below: one thread, easy to keep busy
+        headers = 0
+        try:
+            async with grpc.aio.insecure_channel(holder_addr) as channel:
+                stub = worker_pb2_grpc.WorkerServiceStub(channel)
+                for i in range(20):
+                    call = stub.ExportBlocks(worker_pb2.ExportBlocksRequest(
+                        block_hashes=chain), timeout=30)
+                    headers += (await call.read()).HasField("header")
+                    busy = loop.run_in_executor(None, time.sleep, 0.05)  # the one thread
+                    await asyncio.sleep(0.001 * (i % 4))
+                    call.cancel()
+                    await busy
+        finally:
+            loop.set_default_executor(ThreadPoolExecutor())
+            pool.shutdown(wait=False)
+        return headers
+
+    assert loop_thread.run(cancel_exports()) == 20
+    wait_for(lambda: _integral(engine), timeout=10,
+             what="the holder releasing the pins of the cancelled exports")
