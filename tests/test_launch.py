@@ -78,3 +78,14 @@ def test_a_child_ends_when_its_parent_is_killed() -> None:
     while process_alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not process_alive(child), "the child outlived its SIGKILLed parent"
+
+
+def test_free_ports_are_distinct_and_below_the_kernels_ephemeral_range() -> None:
+    """wire.rpc.free_port: never the same port twice in a process, and none the kernel
+    could hand to another process's port-0 bind or outgoing connection meanwhile."""
+    from prefixgate.wire.rpc import _ephemeral_low, free_port
+
+    ports = [free_port() for _ in range(500)]
+    assert len(set(ports)) == len(ports)
+    if _ephemeral_low() > 11000:
+        assert all(10000 <= p < _ephemeral_low() for p in ports)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import random
 import socket
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -159,11 +160,40 @@ async def set_serving(servicer: health.aio.HealthServicer, service_names: Iterab
         await servicer.set(name, status)
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (for tests and `prefixgate up`)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port that was free a moment ago (for tests and `prefixgate up`), never the
+    same one twice in a process.
+
+    Chosen below the kernel's ephemeral range where it can be: a port the kernel hands
+    out (to outgoing connections, to any process binding port 0) can be taken by another
+    process between this check and its use, and was: a vLLM server's events port went to
+    the other server's internal socket, which started at the same moment."""
+    low = _ephemeral_low()
+    for _ in range(100):
+        port = random.randrange(10000, low) if low > 11000 else 0
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        if port not in _PORTS_GIVEN:
+            _PORTS_GIVEN.add(port)
+            return port
+    raise RuntimeError(f"no free TCP port found on {host}")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 @dataclass(frozen=True)
