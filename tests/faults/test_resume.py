@@ -24,7 +24,8 @@ import xxhash
 from prefixgate.launch.redis_server import RedisServer
 from prefixgate.v1 import chat_pb2_grpc
 from prefixgate.wire.rpc import free_port
-from tests.faults.fleet import Fleet, chat_request, concurrently, prompt_for, report
+from tests.faults.fleet import Fleet, chat_request, concurrently, prompt_for, report, turn
+from tests.helpers import wait_for
 
 DEADLINE_S = 90.0
 NUM_STREAMS = 10
@@ -118,10 +119,22 @@ def _run_http(fleet: Fleet, conv: str, prompt: list[int], progress: list[int] | 
     return out
 
 
+def _routed_to(fleet: Fleet, convs: list[str]) -> set[str]:
+    """The workers one-token turns of `convs` are served by now."""
+    with grpc.insecure_channel(fleet.address) as ch:
+        stub = chat_pb2_grpc.ChatServiceStub(ch)
+        return {turn(stub, chat_request(c, prompt_for(999, 8), 1), 30).worker_id
+                for c in convs}
+
+
 def _kill_mid_stream(fleet: Fleet, convs: list[str], prompts: list[list[int]],
                      run=_run, **extra) -> tuple[list[_Stream], list[int]]:
     """Run the streams; SIGKILL fw0 once every one has tokens and none has ended; restart
     it after. Returns the streams and the tokens each had when the kill came."""
+    # Every stream must start on fw0: after a restart the gateway lists fw0 again only once
+    # its probe reached the new process, so wait until these conversations route there.
+    wait_for(lambda: _routed_to(fleet, convs) == {"fw0"}, timeout=60,
+             what="the conversations to route to fw0")
     progress = [0] * len(convs)
     results: list = []
     thread = threading.Thread(target=lambda: results.extend(concurrently(
