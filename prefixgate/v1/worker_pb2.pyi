@@ -16,22 +16,26 @@ KV_LAYOUT_UNSPECIFIED: KVLayout
 KV_LAYOUT_LAYER_TOKEN_HEAD_DIM: KVLayout
 
 class PullSpec(_message.Message):
-    __slots__ = ("peer_address", "peer_worker_id", "num_blocks")
+    __slots__ = ("peer_address", "peer_worker_id", "num_blocks", "ticket")
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PEER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     peer_address: str
     peer_worker_id: str
     num_blocks: int
-    def __init__(self, peer_address: _Optional[str] = ..., peer_worker_id: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    ticket: bytes
+    def __init__(self, peer_address: _Optional[str] = ..., peer_worker_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class ExportBlocksRequest(_message.Message):
-    __slots__ = ("block_hashes", "from_block")
+    __slots__ = ("block_hashes", "from_block", "ticket")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     FROM_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     from_block: int
-    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., from_block: _Optional[int] = ...) -> None: ...
+    ticket: bytes
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., from_block: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class KVBlocksHeader(_message.Message):
     __slots__ = ("worker_id", "model_fingerprint", "block_size", "dtype", "layout", "num_layers", "num_kv_heads", "head_dim", "bytes_per_token", "num_blocks")
@@ -58,16 +62,18 @@ class KVBlocksHeader(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, str]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., bytes_per_token: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class KVBlocksChunk(_message.Message):
-    __slots__ = ("first_block", "num_blocks", "k", "v")
+    __slots__ = ("first_block", "num_blocks", "k", "v", "block_digests")
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     V_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     first_block: int
     num_blocks: int
     k: bytes
     v: bytes
-    def __init__(self, first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ...) -> None: ...
+    block_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ..., block_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ExportBlocksEvent(_message.Message):
     __slots__ = ("header", "chunk")
@@ -78,14 +84,16 @@ class ExportBlocksEvent(_message.Message):
     def __init__(self, header: _Optional[_Union[KVBlocksHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVBlocksChunk, _Mapping]] = ...) -> None: ...
 
 class PullBlocksRequest(_message.Message):
-    __slots__ = ("peer_address", "peer_worker_id", "block_hashes")
+    __slots__ = ("peer_address", "peer_worker_id", "block_hashes", "ticket")
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PEER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     peer_address: str
     peer_worker_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, peer_address: _Optional[str] = ..., peer_worker_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    ticket: bytes
+    def __init__(self, peer_address: _Optional[str] = ..., peer_worker_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class PullBlocksResponse(_message.Message):
     __slots__ = ("num_cached_blocks", "num_pulled_blocks", "num_bytes", "seconds")
