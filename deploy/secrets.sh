@@ -16,6 +16,8 @@
 #
 #   bash deploy/secrets.sh [-n NAMESPACE] [--workers N]  # kubectl create secret ... in NAMESPACE
 #   bash deploy/secrets.sh --dir DIR                     # write the files to DIR instead
+# (one folder per Secret; it prints the `kubectl create secret` lines that load them, with
+# their types: prefixgate-tls is kubernetes.io/tls)
 # --workers N (default 16): keys for worker pods 0 .. N-1, the most the StatefulSet may be
 # scaled to without adding keys (`prefixgate token --worker-key prefixgate-worker-N`).
 # Needs openssl 1.1.1 or newer (and kubectl without --dir).
@@ -32,6 +34,11 @@ while [ $# -gt 0 ]; do
         *) echo "usage: $0 [-n NAMESPACE] [--dir DIR] [--workers N]" >&2; exit 2 ;;
     esac
 done
+if [ -n "$out_dir" ]; then
+    # Absolute before the `cd` below: a relative DIR is the caller's, not the scratch one's.
+    (umask 077 && mkdir -p "$out_dir")
+    out_dir="$(cd "$out_dir" && pwd)"
+fi
 tenant="${TENANT:-default}"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
@@ -101,6 +108,7 @@ secret() {
     if [ -n "$out_dir" ]; then
         mkdir -p "$out_dir/$name"
         for pair in "$@"; do cp "${pair#*=}" "$out_dir/$name/${pair%%=*}"; done
+        load_line "$name" "$type"
         return
     fi
     if kubectl -n "$namespace" get secret "$name" >/dev/null 2>&1; then
@@ -110,6 +118,12 @@ secret() {
     local args=()
     for pair in "$@"; do args+=("--from-file=$pair"); done
     kubectl -n "$namespace" create secret generic "$name" --type="$type" "${args[@]}" >&2
+}
+# With --dir: the line that loads folder NAME as Secret NAME (its type kept: prefixgate-tls
+# is kubernetes.io/tls, the rest Opaque).
+loads=()
+load_line() {
+    loads+=("kubectl -n $namespace create secret generic $1 --type=$2 --from-file=$out_dir/$1")
 }
 
 if [ -z "$out_dir" ]; then
@@ -130,6 +144,11 @@ if [ -z "$out_dir" ]; then
     kubectl -n "$namespace" get secret prefixgate-tls -o jsonpath='{.data.ca\.crt}' \
         | base64 -d > prefixgate-ca.crt 2>/dev/null && cp prefixgate-ca.crt "$OLDPWD/" || true
     echo "the gateway's CA certificate: ./prefixgate-ca.crt (clients: --tls-ca)" >&2
+else
+    echo "wrote the Secrets' files to $out_dir (one folder per Secret); load them with:" >&2
+    [ -n "$namespace" ] && echo "kubectl create namespace $namespace" >&2
+    printf '%s\n' "${loads[@]}" >&2
+    echo "the gateway's CA certificate: $out_dir/prefixgate-tls/ca.crt (clients: --tls-ca)" >&2
 fi
 echo "client token for namespace '$tenant' (keep it; it is stored nowhere else):" >&2
 echo "$token"

@@ -100,3 +100,25 @@ def test_clients_verify_the_gateway_certificate(secrets) -> None:
                  "localhost"):
         assert asyncio.run(_health_over_tls(server, client, name)) == \
             health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_relative_dir_is_the_callers_and_the_load_lines_keep_each_type(tmp_path) -> None:
+    """`--dir out` writes under the caller's working directory (not the script's scratch
+    folder, which it deletes), holding the hash of the token it prints, and says how to
+    load each folder as its Secret (prefixgate-tls as kubernetes.io/tls)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    run = subprocess.run(["bash", str(REPO / "deploy" / "secrets.sh"), "--dir", "out",
+                          "--workers", "1"], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path, env={"PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0, run.stderr
+    out = tmp_path / "out"
+    tokens = TokenStore.from_file(out / "prefixgate-auth" / "tokens")
+    assert tokens.authenticate(f"Bearer {run.stdout.strip()}").namespace == "default"
+    assert oct(out.stat().st_mode & 0o777) == "0o700"
+    assert (f"kubectl -n prefixgate create secret generic prefixgate-tls "
+            f"--type=kubernetes.io/tls --from-file={out}/prefixgate-tls") in run.stderr
+    for name in ("prefixgate-redis", "prefixgate-internal-tls", "prefixgate-auth",
+                 "prefixgate-worker-keys"):
+        assert f"create secret generic {name} --type=Opaque --from-file={out}/{name}" \
+            in run.stderr, run.stderr
