@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from prefixgate.cli import security
 from prefixgate.cli.common import log_flags
-from prefixgate.cli.flags import flag
+from prefixgate.cli.flags import flag, own_variables
 
 HELP = "interactive multi-turn chat client"
 DESCRIPTION = ("Chat with a prefixgate gateway. Type a message and press Enter; /reset starts "
@@ -21,6 +21,7 @@ DESCRIPTION = ("Chat with a prefixgate gateway. Type a message and press Enter; 
 
 
 def add_arguments(c: argparse.ArgumentParser) -> None:
+    own_variables(c, "chat")  # PREFIXGATE_CHAT_*: never a serving variable
     log_flags(c)
     flag(c, "--address", default="127.0.0.1:50051", help="gateway host:port")
     flag(c, "--http", default="",

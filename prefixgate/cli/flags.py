@@ -1,7 +1,13 @@
 """The one flags helper of the `prefixgate` command: every flag has an environment variable.
 
 `flag(parser, "--name", ...)` adds `--name` whose default is $PREFIXGATE_NAME when that is
-set (else `default`); a flag on the command line wins over the variable. The variable's
+set (else `default`); a flag on the command line wins over the variable. Those variables
+are the serving commands' (worker, gateway, up: a deployment's settings). A client or
+measurement command (chat, replay, token) reads variables of its own instead,
+PREFIXGATE_<COMMAND>_NAME (`own_variables(parser, "chat")` before its first flag): the
+same name meaning one thing to `up` and another to `replay` (PREFIXGATE_MAX_PROMPT_TOKENS,
+PREFIXGATE_NAMESPACE, PREFIXGATE_SEED) would otherwise reach a command it was not
+exported for and change what it does, unseen. The variable's
 value goes through the same `type` and `choices` as the flag. A value that does not
 (PREFIXGATE_PORT=abc, PREFIXGATE_POLICY=fastest) is not an error while the parser is
 built, so `--help` and the other commands still work; it becomes a usage error naming the
@@ -30,9 +36,24 @@ TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off", "")
 
 
-def env_name(flag_name: str) -> str:
-    """--kv-cache-memory -> PREFIXGATE_KV_CACHE_MEMORY."""
-    return "PREFIXGATE_" + flag_name.lstrip("-").replace("-", "_").upper()
+SERVING_PREFIX = "PREFIXGATE_"
+
+
+def env_name(flag_name: str, prefix: str = SERVING_PREFIX) -> str:
+    """--kv-cache-memory -> PREFIXGATE_KV_CACHE_MEMORY (`prefix`: a parser's
+    `env_prefix`, e.g. PREFIXGATE_CHAT_)."""
+    return prefix + flag_name.lstrip("-").replace("-", "_").upper()
+
+
+def env_prefix(parser: argparse.ArgumentParser) -> str:
+    """The prefix of the variables of `parser`'s flags."""
+    return getattr(parser, "env_prefix", SERVING_PREFIX)
+
+
+def own_variables(parser: argparse.ArgumentParser, command: str) -> None:
+    """Give the flags added to `parser` from now on variables of `command`'s own:
+    PREFIXGATE_<COMMAND>_<FLAG>, not the serving commands' PREFIXGATE_<FLAG>."""
+    parser.env_prefix = f"{SERVING_PREFIX}{command.upper()}_"  # type: ignore[attr-defined]
 
 
 class BadEnv:
@@ -55,6 +76,11 @@ class Parser(argparse.ArgumentParser):
             if isinstance(value, BadEnv):
                 self.error(value.message)
         return parsed, rest
+
+    def add_argument_group(self, *args, **kwargs):  # type: ignore[override]
+        group = super().add_argument_group(*args, **kwargs)
+        group.env_prefix = env_prefix(self)  # its flags' variables are the parser's
+        return group
 
 
 class _Extend(argparse.Action):
@@ -109,8 +135,9 @@ def _from_env(env: str, raw: str, name: str, type_: Callable,
 def flag(parser: argparse.ArgumentParser, name: str, *, help: str, type: Callable = str,
          default: Any = None, action: str | None = None,
          choices: Sequence[Any] | None = None, comma_separated: bool = True) -> None:
-    """Add `--name` to `parser`, defaulting to $PREFIXGATE_NAME when that is set."""
-    env = env_name(name)
+    """Add `--name` to `parser`, defaulting to $PREFIXGATE_NAME (or the parser's own
+    prefix's variable: `own_variables`) when that is set."""
+    env = env_name(name, env_prefix(parser))
     raw = os.environ.get(env)
     if action == "store_true":
         if raw is None:

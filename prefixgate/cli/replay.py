@@ -1,6 +1,7 @@
 """`prefixgate replay`: replay a trace against a gateway or an OpenAI-compatible server.
 
-`add_arguments(parser)` adds the replay flags (every flag has a PREFIXGATE_<FLAG> variable);
+`add_arguments(parser)` adds the replay flags (every flag has a PREFIXGATE_REPLAY_<FLAG>
+variable, never a serving command's: cli/flags.py);
 `run(args)` does one of
 
   * a real replay of --trace against --target (a prefixgate gateway host:port, or an
@@ -21,7 +22,7 @@ import json
 import sys
 
 from prefixgate.cli.common import log_flags, service_flags, service_model, transfer_flags
-from prefixgate.cli.flags import flag
+from prefixgate.cli.flags import flag, own_variables
 
 HELP = ("replay a recorded trace against a gateway or an OpenAI-compatible server, or "
         "simulate routing")
@@ -33,6 +34,7 @@ DESCRIPTION = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    own_variables(p, "replay")  # PREFIXGATE_REPLAY_*: never a serving variable
     log_flags(p)
     flag(p, "--trace", default="", help="trace file: ShareGPT JSON/JSONL(.gz), Mooncake JSONL, "
                                         "or a gateway's --record-trace file")

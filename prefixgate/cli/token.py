@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from prefixgate.cli.flags import flag
+from prefixgate.cli.flags import flag, own_variables
 
 HELP = "print a new bearer token (and its --tokens-file line) or worker key"
 DESCRIPTION = ("Print a new random bearer token. With --namespace, also the line to add "
@@ -16,6 +16,7 @@ DESCRIPTION = ("Print a new random bearer token. With --namespace, also the line
 
 
 def add_arguments(t: argparse.ArgumentParser) -> None:
+    own_variables(t, "token")  # PREFIXGATE_TOKEN_*: never a serving variable
     flag(t, "--namespace", default="",
          help="bind the token to this cache namespace (prints the token file line)")
     flag(t, "--label", default="", help="a label for logs, in the token file line")

@@ -27,11 +27,12 @@ def test_help_is_complete(command: str) -> None:
 
 
 def test_every_flag_names_its_variable_in_help() -> None:
-    """Each option of each command (bench's excepted) says its PREFIXGATE_ variable."""
+    """Each option of each command (bench's excepted) says its PREFIXGATE_ variable: the
+    serving commands' PREFIXGATE_<FLAG>, chat's, replay's and token's their own."""
     import argparse
 
     from prefixgate.cli import build_parser
-    from prefixgate.cli.flags import env_name
+    from prefixgate.cli.flags import env_name, env_prefix
 
     def parsers(p: argparse.ArgumentParser, path: str):
         yield path, p
@@ -47,7 +48,11 @@ def test_every_flag_names_its_variable_in_help() -> None:
             for o in a.option_strings:
                 if o.startswith("--") and o not in ("--help", "--version") and path != "prefixgate":
                     seen += 1
-                    if f"[env {env_name(o)}" not in (a.help or ""):
+                    prefix = env_prefix(p)
+                    assert prefix == ("PREFIXGATE_" if path.split()[-1] in
+                                      ("worker", "gateway", "up") else
+                                      f"PREFIXGATE_{path.split()[-1].upper()}_"), path
+                    if f"[env {env_name(o, prefix)}" not in (a.help or ""):
                         missing.append(f"{path} {o}")
     assert seen > 100 and not missing, missing
 
@@ -88,6 +93,7 @@ def test_environment_lists_booleans_and_precedence() -> None:
     assert _parse(["worker"], PREFIXGATE_DISABLE_PREFIX_CACHE="yes").disable_prefix_cache
     assert not _parse(["worker"], PREFIXGATE_DISABLE_PREFIX_CACHE="0").disable_prefix_cache
     assert _parse(["replay", "--sim-workers", "8,32"]).sim_workers == [8, 32]
+    assert _parse(["replay"], PREFIXGATE_REPLAY_SIM_WORKERS="8,32").sim_workers == [8, 32]
     assert _parse(["chat", "--message", "hi, you"]).message == ["hi, you"]  # free text
 
 
@@ -95,10 +101,11 @@ def test_environment_lists_booleans_and_precedence() -> None:
     ("PREFIXGATE_PORT", "abc", "is not a valid int"),
     ("PREFIXGATE_POLICY", "fastest", "is not one of prefix"),
     ("PREFIXGATE_DEMO", "maybe", "is not a boolean"),
-    ("PREFIXGATE_SIM_WORKERS", "8,many", "is not a valid int"),
+    ("PREFIXGATE_REPLAY_SIM_WORKERS", "8,many", "is not a valid int"),
 ])
 def test_bad_environment_value_is_a_clear_error_that_spares_help(variable, value, says) -> None:
-    command = {"PREFIXGATE_DEMO": "up", "PREFIXGATE_SIM_WORKERS": "replay"}.get(variable, "gateway")
+    command = {"PREFIXGATE_DEMO": "up", "PREFIXGATE_REPLAY_SIM_WORKERS": "replay"}.get(
+        variable, "gateway")
     env = cli_env(**{variable: value})
     # --help, other commands and the flag given on the command line still work ...
     assert subprocess.run([*PG, command, "--help"], capture_output=True, env=env).returncode == 0
@@ -107,6 +114,32 @@ def test_bad_environment_value_is_a_clear_error_that_spares_help(variable, value
     r = subprocess.run([*PG, command], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 2 and f"{variable}={value!r} {says}" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_serving_variables_reach_only_the_serving_commands() -> None:
+    """A PREFIXGATE_<FLAG> exported for `up` or a gateway does not change what chat,
+    replay or token do (replay's prompts cut, chat's seed, a new token's namespace); they
+    read their own PREFIXGATE_<COMMAND>_<FLAG>."""
+    serving = dict(PREFIXGATE_MAX_PROMPT_TOKENS="8", PREFIXGATE_NAMESPACE="acme",
+                   PREFIXGATE_SEED="7", PREFIXGATE_MAX_TOKENS="3", PREFIXGATE_TIMEOUT="1",
+                   PREFIXGATE_LOG_LEVEL="DEBUG")
+    assert _parse(["gateway"], **serving).max_prompt_tokens == 8
+    replay = _parse(["replay"], **serving)
+    assert (replay.max_prompt_tokens, replay.seed, replay.max_tokens, replay.timeout,
+            replay.log_level) == (0, 0, 256, 300.0, "INFO")
+    chat = _parse(["chat"], **serving)
+    assert (chat.namespace, chat.seed, chat.max_tokens, chat.timeout) == ("", None, None, 300.0)
+    assert _parse(["token"], **serving).namespace == ""
+    assert _parse(["replay"], PREFIXGATE_REPLAY_MAX_PROMPT_TOKENS="8").max_prompt_tokens == 8
+    assert _parse(["chat"], PREFIXGATE_CHAT_SEED="7").seed == 7
+    assert _parse(["chat"], PREFIXGATE_REPLAY_SEED="7").seed is None
+    # End to end: a namespace exported for chat binds no new token to it.
+    r = subprocess.run([*PG, "token"], capture_output=True, text=True, timeout=60,
+                       env=cli_env(PREFIXGATE_NAMESPACE="acme"), check=True)
+    assert len(r.stdout.split()) == 1 and "acme" not in r.stdout, r.stdout
+    r = subprocess.run([*PG, "token"], capture_output=True, text=True, timeout=60,
+                       env=cli_env(PREFIXGATE_TOKEN_NAMESPACE="acme"), check=True)
+    assert r.stdout.split()[-1] == "acme", r.stdout
 
 
 def test_version() -> None:
