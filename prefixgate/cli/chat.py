@@ -2,7 +2,10 @@
 OpenAI-compatible HTTP API with `--http URL`: wire/openai_client.py).
 
 `converse` holds a conversation (given messages or stdin lines) and prints each reply and
-its figures (`figures`); `prefixgate up --demo` uses it too.
+its figures (`figures`); `prefixgate up --demo` uses it too. `run` exits 1 when a turn
+failed (the error is printed in place of its reply), 0 when every turn was answered; a
+gateway that does not answer because it speaks TLS the client was not told of is named as
+such (`speaks_tls`), not as absent.
 """
 
 from __future__ import annotations
@@ -43,11 +46,15 @@ def add_arguments(c: argparse.ArgumentParser) -> None:
     flag(c, "--seed", type=int, default=None, help="sampling seed")
     from prefixgate.wire.protocol import OVERFLOW_FROM_PROTO, SHIFTED_REUSE_FROM_PROTO
 
-    flag(c, "--context-overflow", default="", choices=list(OVERFLOW_FROM_PROTO.values()),
+    # Not given: the request leaves the choice to the gateway and worker (their flags).
+    flag(c, "--context-overflow", default="",
+         choices=[n for n in OVERFLOW_FROM_PROTO.values() if n],
          help="when the conversation outgrows the context: fail, or drop its oldest turns "
-              "(empty: the worker's default)")
-    flag(c, "--shifted-reuse", default="", choices=list(SHIFTED_REUSE_FROM_PROTO.values()),
-         help="how a turn that dropped turns reuses the cache (empty: the worker's default)")
+              "(default: the gateway's --context-overflow)")
+    flag(c, "--shifted-reuse", default="",
+         choices=[n for n in SHIFTED_REUSE_FROM_PROTO.values() if n],
+         help="how a turn that dropped turns reuses the cache (default: the worker's "
+              "--shifted-reuse)")
     flag(c, "--timeout", type=float, default=300.0, help="deadline per turn in seconds")
 
 
@@ -61,8 +68,11 @@ def figures(r) -> str:
 
 
 async def converse(client, messages: Sequence[str] | None, conversation_id: str, system: str,
-                   sampling_kwargs: dict, namespace: str = "", timeout_s: float = 300.0):
-    """Hold a conversation: the given messages, or lines from stdin when None."""
+                   sampling_kwargs: dict, namespace: str = "", timeout_s: float = 300.0
+                   ) -> tuple[list, int]:
+    """Hold a conversation: the given messages, or lines from stdin when None. Returns
+    the answered turns' results and the number of turns that failed (given messages stop
+    at the first; from stdin the user may go on)."""
     import uuid
 
     import grpc
@@ -75,6 +85,7 @@ async def converse(client, messages: Sequence[str] | None, conversation_id: str,
     sampling = common_pb2.SamplingParams(**{k: v for k, v in sampling_kwargs.items()
                                             if v is not None})
     results = []
+    failed = 0
     lines = iter(messages) if messages is not None else None
     while True:
         if lines is not None:
@@ -105,13 +116,14 @@ async def converse(client, messages: Sequence[str] | None, conversation_id: str,
             print(f"\nerror: {exc.code().name}: {exc.details()}" if isinstance(
                 exc, grpc.aio.AioRpcError) else f"\nerror: HTTP {exc}", flush=True)
             history.pop()
+            failed += 1
             if lines is not None:
                 break
             continue
         print("\n" + figures(r), flush=True)
         history.append(("assistant", r.text))
         results.append(r)
-    return results
+    return results, failed
 
 
 def overflow_params(args: argparse.Namespace) -> dict:
@@ -123,12 +135,52 @@ def overflow_params(args: argparse.Namespace) -> dict:
             "shifted_reuse": by_name(SHIFTED_REUSE_FROM_PROTO, args.shifted_reuse)}
 
 
+def speaks_tls(host: str, port: int, timeout_s: float = 3.0) -> bool:
+    """Whether a TLS handshake (any certificate, ALPN h2 as gRPC's) completes at
+    host:port: a server that does not answer a plaintext client may be one that wants
+    TLS."""
+    import socket
+    import ssl
+
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2", "http/1.1"])
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as raw, \
+                context.wrap_socket(raw, server_hostname=host) as tls:
+            tls.do_handshake()
+            return True
+    except (OSError, ValueError):  # ssl.SSLError is an OSError
+        return False
+
+
+def _not_answering(args: argparse.Namespace, where: str) -> str:
+    """Why `where` did not answer: TLS the client did not use or trust, or nothing there."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(args.http if "://" in args.http else f"//{args.http or args.address}")
+    port = url.port or (443 if url.scheme == "https" else 80)
+    if url.hostname and speaks_tls(url.hostname, port):
+        if not args.tls_ca:
+            scheme = "use an https:// URL and " if args.http and url.scheme != "https" else ""
+            return (f"{where} speaks TLS: {scheme}pass the gateway's CA certificate with "
+                    "--tls-ca (prefixgate up --secure prints its path)")
+        return (f"{where} speaks TLS but no connection was made with --tls-ca "
+                f"{args.tls_ca}: is it the CA that signed the gateway's certificate, and "
+                "does the certificate name this host?")
+    return f"no gateway answers at {where}"
+
+
 def run(args: argparse.Namespace) -> int:
-    asyncio.run(_chat(args))
-    return 0
+    import logging
+
+    # httpx logs each request at INFO: that would land in the middle of a reply.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    return asyncio.run(_chat(args))
 
 
-async def _chat(args: argparse.Namespace) -> None:
+async def _chat(args: argparse.Namespace) -> int:
     from prefixgate.wire.client import ChatClient
     from prefixgate.wire.openai_client import HTTPTurnError, OpenAIChatClient
 
@@ -136,14 +188,19 @@ async def _chat(args: argparse.Namespace) -> None:
     client = (OpenAIChatClient(args.http, **security.client_security(args)) if args.http
               else ChatClient(args.address, **security.client_security(args)))
     try:
-        await client.wait_ready(10)
-    except TimeoutError:
-        raise SystemExit(f"prefixgate chat: no gateway answers at {where}") from None
-    except HTTPTurnError as exc:
-        raise SystemExit(f"prefixgate chat: {where} refused: HTTP {exc}") from None
-    await converse(client, args.message or None, args.conversation_id, args.system,
-                   {"max_tokens": args.max_tokens, "temperature": args.temperature,
-                    "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
-                    **overflow_params(args)},
-                   namespace=args.namespace, timeout_s=args.timeout)
-    await client.close()
+        try:
+            await client.wait_ready(10)
+        except TimeoutError:
+            raise SystemExit("prefixgate chat: " + await asyncio.to_thread(
+                _not_answering, args, where)) from None
+        except HTTPTurnError as exc:
+            raise SystemExit(f"prefixgate chat: {where} refused: HTTP {exc}") from None
+        _, failed = await converse(
+            client, args.message or None, args.conversation_id, args.system,
+            {"max_tokens": args.max_tokens, "temperature": args.temperature,
+             "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
+             **overflow_params(args)},
+            namespace=args.namespace, timeout_s=args.timeout)
+    finally:
+        await client.close()
+    return 1 if failed else 0

@@ -341,7 +341,7 @@ async def _demo(address: str, num_workers: int, creds=None) -> int:
 
     client = _client(address, creds)  # it routes to every worker (_wait_routable)
     await client.wait_ready(30)
-    results = await converse(client, list(DEMO_SCRIPT), conversation_id="demo",
+    results, _ = await converse(client, list(DEMO_SCRIPT), conversation_id="demo",
                              # Greedy: the demo's replies are the same every run.
                              system="", sampling_kwargs={"max_tokens": 96, "temperature": 0})
     await client.close()
