@@ -1,7 +1,13 @@
 """`prefixgate up`: N workers (subprocesses) and a gateway (in this process) on this machine.
 
-Ctrl-C (or SIGTERM) stops every process it started; the workers also get SIGTERM when
-`up` dies by SIGKILL (Linux). What could fail late fails first: the gateway's ports are
+Ctrl-C (or SIGTERM) stops every process it started, in order and saying what it waits for:
+the gateway lets the replies in flight finish (up to its drain time), then the workers
+stop; a second Ctrl-C stops everything at once (`CtrlC`). The workers run in a session of
+their own, so the terminal's Ctrl-C reaches `up` alone (a worker stopping by itself would
+end replies the gateway still streams); they also get SIGTERM when `up` dies by SIGKILL
+(Linux). Once up it prints how to reach it: the chat command, and with the HTTP API its
+URL, a curl line and the OpenAI SDK's variables (with --secure the CA they must trust:
+SSL_CERT_FILE, curl --cacert). What could fail late fails first: the gateway's ports are
 checked free and Redis (--redis-url) reachable before any model loads. Workers get their
 flags explicitly (no PREFIXGATE_* variable of `up`'s reaches them: one meant for `up`,
 say PREFIXGATE_METRICS_PORT, would have every worker fight for it) and a metrics port
@@ -97,21 +103,137 @@ def vllm_flags(u: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return asyncio.run(_up(args))
+    return asyncio.run(_up_until_stopped(args))
 
 
-async def _up(args: argparse.Namespace) -> int:
+class CtrlC:
+    """What SIGINT and SIGTERM do to `up` (install inside the running loop).
+
+    Before `up` is up, the first one cancels `main` (the start-up; nothing is in flight).
+    Once up, the first one sets `stop`, and `up` stops in order; it says how many replies
+    the gateway waits for and for how long. The next one sets `hurry`: `unless_hurried`
+    cancels what it waits on, `grace` becomes 0, and every process in `children` is killed
+    (each leads its own process group: nothing it started survives)."""
+
+    def __init__(self) -> None:
+        import signal
+
+        self.stop = asyncio.Event()
+        self.hurry = asyncio.Event()
+        self.main: asyncio.Task | None = None
+        self.up = False
+        self.drain_seconds = 0.0
+        self.children: list = []  # subprocess.Popen, each leading its process group
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._signal)
+
+    def _signal(self) -> None:
+        if not self.stop.is_set():
+            self.stop.set()
+            if not self.up:
+                _say("stopping (it was starting); Ctrl-C again stops at once")
+                if self.main is not None:
+                    self.main.cancel()
+                return
+            from prefixgate.gateway import metrics
+
+            in_flight = round(sum(s.value for m in metrics.IN_FLIGHT.collect()
+                                  for s in m.samples))
+            waits = (f"the gateway lets {in_flight} replies in flight finish (up to "
+                     f"{self.drain_seconds:.0f} s), then " if in_flight else "")
+            _say(f"stopping: {waits}the workers stop; Ctrl-C again stops at once")
+            return
+        if not self.hurry.is_set():
+            self.hurry.set()
+            _say("stopping at once")
+            self.kill()
+
+    def kill(self) -> None:
+        import contextlib
+        import signal
+
+        for proc in self.children:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+    def grace(self, seconds: float) -> float:
+        return 0.0 if self.hurry.is_set() else seconds
+
+    async def unless_hurried(self, task: asyncio.Task) -> None:
+        """Wait for `task`; cancel it (and wait for that) if hurried first."""
+        import contextlib
+
+        hurry = asyncio.create_task(self.hurry.wait())
+        try:
+            await asyncio.wait({task, hurry}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hurry.cancel()
+        if not task.done():
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def _say(text: str) -> None:
+    print(f"prefixgate up: {text}", file=sys.stderr, flush=True)
+
+
+async def _up_until_stopped(args: argparse.Namespace) -> int:
+    ctrl_c = CtrlC()
+    ctrl_c.main = asyncio.create_task(_up(args, ctrl_c))
+    try:
+        return await ctrl_c.main
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():  # this task itself was cancelled
+            raise
+        return 130  # Ctrl-C during start-up
+
+
+def _refuse_busy(host: str, port: int, flag_name: str) -> None:
+    """refuse_busy_port, its message naming the flag that chooses another port."""
     from prefixgate.gateway.processes import refuse_busy_port
+    from prefixgate.wire.rpc import BindError
+
+    try:
+        refuse_busy_port(host, port)
+    except BindError as exc:
+        off = "; -1: no HTTP API" if flag_name == "--http-port" else ""
+        raise BindError(f"{exc} (choose with {flag_name} PORT; 0: any free port{off})"
+                        ) from None
+
+
+def _reach_lines(address: str, http_url: str, creds) -> list[str]:
+    """How to reach the gateway `up` started: chat; with the HTTP API, curl and the
+    OpenAI SDK (with --secure: the CA they must trust and the token they must send)."""
+    secured = f" --tls-ca {creds.ca} --token-file {creds.token}" if creds is not None else ""
+    lines = [f"  chat:       prefixgate chat --address {address}{secured}"]
+    if http_url and creds is not None:
+        auth = f'-H "Authorization: Bearer $(cat {creds.token})" '
+        lines += [f"  curl:       curl --cacert {creds.ca} {auth}{http_url}/models",
+                  f"  OpenAI SDK: SSL_CERT_FILE={creds.ca} OPENAI_BASE_URL={http_url} "
+                  f"OPENAI_API_KEY=$(cat {creds.token}) python your_app.py"]
+    elif http_url:
+        lines += [f"  curl:       curl {http_url}/models",
+                  f"  OpenAI SDK: OPENAI_BASE_URL={http_url} OPENAI_API_KEY=unused "
+                  "python your_app.py"]
+    return lines
+
+
+async def _up(args: argparse.Namespace, ctrl_c: CtrlC) -> int:
     from prefixgate.launch.processes import ProcessExited, ProcessGroup
-    from prefixgate.launch.serving import start_server, stop_event
+    from prefixgate.launch.serving import start_server
     from prefixgate.wire.rpc import free_port
 
     n = args.workers
     if n < 1:
         raise SystemExit("prefixgate up: --workers must be at least 1")
     # Before any model loads (minutes, the first time): ports taken, Redis not there.
-    refuse_busy_port(args.host, args.port)
-    refuse_busy_port(args.host, max(0, args.http_port))
+    _refuse_busy(args.host, args.port, "--port")
+    if args.http_port == 0:  # chosen now, so that the URL printed is the one served
+        args.http_port = free_port(args.host)
+    _refuse_busy(args.host, max(0, args.http_port), "--http-port")
     if args.redis_url:
         from prefixgate.registry.redis_registry import check_reachable
 
@@ -126,11 +248,12 @@ async def _up(args: argparse.Namespace) -> int:
     creds = _credentials(args, [f"worker-{i}" for i in range(n)]) if args.secure else None
     probes = []  # where each worker's health is asked (its plaintext health port if TLS)
     threads = args.torch_threads or max(1, (os.cpu_count() or 1) // n)
-    # They log to this terminal (Ctrl-C reaches them too); their flags are all explicit.
-    workers = ProcessGroup(scrub_env=True)
+    # They log to this terminal; their flags are all explicit; the terminal's Ctrl-C
+    # reaches `up` alone, which stops them once the gateway has drained (CtrlC).
+    workers = ProcessGroup(scrub_env=True, new_session=True)
     addresses = []
     metrics = []  # each worker's Prometheus port
-    stop = stop_event()
+    stop = ctrl_c.stop
     vllm = None
     try:
         for i in range(0 if args.engine == "vllm" else n):
@@ -184,6 +307,7 @@ async def _up(args: argparse.Namespace) -> int:
             startup = dataclasses.replace(startup, config=_secured(startup.config, creds,
                                                                    bool(args.redis_url)))
         gw_stop = asyncio.Event()
+        ctrl_c.drain_seconds = startup.config.drain_seconds
         if args.processes > 1:  # shared ports: refuse a busy one before the first bind
             from prefixgate.gateway.processes import refuse_busy_ports
 
@@ -202,6 +326,7 @@ async def _up(args: argparse.Namespace) -> int:
                 extra = processes.spawn(serve_process, child, args.processes - 1)
                 await asyncio.to_thread(processes.wait_ready, extra, args.startup_timeout)
             await _wait_routable(address, n, 60.0, args.redis_url, creds)
+            ctrl_c.up = True
             log.info("prefixgate is up: gateway %s, workers %s (metrics: %s)", address,
                      ", ".join(addresses or vllm.worker_specs), ", ".join(
                          [f"http://127.0.0.1:{p}/metrics" for p in metrics]
@@ -212,24 +337,29 @@ async def _up(args: argparse.Namespace) -> int:
                     logging.getLogger(name).setLevel(logging.WARNING)
                 return await _demo(address, n, creds)
             scheme = "https" if creds is not None else "http"
-            http = (f"; OpenAI-compatible API on {scheme}://{args.host}:{args.http_port}/v1"
-                    if args.http_port > 0 else "")
-            secured = (f" --tls-ca {creds.ca} --token-file {creds.token}"
-                       if creds is not None else "")
-            print(f"prefixgate up: gateway on {address}{http}; chat with: prefixgate chat "
-                  f"--address {address}{secured}   (Ctrl-C stops everything)",
+            http_url = (f"{scheme}://{args.host}:{args.http_port}/v1" if args.http_port > 0
+                        else "")
+            http = f"; OpenAI-compatible API on {http_url}" if http_url else ""
+            print("\n".join([f"prefixgate up: gateway on {address}{http}   (Ctrl-C stops "
+                             "everything)", *_reach_lines(address, http_url, creds)]),
                   file=sys.stderr, flush=True)
             await stop.wait()
             return 0
         finally:
             if extra:
-                await asyncio.to_thread(processes.stop, extra, 15)
+                await asyncio.to_thread(processes.stop, extra, ctrl_c.grace(15))
             gw_stop.set()
-            await gateway
+            await ctrl_c.unless_hurried(gateway)
     finally:
-        await asyncio.to_thread(workers.stop, 15)
+        ctrl_c.children += [*workers.procs.values(),
+                            *(vllm.group.procs.values() if vllm is not None else ())]
+        if ctrl_c.hurry.is_set():
+            ctrl_c.kill()
+        elif ctrl_c.up:
+            _say("stopping the workers")
+        await asyncio.to_thread(workers.stop, ctrl_c.grace(15))
         if vllm is not None:
-            await asyncio.to_thread(vllm.group.stop, 30)
+            await asyncio.to_thread(vllm.group.stop, ctrl_c.grace(30))
 
 
 async def _start_vllm(args: argparse.Namespace, sidecars, addresses: list[str]):

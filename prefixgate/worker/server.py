@@ -436,7 +436,7 @@ class WorkerService(WorkerServiceBase):
         if transfer is not None:  # as many as PROBE_BYTES hold: the rate shows past set-up
             num_blocks = min(num_blocks, max(2, PROBE_BYTES // transfer.format.bytes_per_block))
         if (transfer is None or not self.config.transfer_probe or self.transfer_rate.source
-                or self._probing is not None
+                or self._probing is not None or self._closing  # none while draining
                 or not self._own_address or num_blocks < 2):
             return
         status = self.engine.status()
@@ -477,8 +477,10 @@ class WorkerService(WorkerServiceBase):
                     if round_ and (n not in best or got.seconds < best[n][1]):
                         best[n] = (got.num_bytes, got.seconds)
         except (grpc.aio.AioRpcError, TransferError) as exc:
-            log.warning("worker %s: transfer probe failed (%s): no transfer rate until a "
-                        "pull or a later probe measures one", self.config.worker_id, exc)
+            # Draining: its own server stopped taking calls; nothing to warn of.
+            (log.debug if self._closing else log.warning)(
+                "worker %s: transfer probe failed (%s): no transfer rate until a pull or a "
+                "later probe measures one", self.config.worker_id, exc)
             self._probing = None  # e.g. the chain was evicted meanwhile: a later request
             return
         fit = TransferRate()  # two sizes: the line through both points
