@@ -26,12 +26,18 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     bsub = b.add_subparsers(dest="bench", required=True, metavar="NAME")
     for name in BENCHMARKS:
         module = load(name)
-        bp = bsub.add_parser(name, help=(module.__doc__ or name).strip().splitlines()[0],
+        bp = bsub.add_parser(name, help=summary(module.__doc__ or name),
                              description=module.__doc__)
         log_flags(bp)
         bp.add_argument("--json", action="store_true", help="print one JSON document on stdout")
         module.add_arguments(bp)
         bp.set_defaults(_bench_run=module.run)
+
+
+def summary(doc: str) -> str:
+    """A benchmark's one-line help: its docstring's first paragraph (a sentence may run
+    over several lines; the first line alone stopped some mid-sentence)."""
+    return " ".join(doc.strip().split("\n\n", 1)[0].split())
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,6 +26,18 @@ def test_help_is_complete(command: str) -> None:
         assert "[env PREFIXGATE_" in out
 
 
+def test_bench_help_lines_are_whole_sentences() -> None:
+    out = subprocess.run([*PG, "bench", "--help"], capture_output=True, text=True, check=True,
+                         env=cli_env()).stdout
+    from prefixgate.bench import BENCHMARKS
+
+    helps = re.findall(r"^    (\w+) +(.*(?:\n {10,}.*)*)", out.split("positional arguments:")[1],
+                       re.MULTILINE)
+    assert [name for name, _ in helps] == list(BENCHMARKS), out
+    cut = [name for name, text in helps if not text.rstrip().endswith((".", ")"))]
+    assert not cut, out
+
+
 def test_every_flag_names_its_variable_in_help() -> None:
     """Each option of each command (bench's excepted) says its PREFIXGATE_ variable: the
     serving commands' PREFIXGATE_<FLAG>, chat's, replay's and token's their own."""
