@@ -4,7 +4,9 @@ Gateway and worker metrics are defined once, process-wide, without a model label
 process serves one model). `ModelLabelled(model_name)` is a collector that re-exposes the
 default registry's `prefixgate:*` series with `model_name="<model>"` added, as vLLM labels
 its series, so dashboards can tell models apart and join gateway and worker series.
-Other series (process_*, python_*) pass through unchanged. `serve(port, model_name, host)` runs
+Other series (process_*, python_*) pass through unchanged. No `*_created` series (the
+time each counter and histogram child was made, one more series per counter that no
+dashboard uses and vLLM does not export either) is exposed. `serve(port, model_name, host)` runs
 the standalone /metrics server (`--metrics-port`); `exposition(model_name)` returns the
 text the gateway's HTTP front serves at /metrics.
 """
@@ -30,9 +32,11 @@ class ModelLabelled:
 
     def collect(self) -> Iterator[Metric]:
         for metric in self.source.collect():
+            samples = [s for s in metric.samples if not s.name.endswith("_created")]
             if metric.name.startswith(PREFIX):
-                metric.samples = [s._replace(labels={**s.labels, "model_name": self.model_name})
-                                  for s in metric.samples]
+                samples = [s._replace(labels={**s.labels, "model_name": self.model_name})
+                           for s in samples]
+            metric.samples = samples
             yield metric
 
 

@@ -141,6 +141,8 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path) -> None:
     try:
         base = up.line(r"OpenAI-compatible API on (http://127\.0\.0\.1:\d+)/v1").group(1)
         assert httpx.get(base + "/v1/models", timeout=30).status_code == 200
+        metrics = httpx.get(base + "/metrics", timeout=30).text  # counters, no _created twins
+        assert "prefixgate:gateway_requests_total" in metrics and "_created" not in metrics
         chat = _long_chat(f"127.0.0.1:{port}")
         wait_for(lambda: _in_flight(base) >= 1, timeout=60, what="a reply in flight")
         workers = up.workers()
