@@ -15,7 +15,7 @@ import asyncio
 from collections.abc import Sequence
 
 from prefixgate.cli import security
-from prefixgate.cli.common import log_flags
+from prefixgate.cli.common import log_flags, quiet_http_client_logs
 from prefixgate.cli.flags import flag, own_variables
 
 HELP = "interactive multi-turn chat client"
@@ -173,10 +173,7 @@ def _not_answering(args: argparse.Namespace, where: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import logging
-
-    # httpx logs each request at INFO: that would land in the middle of a reply.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    quiet_http_client_logs()  # a request line would land in the middle of a reply
     return asyncio.run(_chat(args))
 
 

@@ -1,4 +1,4 @@
-"""What several commands share: the logging, model, listening, drain, context-overflow and
+"""What several commands share: the logging (and quieting httpx's), model, listening, drain, context-overflow and
 service-model flags.
 
 Imports nothing heavy at top level (the gateway-side commands never import torch).
@@ -21,6 +21,12 @@ def log_flags(p: argparse.ArgumentParser) -> None:
     flag(p, "--log-format", help="text, or json: one JSON object per line (structured "
          "fields as keys, e.g. the gateway's one line per turn)", default="text",
          choices=["text", "json"])
+
+
+def quiet_http_client_logs() -> None:
+    """httpx logs every request at INFO; a client command (chat's replies on stdout,
+    replay's progress bar) would show one line per turn."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def model_flags(p: argparse.ArgumentParser) -> None:

@@ -21,7 +21,13 @@ import asyncio
 import json
 import sys
 
-from prefixgate.cli.common import log_flags, service_flags, service_model, transfer_flags
+from prefixgate.cli.common import (
+    log_flags,
+    quiet_http_client_logs,
+    service_flags,
+    service_model,
+    transfer_flags,
+)
 from prefixgate.cli.flags import flag, own_variables
 
 HELP = ("replay a recorded trace against a gateway or an OpenAI-compatible server, or "
@@ -223,6 +229,8 @@ async def _replay(args: argparse.Namespace, trace) -> dict:
 def run(args: argparse.Namespace) -> int:
     from prefixgate.replay.report import load_runs, markdown, write_report
     from prefixgate.replay.traces import TraceError, read_trace
+
+    quiet_http_client_logs()  # not one line per turn against an HTTP target
 
     if args.combine:
         runs = load_runs(args.combine)

@@ -360,8 +360,14 @@ def test_up_refuses_what_would_fail_late_before_loading_a_model(tmp_path) -> Non
         busy = s.getsockname()[1]
         r = subprocess.run([*up, "--http-port", str(busy)], capture_output=True, text=True,
                            timeout=60, env=env)
+        # The message names the flag that moves it (the HTTP API's 8000 is taken by default).
+        gateway = subprocess.run([*up[:-2], "--port", str(busy), "--http-port", "-1"],
+                                 capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 1 and f"cannot listen on 127.0.0.1:{busy}" in r.stderr, r.stderr
+    assert "(choose with --http-port PORT; 0: any free port; -1: no HTTP API)" in r.stderr
     assert "starting 1 workers" not in r.stderr and "Traceback" not in r.stderr
+    assert gateway.returncode == 1 and "(choose with --port PORT; 0: any free port)" in \
+        gateway.stderr, gateway.stderr
 
 
 def test_up_does_not_say_up_while_the_gateway_routes_to_no_worker(loop_thread,
