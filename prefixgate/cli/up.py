@@ -140,7 +140,8 @@ class CtrlC:
 
             in_flight = round(sum(s.value for m in metrics.IN_FLIGHT.collect()
                                   for s in m.samples))
-            waits = (f"the gateway lets {in_flight} replies in flight finish (up to "
+            replies = "1 reply" if in_flight == 1 else f"{in_flight} replies"
+            waits = (f"the gateway lets {replies} in flight finish (up to "
                      f"{self.drain_seconds:.0f} s), then " if in_flight else "")
             _say(f"stopping: {waits}the workers stop; Ctrl-C again stops at once")
             return

@@ -117,8 +117,8 @@ def test_secure_up_prints_lines_that_work_and_ctrl_c_lets_the_reply_finish(tmp_p
         wait_for(lambda: _in_flight(base, **auth) >= 1, timeout=60, what="a reply in flight")
         workers = up.workers()
         up.ctrl_c()
-        wait_for(lambda: "replies in flight finish" in up.text, timeout=10, what="the message")
-        assert up.line(r"stopping: the gateway lets 1 replies in flight finish \(up to 30 s\), "
+        wait_for(lambda: "in flight finish" in up.text, timeout=10, what="the message")
+        assert up.line(r"stopping: the gateway lets 1 reply in flight finish \(up to 30 s\), "
                        r"then the workers stop; Ctrl-C again stops at once")
         out, err = chat.communicate(timeout=120)
         assert chat.returncode == 0 and "[worker worker-0 |" in out, out + err  # not cut
