@@ -83,12 +83,12 @@ def test_pulled_kv_equals_recompute_smollm2(loop_thread, smollm2_spec, smollm2_m
         stop_all()
 
 
-def _service_engine(stub):
+def _service_engine(stub, metadata=None):
     """The in-process engine behind a worker (tests run them in this process)."""
     import gc
 
     from prefixgate.worker.server import WorkerService
-    worker_id = stub.GetInfo(worker_pb2.GetInfoRequest()).worker_id
+    worker_id = stub.GetInfo(worker_pb2.GetInfoRequest(), metadata=metadata).worker_id
     for obj in gc.get_objects():
         if type(obj) is WorkerService and obj.config.worker_id == worker_id:
             return obj.engine
