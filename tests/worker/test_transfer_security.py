@@ -162,27 +162,30 @@ def test_peers_are_called_over_tls_checked_against_their_worker_id(
 def ticketed(loop_thread, tiny_spec, tiny_model, tmp_path: Path):
     """Holder and puller whose keyrings have the gateways' ticket key; their internal
     credential file holds only its hash; they call each other with the peer credential."""
-    pki = make_worker_pki(tmp_path, ["holder", "puller", "client"])
+    pki = make_worker_pki(tmp_path, ["holder", "puller", "client", "leaving"])
     internal, peer = new_token(), new_token()
     (tmp_path / "internal.sha256").write_text(hash_token(internal) + "\n")
     (tmp_path / "peer").write_text(peer + "\n")
     gateways = new_gateway_key()
     gateway_key = bytes.fromhex(gateways.split(":", 1)[1])
     started = {}
-    for name in ("holder", "puller"):
+
+    def config(name: str) -> dict:
         private, _ = new_worker_key(name)
         ring = tmp_path / f"{name}.keyring"
         ring.write_text(f"{private}\n{ticket_public_line(gateway_key)}\n")
         Keyring.from_file(ring).for_worker(name, str(ring))  # a worker's keyring, as checked
-        started[name] = start_worker(loop_thread, tiny_spec, tiny_model, name, worker_config=dict(
-            tls=pki[name], peer_tls=pki[name], auth=AuthConfig(
-                internal_token_file=str(tmp_path / "internal.sha256"),
-                peer_token_file=str(tmp_path / "peer"), worker_keyring_file=str(ring))))
+        return dict(tls=pki[name], peer_tls=pki[name], auth=AuthConfig(
+            internal_token_file=str(tmp_path / "internal.sha256"),
+            peer_token_file=str(tmp_path / "peer"), worker_keyring_file=str(ring)))
+    for name in ("holder", "puller"):
+        started[name] = start_worker(loop_thread, tiny_spec, tiny_model, name,
+                                     worker_config=config(name))
     channels = {n: _secure_stub(a, pki["client"], n) for n, (a, _) in started.items()}
     yield dict(started=started, stubs={n: s for n, (_, s) in channels.items()},
                internal=(("authorization", f"Bearer {internal}"),),
                peer=(("authorization", f"Bearer {peer}"),),
-               signer=TicketSigner(ticket_key(gateway_key)))
+               signer=TicketSigner(ticket_key(gateway_key)), config=config, pki=pki)
     for c, _ in channels.values():
         c.close()
     for _, stop in started.values():
@@ -294,3 +297,84 @@ def workers(loop_thread, tiny_spec, tiny_model):
     start, stop_all = _workers(loop_thread, tiny_spec, tiny_model)
     yield start
     stop_all()
+
+
+def test_the_gateways_planned_pull_carries_a_ticket_the_holder_accepts(ticketed,
+                                                                      tiny_spec) -> None:
+    """gateway/pulls.attach signs the ticket where the gateway plans the pull (with the
+    gateways' key, from its keyring's '@gateways' line): the planned turn is served on
+    pulled blocks; the same turn planned by a gateway that signs no tickets computes."""
+    from prefixgate.gateway.pool import WorkerHandle
+    from prefixgate.gateway.pulls import attach
+    from prefixgate.gateway.routing import Decision, Pull
+    from prefixgate.radix import BlockHasher
+    from prefixgate.registry import WorkerRecord
+    from prefixgate.wire.token_ids import pack
+
+    stubs, md, started = ticketed["stubs"], ticketed["internal"], ticketed["started"]
+    want, _ = _generate(stubs["holder"], PROMPT, metadata=md)
+
+    def handle(wid: str, signer) -> WorkerHandle:
+        return WorkerHandle(WorkerRecord(wid, started[wid][0], tiny_spec.fingerprint), None,
+                            None, info=worker_pb2.WorkerInfo(
+                                worker_id=wid, block_size=16,
+                                model_fingerprint=tiny_spec.fingerprint), tickets=signer)
+    decision = Decision(ranked=[], policy="prefix",
+                        pulls={"puller": Pull("holder", 8, 128, 0.01)})
+    hashes = BlockHasher(16, model_fingerprint=tiny_spec.fingerprint).hash_blocks(PROMPT)
+    for signer, block_hashes, transferred in ((ticketed["signer"], None, 128),
+                                              (ticketed["signer"], hashes, 128),
+                                              (None, None, 0)):
+        holder, puller = handle("holder", signer), handle("puller", signer)
+        gen = worker_pb2.GenerateRequest(
+            request_id="r", packed_prompt_token_ids=pack(PROMPT).tobytes(),
+            sampling=worker_pb2.GenerateRequest().sampling)
+        gen.sampling.max_tokens, gen.sampling.temperature = 12, 0.0
+        charge = attach(gen, decision, puller, [holder, puller], block_hashes)
+        charge.release()
+        assert bool(gen.pull.ticket) == (signer is not None)
+        got, final = [], None
+        for ev in stubs["puller"].Generate(gen, timeout=60, metadata=md):
+            if ev.HasField("chunk"):
+                got += ev.chunk.token_ids
+            else:
+                final = ev.final
+        assert got == want and final.usage.transferred_tokens == transferred
+        stubs["puller"].FlushCache(worker_pb2.FlushCacheRequest(), metadata=md)
+
+
+def test_a_secured_drain_hands_off_with_tickets_it_signs_itself(loop_thread, tiny_spec,
+                                                                tiny_model, ticketed) -> None:
+    """The drain hand-off under the same trust: the leaving worker asks its peer (peer
+    credential, TLS checked against the peer's id) to pull its own chain, with a ticket
+    it signs itself; the conversation's next turn hits it on the peer."""
+    import asyncio
+
+    from prefixgate.worker.events import EventLog
+    from prefixgate.worker.server import WorkerConfig, WorkerService, serve
+    from tests.helpers import make_engine
+
+    peer_addr = ticketed["started"]["puller"][0]
+    events = EventLog()
+    engine = make_engine(tiny_spec, tiny_model, event_sink=events)
+    service = WorkerService(engine, tiny_spec, WorkerConfig(
+        worker_id="leaving", drain_seconds=10, **ticketed["config"]("leaving")),
+        vocab_size=engine.tokenizer.vocab_size, events=events)
+
+    async def peers() -> list[tuple[str, str]]:
+        return [("puller", peer_addr)]
+
+    async def start():
+        stop = asyncio.Event()
+        started = asyncio.get_running_loop().create_future()
+        done = asyncio.create_task(serve(service, stop, started, peers=peers))
+        return await started, stop, done
+    port, stop, done = loop_thread.run(start())
+    channel, leaving = _secure_stub(f"127.0.0.1:{port}", ticketed["pki"]["client"], "leaving")
+    md = ticketed["internal"]
+    _generate(leaving, PROMPT, metadata=md)
+    loop_thread.loop.call_soon_threadsafe(stop.set)
+    loop_thread.run(asyncio.wait_for(asyncio.shield(done), 30))
+    channel.close()
+    _, final = _generate(ticketed["stubs"]["puller"], PROMPT + [1, 2, 3], metadata=md)
+    assert final.usage.cached_tokens >= 128
