@@ -29,8 +29,8 @@ from prefixgate.gateway import metrics
 from prefixgate.gateway.pool import WorkerHandle
 from prefixgate.gateway.routing import Decision
 from prefixgate.radix import Hashers
-from prefixgate.wire.token_ids import prompt_token_ids
 from prefixgate.v1 import worker_pb2
+from prefixgate.wire.token_ids import prompt_token_ids
 
 __all__ = ["LinkCharge", "attach"]
 
