@@ -13,8 +13,8 @@ layout (KV_LAYOUT_LAYER_TOKEN_HEAD_DIM), and come in the same way.
 
 Page digests: each block that enters the prefix cache (computed, or pulled and verified)
 has the digest of its pages recorded then, on the engine thread (security/kv_pages.py
-`block_digest`; a cached block's pages are never written again), and exports send the
-recorded digests, not ones computed from the pages at export time.
+`chunk_digests`, each block's `block_digest`; a cached block's pages are never written
+again), and exports send the recorded digests, not ones computed at export time.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from prefixgate.radix import Node
-from prefixgate.security.kv_pages import block_digest
+from prefixgate.security.kv_pages import chunk_digests
 from prefixgate.worker.transfer import BlockTransfer, KVFormat, Reservation
 
 if TYPE_CHECKING:
@@ -88,12 +88,14 @@ class PagedBlockTransfer(BlockTransfer):
         return [self._digests.get(b, b"") for b in pin.block_ids[first:first + count]]
 
     def _record_digests(self, block_ids: Sequence[int]) -> None:
-        """On the engine thread, as blocks enter the prefix cache."""
-        layers = self.pool.config.num_layers
-        for b in block_ids:
-            runs = self._runs([b])
-            self._digests[b] = block_digest(_gather(self.pool.k, runs),
-                                            _gather(self.pool.v, runs), layers)
+        """On the engine thread, as blocks enter the prefix cache: their pages gathered
+        once (one copy off the device for all of them), then one digest per block."""
+        if not block_ids:
+            return
+        runs = self._runs(block_ids)
+        digests = chunk_digests(_gather(self.pool.k, runs), _gather(self.pool.v, runs),
+                                len(block_ids), self.pool.config.num_layers)
+        self._digests.update(zip(block_ids, digests, strict=True))
 
     def unpin(self, pin: _Pin) -> None:
         def on_engine() -> None:
