@@ -12,8 +12,6 @@
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import threading
 import time
 from concurrent import futures
@@ -21,13 +19,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from prefixgate.security.auth import AuthConfig, hash_token, new_token
 from prefixgate.security.identity import Keyring, new_gateway_key, new_worker_key
+from prefixgate.security.local import _certificate
 from prefixgate.security.tickets import TicketSigner, ticket_key, ticket_public_line
 from prefixgate.v1 import worker_pb2, worker_pb2_grpc
 from prefixgate.wire.rpc import TLSConfig
@@ -37,36 +35,17 @@ from tests.worker.test_transfer import _generate, _service_engine
 PROMPT = [(i * 11) % 250 + 3 for i in range(130)]  # 8 full blocks and 2 tokens
 
 
-def _cert(subject: str, key, issuer, issuer_key, names=(), ca=False) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.timezone.utc)
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
-    b = (x509.CertificateBuilder().subject_name(name)
-         .issuer_name(issuer.subject if issuer is not None else name)
-         .public_key(key.public_key()).serial_number(x509.random_serial_number())
-         .not_valid_before(now - datetime.timedelta(minutes=5))
-         .not_valid_after(now + datetime.timedelta(days=1)))
-    if ca:
-        b = b.add_extension(x509.BasicConstraints(ca=True, path_length=0), True)
-    else:
-        b = (b.add_extension(x509.BasicConstraints(ca=False, path_length=None), True)
-             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                   ExtendedKeyUsageOID.CLIENT_AUTH]), False)
-             .add_extension(x509.SubjectAlternativeName(
-                 [*(x509.DNSName(n) for n in names), x509.DNSName("localhost"),
-                  x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False))
-    return b.sign(issuer_key if issuer_key is not None else key, hashes.SHA256())
-
-
 def make_worker_pki(directory: Path, worker_ids) -> dict:
     """A CA and one certificate per worker id, naming it (as deploy/secrets.sh makes
     them): {"ca": path, id: TLSConfig(cert, key, ca)} (server and client alike)."""
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = _cert("test CA", ca_key, None, None, ca=True)
+    ca = _certificate("test CA", ca_key, None, None, None)
     out: dict = {"ca": str(directory / "ca.crt")}
     (directory / "ca.crt").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     for wid in worker_ids:
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = _cert(wid, key, ca, ca_key, names=[wid])
+        cert = _certificate(wid, key, ca, ca_key, [ExtendedKeyUsageOID.SERVER_AUTH,
+                                                   ExtendedKeyUsageOID.CLIENT_AUTH], [wid])
         (directory / f"{wid}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         (directory / f"{wid}.key").write_bytes(key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
@@ -350,26 +329,11 @@ def test_a_secured_drain_hands_off_with_tickets_it_signs_itself(loop_thread, tin
     it signs itself; the conversation's next turn hits it on the peer."""
     import asyncio
 
-    from prefixgate.worker.events import EventLog
-    from prefixgate.worker.server import WorkerConfig, WorkerService, serve
-    from tests.helpers import make_engine
+    from tests.worker.test_transfer import start_leaving
 
-    peer_addr = ticketed["started"]["puller"][0]
-    events = EventLog()
-    engine = make_engine(tiny_spec, tiny_model, event_sink=events)
-    service = WorkerService(engine, tiny_spec, WorkerConfig(
-        worker_id="leaving", drain_seconds=10, **ticketed["config"]("leaving")),
-        vocab_size=engine.tokenizer.vocab_size, events=events)
-
-    async def peers() -> list[tuple[str, str]]:
-        return [("puller", peer_addr)]
-
-    async def start():
-        stop = asyncio.Event()
-        started = asyncio.get_running_loop().create_future()
-        done = asyncio.create_task(serve(service, stop, started, peers=peers))
-        return await started, stop, done
-    port, stop, done = loop_thread.run(start())
+    port, stop, done = start_leaving(loop_thread, tiny_spec, tiny_model,
+                                     ticketed["config"]("leaving"),
+                                     [("puller", ticketed["started"]["puller"][0])])
     channel, leaving = _secure_stub(f"127.0.0.1:{port}", ticketed["pki"]["client"], "leaving")
     md = ticketed["internal"]
     _generate(leaving, PROMPT, metadata=md)
