@@ -4,12 +4,15 @@
 #   prefixgate-redis         password (Redis administrator), gateway-password, worker-password
 #   prefixgate-tls           tls.crt, tls.key, ca.crt: the Chat API's certificate
 #   prefixgate-internal-tls  ca.crt, gateway.crt/.key (the gateways' client certificate)
-#   prefixgate-auth          tokens (hashed), internal-token, worker-keyring (gateways':
-#                            each worker's Ed25519 public key, and the gateways' own key)
+#   prefixgate-auth          tokens (hashed), internal-token (gateways) and its hash
+#                            internal-token.sha256 (workers), peer-token (workers' block
+#                            pulls), worker-keyring (gateways': each worker's Ed25519
+#                            public key, and the gateways' own key)
 #   prefixgate-worker-keys   per worker pod, named by the pod (prefixgate-worker-0, ...):
-#                            <pod>.keyring (its Ed25519 private key) and <pod>.crt/.key (its
-#                            server certificate, valid for its own DNS name only); each
-#                            worker pod sees only its own (subPathExpr mounts of its name)
+#                            <pod>.keyring (its Ed25519 private key, and the gateways'
+#                            public pull-ticket key) and <pod>.crt/.key (its certificate,
+#                            server and client, naming its worker id and its own DNS name
+#                            only); each worker pod sees only its own (subPathExpr mounts)
 # A Secret that already exists is left alone (bring your own certificate by creating
 # prefixgate-tls first, e.g. with cert-manager). Prints the first client token, bound to
 # the namespace TENANT (default: "default"), once: it is stored nowhere else.
@@ -77,23 +80,36 @@ digest="$(printf '%s' "$token" | openssl dgst -sha256 -r | cut -d' ' -f1)"
 printf '# sha256:<hash of the token> <namespace> [<label>]; `prefixgate token` adds more\nsha256:%s %s\n' \
     "$digest" "$tenant" > tokens
 printf 'pg_%s\n' "$(hex 32)" > internal-token
+printf 'sha256:%s\n' "$(tr -d '\n' < internal-token | openssl dgst -sha256 -r | cut -d' ' -f1)" \
+    > internal-token.sha256
+printf 'pg_%s\n' "$(hex 32)" > peer-token
 # One Ed25519 key per worker pod (prefixgate/security/identity.py): the pod gets its private
 # line, gateways every public line and the gateways' key. Raw keys are the last 32 bytes of
 # the DER forms (PKCS#8 private key, SubjectPublicKeyInfo).
 raw32() { tail -c 32 | od -An -v -tx1 | tr -d ' \n'; }
 printf '# gateways only: workers'"'"' public keys, and the gateways'"'"' key (predictions, reaps)\n' \
     > worker-keyring
-printf '@gateways hmac:%s\n' "$(hex 32)" >> worker-keyring
+gateways_key="$(hex 32)"
+printf '@gateways hmac:%s\n' "$gateways_key" >> worker-keyring
+# The gateways sign pull tickets with an Ed25519 key derived from their key (seed: HMAC-SHA256
+# of "pg-pull-ticket"; prefixgate/security/tickets.py); workers get its public half.
+seed="$(printf 'pg-pull-ticket' | openssl dgst -sha256 -mac HMAC -macopt "hexkey:$gateways_key" -r \
+    | cut -d' ' -f1)"
+printf "$(printf '302e020100300506032b657004220420%s' "$seed" | sed 's/../\\x&/g')" > ticket.der
+tickets_line="@tickets ed25519:$(openssl pkey -inform DER -in ticket.der -pubout -outform DER | raw32)"
+rm -f ticket.der
 mkdir worker-keys
 for i in $(seq 0 $((workers - 1))); do
     id="prefixgate-worker-$i"
     openssl genpkey -algorithm ed25519 -out key.pem 2>/dev/null
-    printf '%s ed25519-private:%s\n' "$id" "$(openssl pkey -in key.pem -outform DER | raw32)" \
-        > "worker-keys/$id.keyring"
+    printf '%s ed25519-private:%s\n%s\n' "$id" "$(openssl pkey -in key.pem -outform DER | raw32)" \
+        "$tickets_line" > "worker-keys/$id.keyring"
     printf '%s ed25519:%s\n' "$id" "$(openssl pkey -in key.pem -pubout -outform DER | raw32)" \
         >> worker-keyring
-    # Its own certificate: another pod's files cannot serve TLS under this pod's name.
-    cert "worker-keys/$id" internal-ca "$id" "DNS:$id.prefixgate-worker.$namespace.$svc" serverAuth
+    # Its own certificate: another pod's files cannot serve TLS under this pod's name. It
+    # names the worker id too (peers check it) and is its client certificate towards peers.
+    cert "worker-keys/$id" internal-ca "$id" "DNS:$id,DNS:$id.prefixgate-worker.$namespace.$svc" \
+        serverAuth,clientAuth
     rm -f "worker-keys/$id.csr" "worker-keys/$id.ext"
 done
 rm -f key.pem
@@ -136,7 +152,7 @@ secret prefixgate-tls kubernetes.io/tls tls.crt=gateway-public.crt tls.key=gatew
 secret prefixgate-internal-tls Opaque ca.crt=internal-ca.crt gateway.crt=gateway.crt \
     gateway.key=gateway.key
 secret prefixgate-auth Opaque tokens=tokens internal-token=internal-token \
-    worker-keyring=worker-keyring
+    internal-token.sha256=internal-token.sha256 peer-token=peer-token worker-keyring=worker-keyring
 worker_keys=()
 for f in worker-keys/*; do worker_keys+=("$(basename "$f")=$f"); done
 secret prefixgate-worker-keys Opaque "${worker_keys[@]}"

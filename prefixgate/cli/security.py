@@ -23,10 +23,12 @@ def _server_tls_flags(p: argparse.ArgumentParser, what: str) -> None:
               "Kubernetes gRPC probes, which cannot speak TLS; 0: off)")
 
 
-def _internal_flag(p: argparse.ArgumentParser) -> None:
+def _internal_flag(p: argparse.ArgumentParser, worker: bool = False) -> None:
     flag(p, "--internal-token-file", default="",
          help="file holding the internal credential gateways send and workers require on "
-              "every worker call (empty: the worker API is open)")
+              "every worker call (empty: the worker API is open)" + (
+                  "; a worker's file may hold only its hash, 'sha256:<hex>', so that the "
+                  "worker's files cannot call workers as a gateway" if worker else ""))
 
 
 def _keyring_flag(p: argparse.ArgumentParser, who: str) -> None:
@@ -52,15 +54,23 @@ def gateway_flags(g: argparse.ArgumentParser) -> None:
 
 def worker_flags(w: argparse.ArgumentParser) -> None:
     _server_tls_flags(w, "worker API")
-    _internal_flag(w)
+    _internal_flag(w, worker=True)
     flag(w, "--peer-tls-ca", default="",
          help="PEM CA that peer workers' certificates chain to: call peers (KV block "
-              "pulls, drain hand-off) over TLS")
+              "pulls, drain hand-off) over TLS, each peer's certificate checked against "
+              "its worker id (a DNS subject alternative name); while this worker's API is "
+              "secured, peers are never called without it")
     flag(w, "--peer-tls-cert", default="",
-         help="PEM client certificate presented to peers (mutual TLS; may be --tls-cert)")
+         help="PEM client certificate presented to peers (mutual TLS; may be --tls-cert "
+              "when it is also a client certificate naming this worker id)")
     flag(w, "--peer-tls-key", default="", help="PEM private key of --peer-tls-cert")
-    _keyring_flag(w, "this worker's own private line only: it signs what it writes to "
-                     "Redis with it")
+    flag(w, "--peer-token-file", default="",
+         help="file holding the peer credential: sent to peers, and admitted from them for "
+              "block pulls only (ExportBlocks; the drain hand-off's GetStatus and "
+              "PullBlocks of the caller's own blocks), never for Generate or the rest")
+    _keyring_flag(w, "this worker's own private line only (it signs what it writes to "
+                     "Redis with it), and the '@tickets' line: exports then need a "
+                     "gateway's pull ticket")
 
 
 def client_flags(c: argparse.ArgumentParser) -> None:
@@ -95,6 +105,7 @@ def worker_security(args: argparse.Namespace) -> dict:
                 peer_tls=TLSConfig(args.peer_tls_cert, args.peer_tls_key, args.peer_tls_ca),
                 health_port=args.health_port,
                 auth=AuthConfig(internal_token_file=args.internal_token_file,
+                                peer_token_file=args.peer_token_file,
                                 worker_keyring_file=args.worker_keyring))
 
 

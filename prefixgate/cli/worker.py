@@ -47,6 +47,9 @@ def add_arguments(w: argparse.ArgumentParser) -> None:
          help="bytes of KV pool (ignored when --num-blocks is given)")
     flag(w, "--num-blocks", type=int, default=0, help="KV pool size in blocks (0: from --kv-cache-memory)")
     flag(w, "--max-num-seqs", type=int, default=32, help="most requests in the running batch")
+    flag(w, "--max-waiting-requests", type=int, default=1024,
+         help="most requests waiting for their first token (queued, pulling or prefilling); "
+              "more are refused with RESOURCE_EXHAUSTED naming this flag (0: no bound)")
     flag(w, "--max-num-batched-tokens", type=int, default=512,
          help="tokens per step (decodes plus prefill chunks)")
     flag(w, "--disable-prefix-cache", action="store_true",
@@ -236,7 +239,7 @@ def worker_config(args: argparse.Namespace):
     return WorkerConfig(worker_id=args.worker_id, host=args.host, port=args.port, block_size=args.block_size,
                         drain_seconds=args.drain_seconds, limits=request_limits(args),
                         transfer_bytes_per_s=transfer_bytes_per_s_of(args, args.emulate),
-                        transfer_probe=True,
+                        transfer_probe=True, max_waiting_requests=args.max_waiting_requests,
                         **security.worker_security(args))
 
 

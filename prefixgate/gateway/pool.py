@@ -86,6 +86,8 @@ class WorkerHandle:
     # over the time from sending the turn to its first token (bytes per second; 0: none
     # yet). Its self-reported transfer rate counts only up to this once there is one.
     observed_transfer_bytes_per_s: float = 0.0
+    # Signs the pull tickets of pulls from this worker (gateway/pulls.py); None: unsigned.
+    tickets: identity.TicketSigner | None = None
     # The shortest time per generated token this gateway has seen in one of its replies
     # from the worker (seconds; 0: none yet). Its self-reported decode step counts as at
     # least this: one step makes one token per stream, so a stream's time per token is at
@@ -338,8 +340,9 @@ class WorkerPool:
                 channel = rpc.channel(record.address, self.tls,
                                       self.credential.metadata if self.credential else (),
                                       options=WORKER_CHANNEL_OPTIONS)
-                self.workers[wid] = WorkerHandle(record, channel,
-                                                 worker_pb2_grpc.WorkerServiceStub(channel))
+                self.workers[wid] = WorkerHandle(
+                    record, channel, worker_pb2_grpc.WorkerServiceStub(channel),
+                    tickets=self.keyring.ticket_signer() if self.keyring is not None else None)
         await asyncio.gather(*(self._probe(w) for w in self.workers.values()))
 
     def _verified(self, r: WorkerRecord) -> bool:

@@ -11,16 +11,26 @@ tokens x the worker's KV bytes per token) on the holder's `export_queued_bytes`,
 queue the router prices the next pulls from that holder behind (gateway/routing.py),
 until `release()`: at the turn's first token (the pull ended before the prefill that
 produced it) or when the attempt ends, whichever comes first; releasing twice is a no-op.
+
+Pull tickets: when the gateway signs them (its --worker-keyring has the `@gateways` line:
+`WorkerHandle.tickets`), the PullSpec carries a ticket for the serving worker to read
+the prompt's first `num_blocks` blocks (their chained hashes in the request's namespace:
+`block_hashes`, the turn's own; hashed from the request when not given) from the holder,
+for `tickets.ttl_s` (security/tickets.py). Holders with the gateways' ticket key refuse
+pulls without one. The drain hand-off's pulls carry tickets the holder signs itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 from prefixgate.gateway import metrics
 from prefixgate.gateway.pool import WorkerHandle
 from prefixgate.gateway.routing import Decision
+from prefixgate.radix import Hashers
 from prefixgate.v1 import worker_pb2
+from prefixgate.wire.token_ids import prompt_token_ids
 
 __all__ = ["LinkCharge", "attach"]
 
@@ -44,7 +54,8 @@ class LinkCharge:
 
 
 def attach(gen: worker_pb2.GenerateRequest, decision: Decision, worker: WorkerHandle,
-           candidates: Sequence[WorkerHandle]) -> LinkCharge:
+           candidates: Sequence[WorkerHandle],
+           block_hashes: Sequence[int] | None = None) -> LinkCharge:
     gen.ClearField("pull")
     pull = decision.pull_of(worker.worker_id)
     if pull is None:
@@ -55,5 +66,25 @@ def attach(gen: worker_pb2.GenerateRequest, decision: Decision, worker: WorkerHa
     gen.pull.peer_address = holder.record.address
     gen.pull.peer_worker_id = holder.worker_id
     gen.pull.num_blocks = pull.num_blocks
+    if worker.tickets is not None:
+        chain = (list(block_hashes[:pull.num_blocks]) if block_hashes is not None
+                 else _chain(gen, worker, pull.num_blocks))
+        gen.pull.ticket = worker.tickets.sign(worker.worker_id, holder.worker_id,
+                                              gen.namespace, chain)
     metrics.PULLS.labels(worker.worker_id, holder.worker_id).inc()
     return LinkCharge(holder, pull.num_tokens * worker.kv_bytes_per_token, pull.num_tokens)
+
+
+@lru_cache(maxsize=8)
+def _hashers(block_size: int, model_fingerprint: str) -> Hashers:
+    return Hashers(block_size, model_fingerprint)
+
+
+def _chain(gen: worker_pb2.GenerateRequest, worker: WorkerHandle, num_blocks: int) -> list[int]:
+    """The chained hashes of the request prompt's first `num_blocks` blocks, as the
+    workers hash them (when attach is not given the turn's)."""
+    info = worker.info
+    assert info is not None  # routed to: probed
+    ids = prompt_token_ids(gen.prompt_token_ids, gen.packed_prompt_token_ids, 1 << 31)
+    return _hashers(info.block_size, info.model_fingerprint).get(gen.namespace).hash_blocks(
+        ids[:num_blocks * info.block_size])

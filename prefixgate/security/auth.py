@@ -26,8 +26,17 @@ several lines (rotation: add the new token, move clients, delete the old line).
 
 Internal API (WorkerService, gateway -> worker): `InternalCredential` is one shared
 secret (`--internal-token-file`, the file holds the token) that gateways send as a bearer
-token on every worker call and workers require on every WorkerService method. The gRPC
-health and reflection services stay open (probes).
+token on every worker call and workers require on every WorkerService method. A worker
+only checks it, so its file may hold just the token's hash (`sha256:<hex>`, what
+`hash_token` prints): then a worker pod's files do not let their holder call other
+workers as a gateway. The gRPC health and reflection services stay open (probes).
+
+Peer API (worker -> worker): the peer credential (`--peer-token-file`, another shared
+secret) is what workers send to each other; `worker_guard` admits it for PEER_METHODS
+only: ExportBlocks (block pulls, each also needing a pull ticket: security/tickets.py),
+and for the drain hand-off GetStatus and PullBlocks (the latter only when the caller's
+certificate names the holder it asks the worker to pull from: worker/server.py). Every
+other method (Generate, FlushCache, the event streams) answers PERMISSION_DENIED to it.
 
 Errors carry a message a caller can act on; transports map `Unauthenticated` to gRPC
 UNAUTHENTICATED / HTTP 401 and `PermissionDenied` to PERMISSION_DENIED / HTTP 403
@@ -67,6 +76,7 @@ class AuthConfig:
 
     tokens_file: str = ""  # gateway: public API tokens (TokenStore)
     internal_token_file: str = ""  # gateway sends, worker requires (InternalCredential)
+    peer_token_file: str = ""  # worker sends to peers, peers admit for PEER_METHODS
     worker_keyring_file: str = ""  # worker identity keys (prefixgate.security.identity)
 
 
@@ -163,9 +173,17 @@ def bind_namespace(tenant: Tenant | None, requested: str) -> str:
 
 
 class InternalCredential:
-    """The shared secret of the internal (worker) API."""
+    """The shared secret of the internal (worker) API: the token (sends and checks) or
+    only its hash, "sha256:<hex>" (checks only: `can_send` is False)."""
 
     def __init__(self, token: str) -> None:
+        if token.startswith(_HASH_PREFIX):
+            hexpart = token[len(_HASH_PREFIX):]
+            if len(hexpart) != 64 or any(c not in "0123456789abcdef" for c in hexpart):
+                raise ValueError("a hashed credential is sha256:<64 lower-case hex digits>")
+            self._token = ""
+            self._digest = bytes.fromhex(hexpart)
+            return
         if len(token) < 16:
             raise ValueError("the internal token must be at least 16 characters "
                              "(`prefixgate token` prints a good one)")
@@ -177,9 +195,24 @@ class InternalCredential:
         return cls(Path(path).read_text().strip())
 
     @property
+    def can_send(self) -> bool:
+        """Whether the token itself is held (not only its hash)."""
+        return bool(self._token)
+
+    @property
     def metadata(self) -> tuple[tuple[str, str]]:
         """gRPC call metadata that carries this credential."""
+        if not self._token:
+            raise ValueError("this credential is only a hash: it can check, not be sent")
         return (("authorization", f"Bearer {self._token}"),)
+
+    def matches(self, authorization: str | None) -> bool:
+        """Whether `authorization` carries this credential (never raises)."""
+        try:
+            token = bearer(authorization)
+        except Unauthenticated:
+            return False
+        return hmac.compare_digest(hashlib.sha256(token.encode()).digest(), self._digest)
 
     def check(self, authorization: str | None) -> None:
         """Raises Unauthenticated unless `authorization` carries this credential."""
@@ -206,6 +239,37 @@ def internal_guard(credential: InternalCredential) -> Callable[[str, Metadata], 
     return lambda _method, metadata: credential.check(metadata_value(metadata, "authorization"))
 
 
+# What the peer credential admits (the module docstring): block pulls, and the drain
+# hand-off's status read and pull request.
+PEER_METHODS = frozenset({"ExportBlocks", "GetStatus", "PullBlocks"})
+PEER = "peer"  # what `worker_guard` returns for a call with the peer credential
+
+
+def worker_guard(internal: InternalCredential | None, peer: InternalCredential | None
+                 ) -> Callable[[str, Metadata], str | None]:
+    """An `rpc.add_service` guard for WorkerService: the internal credential admits every
+    method, the peer credential only PEER_METHODS (PERMISSION_DENIED for the others).
+    Returns PEER for a call admitted by the peer credential, else None. With neither
+    credential configured, every call is admitted."""
+    def guard(method: str, metadata: Metadata) -> str | None:
+        authorization = metadata_value(metadata, "authorization")
+        if internal is None and peer is None:
+            return None
+        if internal is not None and internal.matches(authorization):
+            return None
+        if peer is not None and peer.matches(authorization):
+            if method in PEER_METHODS:
+                return PEER
+            raise PermissionDenied(
+                f"the peer credential is good for block pulls only ({', '.join(sorted(PEER_METHODS))}), "
+                f"not {method}: only gateways (the internal credential) may call it")
+        if internal is not None:
+            internal.check(authorization)  # raises with the internal credential's message
+        raise Unauthenticated("wrong peer credential: the caller's --peer-token-file differs "
+                              "from this worker's")
+    return guard
+
+
 def load_tokens(config: AuthConfig, what: str) -> TokenStore | None:
     """The TokenStore of `config`, or None (open) with a warning naming `what`."""
     if config.tokens_file:
@@ -216,6 +280,17 @@ def load_tokens(config: AuthConfig, what: str) -> TokenStore | None:
     log.warning("%s: no --tokens-file: the API is OPEN (any client may use any namespace); "
                 "fine on loopback, never on a network", what)
     return None
+
+
+def load_peer(config: AuthConfig) -> InternalCredential | None:
+    """The peer credential of `config` (`--peer-token-file`), or None."""
+    if not config.peer_token_file:
+        return None
+    credential = InternalCredential.from_file(config.peer_token_file)
+    if not credential.can_send:
+        raise ValueError(f"{config.peer_token_file}: the peer credential is sent to peers: "
+                         "the file must hold the token, not its hash")
+    return credential
 
 
 def load_internal(config: AuthConfig, what: str) -> InternalCredential | None:

@@ -15,6 +15,8 @@ Keyring file (`--worker-keyring`), one entry per line, `#` comments:
     <worker id>  ed25519-private:<64 hex: the key's 32-byte seed>   a worker's own key
     <worker id>  ed25519:<64 hex: the raw 32-byte public key>         gateways: to verify it
     @gateways    hmac:<64 hex>                                        gateways only (below)
+    @tickets     ed25519:<64 hex>                                     workers: gateways' pull
+                                                                      tickets (security/tickets.py)
 
 `prefixgate token --worker-key ID` prints a worker's pair of lines, `prefixgate token
 --gateway-key` the `@gateways` line. A worker's keyring must hold its own private line
@@ -72,6 +74,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 
 from prefixgate.security.auth import credential_lines
+from prefixgate.security.tickets import TICKETS, TicketSigner, ticket_key
 from prefixgate.wire.events import OwnershipEvent
 
 PRIVATE, PUBLIC, SECRET = "ed25519-private:", "ed25519:", "hmac:"
@@ -111,15 +114,23 @@ class Keyring:
 
     def __init__(self, public: dict[str, Ed25519PublicKey] | None = None,
                  private: dict[str, Ed25519PrivateKey] | None = None,
-                 gateway_key: bytes | None = None) -> None:
+                 gateway_key: bytes | None = None,
+                 ticket_key: Ed25519PublicKey | None = None) -> None:
         self.public = dict(public or {})
         self.private = dict(private or {})
         self.gateway_key = gateway_key
+        # The public half of the gateways' pull-ticket key (the `@tickets` line; gateways
+        # derive the private half from gateway_key: security/tickets.py).
+        self.ticket_key = ticket_key
         for wid, key in self.private.items():  # a worker verifies its own entries too
             self.public.setdefault(wid, key.public_key())
 
     def __len__(self) -> int:
         return len(self.public)
+
+    def ticket_signer(self) -> TicketSigner | None:
+        """A gateway's pull-ticket signer (from the `@gateways` secret), or None."""
+        return TicketSigner(ticket_key(self.gateway_key)) if self.gateway_key else None
 
     def public_key(self, worker_id: str) -> Ed25519PublicKey | None:
         return self.public.get(worker_id)
@@ -132,6 +143,7 @@ class Keyring:
         public: dict[str, Ed25519PublicKey] = {}
         private: dict[str, Ed25519PrivateKey] = {}
         gateway_key = None
+        ticket_key = None
         for where, fields in credential_lines(text, source):
             if len(fields) != 2:
                 raise ValueError(f"{where}: expected '<worker id> ed25519:<hex>' (or "
@@ -148,6 +160,11 @@ class Keyring:
                     "master) are no longer accepted: they let every holder sign as every "
                     "worker. Make one key per worker with `prefixgate token --worker-key ID` "
                     "(the worker gets the ed25519-private line, gateways the ed25519 line)")
+            if wid == TICKETS:
+                if kind + ":" != PUBLIC or ticket_key is not None:
+                    raise ValueError(f"{where}: '{TICKETS}' holds one 'ed25519:' (public) key")
+                ticket_key = Ed25519PublicKey.from_public_bytes(raw)
+                continue
             if (wid == GATEWAYS) != (kind + ":" == SECRET):
                 raise ValueError(f"{where}: only the '{GATEWAYS}' line holds an hmac: key, "
                                  "and it holds nothing else")
@@ -165,7 +182,7 @@ class Keyring:
                 public[wid] = Ed25519PublicKey.from_public_bytes(raw)
         if not (public or private):
             raise ValueError(f"{source}: no worker keys")
-        return cls(public, private, gateway_key)
+        return cls(public, private, gateway_key, ticket_key)
 
     @classmethod
     def from_file(cls, path: str | Path) -> Keyring:

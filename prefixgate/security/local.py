@@ -6,13 +6,17 @@ Contract
 mode 0700, every file 0600; what was there before is replaced), fresh:
 
   ca.crt, ca.key          a CA (EC P-256), valid one year, trusted by every part
-  server.crt/.key         the gateway's and the workers' certificate (127.0.0.1, localhost)
-  client.crt/.key         the gateway's client certificate towards workers (mutual TLS)
+  server.crt/.key         the gateway's and the workers' certificate (127.0.0.1, localhost,
+                          and each worker id: workers check a peer's certificate against
+                          the worker id they call)
+  client.crt/.key         the gateway's and the workers' client certificate (mutual TLS;
+                          naming each worker id, the receivers of pull tickets)
   tokens, token           the gateway's --tokens-file (hash only) and its one client token,
                           bound to namespace "default" (the demo and `prefixgate chat`)
   internal-token          the internal credential gateways send and workers require
   gateway.keyring         every worker's Ed25519 public key and the gateways' key
   worker-<id>.keyring     each worker's own private key (prefixgate/security/identity.py)
+                          and the gateways' pull-ticket key (public: security/tickets.py)
 
 and returns their paths (`LocalCredentials`). Nothing here is for a network: the
 certificates name loopback only, and the CA key stays in the directory.
@@ -34,6 +38,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from prefixgate.security.auth import hash_token, new_token
 from prefixgate.security.identity import new_gateway_key, new_worker_key
+from prefixgate.security.tickets import ticket_public_line
 
 NAMESPACE = "default"  # the namespace the generated client token is bound to
 
@@ -68,7 +73,7 @@ def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 
 def _certificate(subject: str, key, issuer: x509.Certificate | None, issuer_key,
-                 usage: list | None) -> x509.Certificate:
+                 usage: list | None, names: Sequence[str] = ()) -> x509.Certificate:
     now = datetime.datetime.now(datetime.timezone.utc)
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
     builder = (x509.CertificateBuilder().subject_name(name)
@@ -82,7 +87,7 @@ def _certificate(subject: str, key, issuer: x509.Certificate | None, issuer_key,
         builder = (builder.add_extension(x509.BasicConstraints(ca=False, path_length=None), True)
                    .add_extension(x509.ExtendedKeyUsage(usage), False)
                    .add_extension(x509.SubjectAlternativeName(
-                       [x509.DNSName("localhost"),
+                       [x509.DNSName("localhost"), *(x509.DNSName(n) for n in names),
                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False))
     return builder.sign(issuer_key if issuer_key is not None else key, hashes.SHA256())
 
@@ -101,18 +106,20 @@ def make_local_credentials(directory: str | Path,
     for role, usage in (("server", [ExtendedKeyUsageOID.SERVER_AUTH]),
                         ("client", [ExtendedKeyUsageOID.CLIENT_AUTH])):
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = _certificate(f"prefixgate local {role}", key, ca, ca_key, usage)
+        cert = _certificate(f"prefixgate local {role}", key, ca, ca_key, usage, worker_ids)
         paths[f"{role}_cert"] = _write(d / f"{role}.crt", cert.public_bytes(pem))
         paths[f"{role}_key"] = _write(d / f"{role}.key", _pem_key(key))
     token = new_token()
     paths["token"] = _write(d / "token", f"{token}\n".encode())
     paths["tokens"] = _write(d / "tokens", f"{hash_token(token)} {NAMESPACE} local\n".encode())
     paths["internal_token"] = _write(d / "internal-token", f"{new_token()}\n".encode())
-    public = [new_gateway_key()]
+    gateways = new_gateway_key()
+    public = [gateways]
+    tickets = ticket_public_line(bytes.fromhex(gateways.split(":", 1)[1]))
     creds = LocalCredentials(directory=d, gateway_keyring=d / "gateway.keyring", **paths)
     for wid in worker_ids:
         private, line = new_worker_key(wid)
-        _write(creds.worker_keyring(wid), f"{private}\n".encode())
+        _write(creds.worker_keyring(wid), f"{private}\n{tickets}\n".encode())
         public.append(line)
     _write(creds.gateway_keyring, ("\n".join(public) + "\n").encode())
     return creds

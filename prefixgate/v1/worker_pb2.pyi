@@ -28,14 +28,16 @@ class PullSpec(_message.Message):
     def __init__(self, peer_address: _Optional[str] = ..., peer_worker_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class ExportBlocksRequest(_message.Message):
-    __slots__ = ("block_hashes", "from_block", "ticket")
+    __slots__ = ("block_hashes", "from_block", "ticket", "max_blocks")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     FROM_BLOCK_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     from_block: int
     ticket: bytes
-    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., from_block: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+    max_blocks: int
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., from_block: _Optional[int] = ..., ticket: _Optional[bytes] = ..., max_blocks: _Optional[int] = ...) -> None: ...
 
 class KVBlocksHeader(_message.Message):
     __slots__ = ("worker_id", "model_fingerprint", "block_size", "dtype", "layout", "num_layers", "num_kv_heads", "head_dim", "bytes_per_token", "num_blocks")

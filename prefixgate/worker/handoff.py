@@ -14,7 +14,10 @@ serves (NOT_SERVING, in-flight streams finishing, ExportBlocks answered). It
    publishes them there like computed blocks), one at a time per peer, peers in
    parallel, until `budget_s` runs out (calls in flight are cancelled then).
 
-Peers are called with the worker's peer TLS and internal credential (`service._peer`).
+Peers are called as in block pulls (`service._peer`: TLS with each peer's certificate
+checked against its worker id, the peer credential), and each PullBlocks carries a pull
+ticket this worker signs for its own chain (`service.own_ticket`), which its
+ExportBlocks then accepts.
 A peer that fails is skipped (logged); the hand-off never delays the drain past its
 budget and never raises. Returns what was handed off, per peer.
 """
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from prefixgate.v1 import worker_pb2
+from prefixgate.worker.transfer import TransferError
 
 if TYPE_CHECKING:
     from prefixgate.worker.server import WorkerService
@@ -71,13 +75,16 @@ async def _hand_off(service: WorkerService, peers: Sequence[tuple[str, str]],
     assert transfer is not None
     bs = transfer.format.block_size
 
-    async def room(address: str) -> int:
+    async def room(peer_id: str, address: str) -> int:
         try:
-            s = await service._peer(address).GetStatus(worker_pb2.GetStatusRequest(), timeout=2)
-        except grpc.aio.AioRpcError:
+            s = await service._peer(address, peer_id).GetStatus(worker_pb2.GetStatusRequest(),
+                                                                timeout=2)
+        except (grpc.aio.AioRpcError, TransferError) as exc:
+            log.info("worker %s: peer %s takes no hand-off: %s", service.config.worker_id,
+                     peer_id, exc)
             return 0
         return max(0, s.kv_capacity_tokens - s.kv_used_tokens) // bs
-    rooms = await asyncio.gather(*(room(a) for _, a in peers))
+    rooms = await asyncio.gather(*(room(p, a) for p, a in peers))
     free = {p: r for p, r in zip(peers, rooms, strict=True) if r > 0}
     if not free:
         log.info("worker %s: no peer has room for a hand-off", service.config.worker_id)
@@ -95,15 +102,21 @@ async def _hand_off(service: WorkerService, peers: Sequence[tuple[str, str]],
         peer_id, address = peer
         for chain in todo:
             try:
-                got = await service._peer(address).PullBlocks(worker_pb2.PullBlocksRequest(
-                    peer_address=own_address, peer_worker_id=service.config.worker_id,
-                    block_hashes=chain))
+                got = await service._peer(address, peer_id).PullBlocks(
+                    worker_pb2.PullBlocksRequest(
+                        peer_address=own_address, peer_worker_id=service.config.worker_id,
+                        block_hashes=chain, ticket=service.own_ticket(peer_id, chain).ticket))
+            except TransferError as exc:
+                log.warning("worker %s: hand-off to %s: %s", service.config.worker_id,
+                            peer_id, exc)
+                return
             except grpc.aio.AioRpcError as exc:
                 log.warning("worker %s: hand-off to %s: %s %s", service.config.worker_id,
                             peer_id, exc.code().name, exc.details())
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED,
                                   grpc.StatusCode.FAILED_PRECONDITION,
-                                  grpc.StatusCode.UNAUTHENTICATED):
+                                  grpc.StatusCode.UNAUTHENTICATED,
+                                  grpc.StatusCode.PERMISSION_DENIED):
                     return  # this peer will not take any
                 continue
             report.chains[peer_id] = report.chains.get(peer_id, 0) + 1

@@ -10,6 +10,11 @@ reservation alone until it is committed: no step reads or writes the slots copie
 Pages go out as `pool.k[:, slots]` and `pool.v[:, slots]` for the blocks' token slots:
 [num_layers, num_blocks * block_size, num_kv_heads, head_dim], the pool's own dtype and
 layout (KV_LAYOUT_LAYER_TOKEN_HEAD_DIM), and come in the same way.
+
+Page digests: each block that enters the prefix cache (computed, or pulled and verified)
+has the digest of its pages recorded then, on the engine thread (security/kv_pages.py
+`chunk_digests`, each block's `block_digest`; a cached block's pages are never written
+again), and exports send the recorded digests, not ones computed at export time.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import numpy as np
 import torch
 
 from prefixgate.radix import Node
+from prefixgate.security.kv_pages import chunk_digests
 from prefixgate.worker.transfer import BlockTransfer, KVFormat, Reservation
 
 if TYPE_CHECKING:
@@ -51,6 +57,11 @@ class PagedBlockTransfer(BlockTransfer):
         self.engine = engine
         self.pool = engine.pool
         self.cache = engine.cache
+        # block id -> the digest of its pages when it entered the cache (an entry of an
+        # evicted block is stale until the block is cached again, and never read then:
+        # exports read pinned blocks only).
+        self._digests: dict[int, bytes] = {}
+        self.cache.on_insert = self._record_digests
 
     # --- export ------------------------------------------------------------------------
 
@@ -71,6 +82,20 @@ class PagedBlockTransfer(BlockTransfer):
         first = pin.from_block + start
         runs = self._runs(pin.block_ids[first:first + count])
         return _gather(self.pool.k, runs), _gather(self.pool.v, runs)
+
+    def digests(self, pin: _Pin, start: int, count: int) -> list[bytes]:
+        first = pin.from_block + start
+        return [self._digests.get(b, b"") for b in pin.block_ids[first:first + count]]
+
+    def _record_digests(self, block_ids: Sequence[int]) -> None:
+        """On the engine thread, as blocks enter the prefix cache: their pages gathered
+        once (one copy off the device for all of them), then one digest per block."""
+        if not block_ids:
+            return
+        runs = self._runs(block_ids)
+        digests = chunk_digests(_gather(self.pool.k, runs), _gather(self.pool.v, runs),
+                                len(block_ids), self.pool.config.num_layers)
+        self._digests.update(zip(block_ids, digests, strict=True))
 
     def unpin(self, pin: _Pin) -> None:
         def on_engine() -> None:

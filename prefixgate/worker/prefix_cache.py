@@ -13,7 +13,9 @@ and what events carry. The tree holds one pool reference on each block it contai
 - `insert(block_hashes, block_ids)` hands the caller's references on `block_ids` to the
   cache: blocks new to the tree are kept; blocks already present (the same id, or a
   duplicate computed concurrently) have the caller's reference released. Emits `stored`
-  for the new ones and returns the handle of the whole path (not locked).
+  for the new ones, calls `on_insert(new block ids)` when set (block transfer records
+  their page digests: worker/kv_transfer.py) and returns the handle of the whole path
+  (not locked).
 - `hot_chains()`: every cached root-to-leaf chain of block hashes, the most reused first
   (by the tokens its blocks served as hits: each `match` counts its matched blocks), for
   a draining worker's hand-off (worker/handoff.py).
@@ -33,7 +35,7 @@ All calls happen on the engine thread.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from prefixgate.radix import Node, RadixTree
 from prefixgate.wire.events import KVEventSink, NullSink
@@ -49,6 +51,7 @@ class PrefixCache:
         self._hits: dict[int, int] = {}  # block id -> times matched since it was stored
         # parent block hash -> (tokens of the partial block, its block id); LRU order.
         self._tails: OrderedDict[int, tuple[tuple[int, ...], int]] = OrderedDict()
+        self.on_insert: Callable[[Sequence[int]], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -86,6 +89,8 @@ class PrefixCache:
         for h, b in zip(block_hashes[m:], block_ids[m:], strict=True):
             self._hash_of[b] = h
         if m < len(block_hashes):
+            if self.on_insert is not None:
+                self.on_insert(block_ids[m:])
             self.events.stored(block_hashes[m - 1] if m else None, block_hashes[m:])
         return r.node
 

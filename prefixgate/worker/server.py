@@ -19,8 +19,16 @@ Contract
   worker hands its most reused chains off to peers with room (worker/handoff.py).
 - Block transfer (worker/transfer.py): ExportBlocks streams a cached chain's KV pages;
   PullBlocks, and Generate with a `pull` spec, fetch a chain's missing leading blocks from
-  a peer (peer_tls + the internal credential), store and publish them, and compute what
-  did not come. Usage splits the prompt into cached, transferred and computed tokens.
+  a peer, store and publish them, and compute what did not come. Usage splits the prompt
+  into cached, transferred and computed tokens. Trust (docs/transfer.md, "Trust"):
+  peers are called over TLS with the certificate checked against the peer's worker id
+  (never in plain text while this worker's own API is secured), with the peer
+  credential; with the gateways' ticket key in the worker's keyring, ExportBlocks
+  needs a pull ticket naming this worker, the chain and the caller (security/tickets.py);
+  pulled pages are stored only where they match the digests the holder recorded.
+- Admission: at most `max_waiting_requests` requests wait for their first token (pulls
+  and prefills included); past it Generate answers RESOURCE_EXHAUSTED naming the limit
+  and its flag, whatever the prompt's form (text tokenized by the gateway, token ids).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import grpc
 
 from prefixgate.model.catalog import ModelSpec
 from prefixgate.security import auth
+from prefixgate.security.tickets import TicketSigner, check_ticket
 from prefixgate.telemetry import tracing
 from prefixgate.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from prefixgate.wire import rpc
@@ -56,7 +65,13 @@ from prefixgate.worker.api import Engine, FinalEvent, FinishReason, Request, Tok
 from prefixgate.worker.events import EventLog
 from prefixgate.worker.handoff import hand_off
 from prefixgate.worker.rates import ServiceRates, TransferRate
-from prefixgate.worker.transfer import MAX_MESSAGE_BYTES, PullResult, TransferError, export_events
+from prefixgate.worker.transfer import (
+    MAX_MESSAGE_BYTES,
+    PullAuth,
+    PullResult,
+    TransferError,
+    export_events,
+)
 from prefixgate.worker.transfer import pull as pull_blocks
 
 log = logging.getLogger(__name__)
@@ -101,6 +116,90 @@ class WorkerConfig:
     # (WorkerService.probe_transfer; `prefixgate worker` always does; off here so that
     # in-process workers that do not ask for it see no extra pins or pulls).
     transfer_probe: bool = False
+    # Requests admitted and waiting for their first token (pulls and prefills included),
+    # at most (`--max-waiting-requests`): past it Generate answers RESOURCE_EXHAUSTED.
+    max_waiting_requests: int = 1024
+
+
+def caller_names(context: grpc.aio.ServicerContext) -> set[str]:
+    """The names (common name, subject alternative names) in the caller's TLS client
+    certificate; empty without one."""
+    try:
+        ctx = context.auth_context() or {}
+    except Exception:  # noqa: BLE001 (no transport security context)
+        return set()
+    return {v.decode(errors="replace") for key in ("x509_common_name",
+                                                  "x509_subject_alternative_name")
+            for v in ctx.get(key, ())}
+
+
+@dataclass(frozen=True)
+class PeerTrust:
+    """How a worker calls peers and checks them (set by `serve` from the configuration).
+
+    secured: this worker's own API is secured (a credential or TLS): peers are then
+             called only over TLS (never a credential in plain text).
+    metadata: the credential sent to peers (the peer credential, else the internal one
+              when this worker holds the token itself; none when it holds only a hash).
+    ticket_keys: the keys a pull ticket must verify with (the gateways' ticket key and
+                 this worker's own); empty: ExportBlocks takes no ticket.
+    own_signer: this worker's own key, signing tickets for pulls of its own blocks.
+    require_digests: pulled pages without recorded digests are refused (secured)."""
+
+    secured: bool = False
+    metadata: tuple = ()
+    ticket_keys: tuple = ()
+    own_signer: TicketSigner | None = None
+    require_digests: bool = False
+    guard: object = None
+
+    @classmethod
+    def of(cls, cfg: WorkerConfig, internal: auth.InternalCredential | None,
+           peer: auth.InternalCredential | None, guard: object) -> PeerTrust:
+        from prefixgate.security.identity import Keyring
+
+        secured = internal is not None or peer is not None or cfg.tls.enabled
+        if peer is not None:
+            metadata = peer.metadata
+        elif internal is not None and internal.can_send:
+            metadata = internal.metadata
+        else:
+            metadata = ()
+        keys: tuple = ()
+        signer = None
+        if cfg.auth.worker_keyring_file:
+            ring = Keyring.from_file(cfg.auth.worker_keyring_file)
+            own = ring.private_key(cfg.worker_id)
+            signer = TicketSigner(own) if own is not None else None
+            if ring.ticket_key is not None:
+                keys = (ring.ticket_key,) + ((own.public_key(),) if own is not None else ())
+        if secured and not cfg.peer_tls.enabled:
+            log.warning("worker %s: its API is secured but --peer-tls-ca is not set: it will "
+                        "not pull blocks from peers (never in plain text); set --peer-tls-ca, "
+                        "--peer-tls-cert and --peer-tls-key", cfg.worker_id)
+        if secured and not keys:
+            log.warning("worker %s: its --worker-keyring has no '@tickets' line: any caller "
+                        "with the peer or internal credential may export any cached chain",
+                        cfg.worker_id)
+        return cls(secured, metadata, keys, signer, secured, guard)
+
+    def channel(self, address: str, peer_id: str, tls: rpc.TLSConfig) -> grpc.aio.Channel:
+        """A channel to peer `peer_id` at `address`: over TLS with the peer's certificate
+        checked against `peer_id` (its subject alternative names must include it as a DNS
+        name) when `tls` says so; TransferError when the peer may not be called (secured,
+        without TLS or without a worker id to check)."""
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        if tls.enabled:
+            if not peer_id:
+                raise TransferError(grpc.StatusCode.UNAUTHENTICATED,
+                                    f"no worker id for the peer at {address}: its TLS "
+                                    "certificate cannot be checked, so it is not called")
+            options.append(("grpc.ssl_target_name_override", peer_id))
+        elif self.secured:
+            raise TransferError(grpc.StatusCode.FAILED_PRECONDITION,
+                                "peers are called only over TLS while this worker's API is "
+                                "secured: set --peer-tls-ca (--peer-tls-cert, --peer-tls-key)")
+        return rpc.channel(address, tls, self.metadata, options=options)
 
 
 class WorkerServiceBase:
@@ -198,8 +297,11 @@ class WorkerService(WorkerServiceBase):
         self.transfer_rate = TransferRate()  # measured on pulls, reported in the status
         if config.transfer_bytes_per_s > 0:
             self.transfer_rate.assume(config.transfer_bytes_per_s, 0.0, "declared")
-        self._peers: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerServiceStub]] = {}
+        self._peers: dict[tuple[str, str],
+                          tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerServiceStub]] = {}
         self._credential: auth.InternalCredential | None = None  # set by serve()
+        self._trust = PeerTrust()  # set by serve(): how peers are called and checked
+        self._waiting = 0  # requests admitted, before their first token
         self._own_address = ""  # how this worker reaches its own server; set by serve()
         self._probing: asyncio.Task | None = None  # the transfer probe, once started
 
@@ -272,11 +374,34 @@ class WorkerService(WorkerServiceBase):
                 f"{sampling.max_tokens}) but worker {self.config.worker_id} holds "
                 f"{self.engine.capacity_tokens}: lower max_tokens or shorten the prompt",
                 REQUEST_SCOPED)
-        request_id = request.request_id or uuid.uuid4().hex
-        pulled: PullResult | None = None
-        if request.HasField("pull") and need == len(prompt) + sampling.max_tokens:
-            pulled = await self._pull_prompt(request_id, prompt, request.namespace,
-                                             request.pull)
+        limit = self.config.max_waiting_requests
+        if limit and self._waiting >= limit:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"worker {self.config.worker_id} has {self._waiting} requests waiting for their "
+                f"first token, its limit (--max-waiting-requests {limit}): retry later or "
+                "on another worker")
+        self._waiting += 1
+        waiting = True
+        try:
+            request_id = request.request_id or uuid.uuid4().hex
+            pulled: PullResult | None = None
+            if request.HasField("pull") and need == len(prompt) + sampling.max_tokens:
+                pulled = await self._pull_prompt(request_id, prompt, request.namespace,
+                                                 request.pull)
+            async for ev in self._run(request, context, request_id, prompt, sampling, pulled):
+                if waiting:
+                    waiting = False
+                    self._waiting -= 1
+                yield ev
+        finally:
+            if waiting:
+                self._waiting -= 1
+
+    async def _run(self, request: worker_pb2.GenerateRequest,
+                   context: grpc.aio.ServicerContext, request_id: str, prompt, sampling,
+                   pulled: PullResult | None):
+        """Run an admitted request in the engine and stream its events."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent | FinalEvent] = asyncio.Queue()
         self.engine.submit(
@@ -367,6 +492,13 @@ class WorkerService(WorkerServiceBase):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                                 f"worker {self.config.worker_id} cannot export KV blocks "
                                 "(its prefix cache is off, or its engine has none)")
+        if self._trust.ticket_keys:
+            try:
+                check_ticket(request.ticket, self._trust.ticket_keys, self.config.worker_id,
+                             request.block_hashes, caller_names(context))
+            except auth.PermissionDenied as exc:
+                log.warning("worker %s: export refused: %s", self.config.worker_id, exc)
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         try:
             async for event in export_events(transfer, request, self.config.worker_id):
                 yield event
@@ -382,8 +514,17 @@ class WorkerService(WorkerServiceBase):
         if not request.peer_address or not request.block_hashes:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "PullBlocks needs peer_address and block_hashes")
+        if (self._trust.guard is not None and self._trust.guard(
+                "PullBlocks", context.invocation_metadata() or ()) == auth.PEER
+                and request.peer_worker_id not in caller_names(context)):
+            # A peer may hand off its own blocks (the drain), never make this worker pull
+            # from a third one.
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "with the peer credential, PullBlocks may only hand off the "
+                                "caller's own blocks: peer_worker_id must be the worker its "
+                                "certificate names")
         got = await self.pull(request.peer_address, request.peer_worker_id,
-                              request.block_hashes)
+                              request.block_hashes, ticket=request.ticket)
         if got.error is not None and not got.num_cached:
             await context.abort(got.error.code, str(got.error))
         return worker_pb2.PullBlocksResponse(
@@ -391,12 +532,21 @@ class WorkerService(WorkerServiceBase):
             num_bytes=got.num_bytes, seconds=got.seconds)
 
     async def pull(self, address: str, peer_id: str, chain,
-                   timeout_s: float | None = None) -> PullResult:
-        """Pull the blocks of `chain` this worker lacks from the peer at `address`."""
+                   timeout_s: float | None = None, ticket: bytes = b"",
+                   ticket_chain=None) -> PullResult:
+        """Pull the blocks of `chain` this worker lacks from the peer at `address`, showing
+        it `ticket` (which covers `ticket_chain`, default `chain`)."""
         assert self.engine.transfer is not None
-        got = await pull_blocks(self._peer(address), self.engine.transfer, chain,
-                                f"worker {peer_id or '?'} at {address}",
-                                timeout_s or self.config.pull_timeout_s)
+        peer = f"worker {peer_id or '?'} at {address}"
+        try:
+            stub = self._peer(address, peer_id)
+        except TransferError as exc:
+            got = PullResult(0, 0, 0, 0.0, exc)
+        else:
+            got = await pull_blocks(stub, self.engine.transfer, chain, peer,
+                                    timeout_s or self.config.pull_timeout_s,
+                                    auth=PullAuth(ticket, list(ticket_chain or chain),
+                                                  self._trust.require_digests))
         self.transfer_rate.observe(got.num_bytes, got.seconds)
         if got.error is not None:
             log.warning("worker %s: pull of %d blocks from %s stopped after %d: %s (%s); "
@@ -420,7 +570,11 @@ class WorkerService(WorkerServiceBase):
         if self.transfer_rate.bytes_per_s > 0:
             expected_s = len(chain) * transfer.format.bytes_per_block / self.transfer_rate.bytes_per_s
             timeout_s = min(self.config.pull_timeout_s, 2.0 + 4.0 * expected_s)
-        got = await self.pull(spec.peer_address, spec.peer_worker_id, chain, timeout_s)
+        # The ticket covers the gateway's num_blocks; this worker pulls a leading run of it.
+        ticket_chain = (transfer.chain(prompt[:spec.num_blocks * self.config.block_size],
+                                       namespace) if spec.ticket else chain)
+        got = await self.pull(spec.peer_address, spec.peer_worker_id, chain, timeout_s,
+                              spec.ticket, ticket_chain)
         log.info("request %s: %d blocks cached here, %d pulled from %s (%.1f MB in %.0f ms)",
                  clip(request_id), got.num_cached_before, got.num_pulled,
                  spec.peer_worker_id or spec.peer_address, got.num_bytes / 1e6,
@@ -459,9 +613,13 @@ class WorkerService(WorkerServiceBase):
         a pull has measured the rate meanwhile, or the probe fails (logged)."""
         transfer = self.engine.transfer
         assert transfer is not None and self._own_address
-        stub = self._peer(self._own_address)
         # The same blocks under names nothing else uses: the reservation takes fresh ones.
         target = [h ^ PROBE_SALT for h in chain]
+        try:
+            stub = self._peer(self._own_address, self.config.worker_id)
+        except TransferError as exc:
+            log.warning("worker %s: no transfer probe: %s", self.config.worker_id, exc)
+            return
         # Per size, the fastest of the rounds (bytes, seconds): the copy path's own cost,
         # without the pauses other threads on a busy host add to some pulls. The first
         # pull is not counted: it pays once-only costs (threads started, buffers grown).
@@ -471,7 +629,8 @@ class WorkerService(WorkerServiceBase):
                 for n in ((1,) if round_ == 0 else (1, len(chain))):
                     got = await pull_blocks(stub, transfer, target[:n], "itself",
                                             self.config.pull_timeout_s, source_chain=chain[:n],
-                                            keep=False)
+                                            keep=False, auth=self.own_ticket(
+                                                self.config.worker_id, chain[:n]))
                     if got.error is not None:
                         raise got.error
                     if round_ and (n not in best or got.seconds < best[n][1]):
@@ -503,15 +662,23 @@ class WorkerService(WorkerServiceBase):
                           max(0, cached_tokens - pulled.num_cached_before * bs))
         return transferred, pulled.seconds * 1e3
 
-    def _peer(self, address: str) -> worker_pb2_grpc.WorkerServiceStub:
-        """A stub for the peer at `address`: mTLS per peer_tls, the internal credential."""
-        if address not in self._peers:
-            channel = rpc.channel(
-                address, self.config.peer_tls,
-                self._credential.metadata if self._credential else (),
-                options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
-            self._peers[address] = (channel, worker_pb2_grpc.WorkerServiceStub(channel))
-        return self._peers[address][1]
+    def own_ticket(self, receiver: str, chain) -> PullAuth:
+        """What a pull of this worker's own blocks `chain` by `receiver` shows: a ticket
+        this worker signs itself (the drain hand-off, the copy-path probe), when it
+        checks tickets."""
+        signer = self._trust.own_signer
+        ticket = (signer.sign(receiver, self.config.worker_id, "", list(chain))
+                  if signer is not None and self._trust.ticket_keys else b"")
+        return PullAuth(ticket, list(chain), self._trust.require_digests)
+
+    def _peer(self, address: str, peer_id: str) -> worker_pb2_grpc.WorkerServiceStub:
+        """A stub for the peer `peer_id` at `address` (PeerTrust.channel); TransferError
+        when this worker may not call it."""
+        key = (address, peer_id)
+        if key not in self._peers:
+            channel = self._trust.channel(address, peer_id, self.config.peer_tls)
+            self._peers[key] = (channel, worker_pb2_grpc.WorkerServiceStub(channel))
+        return self._peers[key][1]
 
     async def close_peers(self) -> None:
         for channel, _ in self._peers.values():
@@ -555,15 +722,18 @@ async def serve(service: WorkerServiceBase, stop: asyncio.Event,
                                       ("grpc.so_reuseport", 0)])
     internal = auth.load_internal(service.config.auth,
                                   f"worker {service.config.worker_id or service.config.port}")
-    service._credential = internal  # sent on calls to peers, as gateways send it
-    rpc.add_service(server, SERVICE, service,
-                    None if internal is None else auth.internal_guard(internal))
+    peer = auth.load_peer(service.config.auth)
+    service._credential = internal
+    guard = None if internal is None and peer is None else auth.worker_guard(internal, peer)
+    rpc.add_service(server, SERVICE, service, guard)
     health = rpc.add_health_and_reflection(server, [SERVICE.full_name])
     cfg = service.config
     port = rpc.bind(server, cfg.host, cfg.port, cfg.tls,
                     f"worker {cfg.worker_id or 'on port ' + str(cfg.port)}")
     if not cfg.worker_id:
         cfg = service.config = replace(cfg, worker_id=f"worker-{port}")
+    if isinstance(service, WorkerService):
+        service._trust = PeerTrust.of(cfg, internal, peer, guard)
     await server.start()
     health_server = await rpc.start_health_port(health, cfg.host, cfg.health_port)
     await rpc.set_serving(health, [SERVICE.full_name], True)

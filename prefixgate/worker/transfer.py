@@ -24,14 +24,18 @@ import alone until it commits them).
                                back, unlock; returns the chain's leading blocks cached now.
   hot_chains()                 every cached chain (root to leaf), the most reused first:
                                what a draining worker offers its peers (worker/handoff.py).
+  digests(pin, start, count)   the page digests (security/kv_pages.py) recorded when those
+                               blocks were computed; [] from an engine that records none.
 
 The gRPC side lives here too, written against that contract only (so an emulated engine
 transfers through the same code): `export_events` is WorkerService.ExportBlocks' stream
 (header, then chunks of whole blocks of about `chunk_bytes`, the next chunk copied while
 the current one is sent: at most two chunks in memory, and gRPC's flow control stops the
-copying when the receiver stops reading); `pull` is the receiving side (checks the
-header against its own format and refuses a mismatch, writes chunks as they arrive,
-commits what arrived whole even when the stream breaks). A refusal is a `TransferError`
+copying when the receiver stops reading; each chunk carries its blocks' recorded page
+digests); `pull` is the receiving side (checks the header against its own format and
+refuses a mismatch, checks each chunk's pages against their digests and stops at the
+first block that does not match, writes chunks as they arrive, commits what arrived
+whole and verified even when the stream breaks). A refusal is a `TransferError`
 carrying the gRPC status to answer or log.
 """
 
@@ -48,6 +52,7 @@ import grpc
 from google.protobuf.internal.encoder import _VarintBytes
 
 from prefixgate.radix import Hashers
+from prefixgate.security.kv_pages import verify_chunk
 from prefixgate.v1 import worker_pb2
 
 LAYOUT = worker_pb2.KV_LAYOUT_LAYER_TOKEN_HEAD_DIM
@@ -153,6 +158,11 @@ class BlockTransfer(ABC):
     @abstractmethod
     def hot_chains(self) -> list[list[int]]: ...
 
+    def digests(self, pin: Any, start: int, count: int) -> list[bytes]:
+        """Page digests of the pin's blocks [start, start + count) as recorded when they
+        were computed (security/kv_pages.py); [] when this engine records none."""
+        return []
+
 
 @dataclass(frozen=True)
 class PullResult:
@@ -167,12 +177,13 @@ class PullResult:
         return self.num_cached_before + self.num_pulled
 
 
-def encode_chunk(first_block: int, num_blocks: int, k: bytes, v: bytes) -> bytes:
+def encode_chunk(first_block: int, num_blocks: int, k: bytes, v: bytes,
+                 digests: Sequence[bytes] = ()) -> bytes:
     """The wire form of ExportBlocksEvent(chunk=KVBlocksChunk(...)), built with one copy
     of the pages (protobuf's own building and serializing copied them twice, ~20x slower
     here); rpc.add_service sends bytes as they are."""
-    head = worker_pb2.KVBlocksChunk(first_block=first_block,
-                                    num_blocks=num_blocks).SerializeToString()
+    head = worker_pb2.KVBlocksChunk(first_block=first_block, num_blocks=num_blocks,
+                                    block_digests=digests).SerializeToString()
     k_field = _K_TAG + _VarintBytes(len(k))
     v_field = _V_TAG + _VarintBytes(len(v))
     size = len(head) + len(k_field) + len(k) + len(v_field) + len(v)
@@ -190,6 +201,8 @@ async def export_events(transfer: BlockTransfer, request: worker_pb2.ExportBlock
     """WorkerService.ExportBlocks: header, then chunks in their wire form
     (`encode_chunk`); TransferError NOT_FOUND when nothing past from_block is cached here."""
     chain, start = list(request.block_hashes), request.from_block
+    if request.max_blocks:
+        chain = chain[:request.max_blocks]
     if start >= len(chain):
         raise TransferError(grpc.StatusCode.INVALID_ARGUMENT,
                             f"from_block {start} is past the chain's {len(chain)} blocks")
@@ -213,17 +226,17 @@ async def export_events(transfer: BlockTransfer, request: worker_pb2.ExportBlock
         first = 0
         # Copy chunk i+1 while chunk i is being sent: two chunks in memory at most.
         reading = asyncio.ensure_future(asyncio.to_thread(
-            transfer.read, pin, 0, min(per_chunk, total)))
+            _read_pages, transfer, pin, 0, min(per_chunk, total)))
         while first < total:
             count = min(per_chunk, total - first)
             # Shielded: a call cancelled here leaves the copy to finish (its thread runs on
             # regardless) rather than marking it done while it still reads the pages.
-            k, v = await asyncio.shield(reading)
+            k, v, digests = await asyncio.shield(reading)
             nxt = first + count
             if nxt < total:
                 reading = asyncio.ensure_future(asyncio.to_thread(
-                    transfer.read, pin, nxt, min(per_chunk, total - nxt)))
-            yield encode_chunk(start + first, count, k, v)
+                    _read_pages, transfer, pin, nxt, min(per_chunk, total - nxt)))
+            yield encode_chunk(start + first, count, k, v, digests)
             first = nxt
     finally:
         # After any copy in flight, in a task of its own: a cancelled await of a queued
@@ -232,15 +245,35 @@ async def export_events(transfer: BlockTransfer, request: worker_pb2.ExportBlock
         await _settled(_unpin_after(transfer, pin, reading))
 
 
+def _read_pages(transfer: BlockTransfer, pin: Any, start: int, count: int
+                ) -> tuple[bytes, bytes, list[bytes]]:
+    k, v = transfer.read(pin, start, count)
+    return k, v, transfer.digests(pin, start, count)
+
+
+@dataclass(frozen=True)
+class PullAuth:
+    """What a pull shows and asks of the holder: `ticket` (security/tickets.py) and the
+    whole chain it covers (`ticket_chain`; the pulled chain is a leading run of it),
+    and whether chunks must carry page digests (`require_digests`)."""
+
+    ticket: bytes = b""
+    ticket_chain: Sequence[int] = ()
+    require_digests: bool = False
+
+
 async def pull(stub: Any, transfer: BlockTransfer, chain: Sequence[int], peer: str,
                timeout_s: float | None = None,
-               source_chain: Sequence[int] | None = None, keep: bool = True) -> PullResult:
+               source_chain: Sequence[int] | None = None, keep: bool = True,
+               auth: PullAuth = PullAuth()) -> PullResult:
     """Fetch the blocks of `chain` this worker lacks from `peer` (its WorkerServiceStub)
     and store them. Never raises for the peer's failures: the result's `error` says why
     fewer blocks came than asked (the caller computes the rest). `source_chain`: ask the
     peer for these hashes instead (the same tokens under another namespace, whose KV is
     the same: a worker's probe of its own copy path; default `chain`). `keep=False`:
-    give the blocks back instead of storing them (the probe: only the time counts)."""
+    give the blocks back instead of storing them (the probe: only the time counts).
+    `auth`: the ticket shown to the holder, and whether pages without digests are
+    refused; a block whose pages do not match its digest is never stored."""
     began = transfer.clock()
     reserving = asyncio.ensure_future(asyncio.to_thread(transfer.reserve, list(chain)))
     try:
@@ -252,7 +285,7 @@ async def pull(stub: Any, transfer: BlockTransfer, chain: Sequence[int], peer: s
     try:
         if res.num_blocks:
             await _receive(stub, transfer, res, peer, timeout_s, got,
-                           res.chain if source_chain is None else list(source_chain))
+                           res.chain if source_chain is None else list(source_chain), auth)
         elif res.num_cached < len(chain):
             got.error = TransferError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                       "no KV block could be made free for the pulled blocks")
@@ -275,8 +308,19 @@ class _Received:
     blocks: int = 0  # written whole
     bytes: int = 0
     error: TransferError | None = None
-    writing: asyncio.Future | None = None  # the write in flight, if any
-    writing_to: int = 0  # `blocks` once it is done
+    writing: asyncio.Future | None = None  # the write in flight: blocks it wrote, refusal
+    writing_from: int = 0  # `blocks` before it
+
+    async def settle_write(self, shielded: bool) -> None:
+        """Wait for the write in flight and count what it wrote; a refusal (pages that
+        do not match their digests) becomes `error`. `shielded`: a cancellation stops the
+        wait, not the write (see _commit_after)."""
+        if self.writing is None:
+            return
+        written, why = await (asyncio.shield(self.writing) if shielded else self.writing)
+        self.blocks, self.writing = self.writing_from + written, None
+        if why:
+            self.error = TransferError(grpc.StatusCode.DATA_LOSS, why)
 
 
 # Tasks that must run to their end although the call that started them was cancelled (a
@@ -321,23 +365,59 @@ async def _commit_after(transfer: BlockTransfer, res: Reservation, got: _Receive
         (done,) = await asyncio.gather(got.writing, return_exceptions=True)
         if isinstance(done, BaseException):
             failed = done
+            got.writing = None
         else:
-            got.blocks = got.writing_to
-        got.writing = None
+            await got.settle_write(shielded=False)
     cached = await asyncio.to_thread(transfer.commit, res, got.blocks if keep else 0)
     if failed is not None and not isinstance(failed, asyncio.CancelledError):
         raise failed  # a write that failed is a bug: said, after the reservation is settled
     return cached
 
 
+def _verify_and_write(transfer: BlockTransfer, res: Reservation, start: int, k: bytes,
+                      v: bytes, digests: Sequence[bytes], num_blocks: int, keep: int,
+                      require: bool) -> tuple[int, str]:
+    """Write the first `keep` blocks of a chunk of `num_blocks` into `res` from `start`,
+    up to the first whose pages do not match their digest; (blocks written, why fewer
+    than `keep` were, or ""). On a worker thread: hashing megabytes must not hold the
+    event loop."""
+    fmt = transfer.format
+    ok, why = verify_chunk(k, v, digests, num_blocks, fmt.num_layers, require)
+    n = min(ok, keep)
+    if n:
+        if n < num_blocks:  # the leading blocks' pages, per layer (wire layout)
+            k, v = (_leading_blocks(k, num_blocks, n, fmt.num_layers),
+                    _leading_blocks(v, num_blocks, n, fmt.num_layers))
+        transfer.write(res, start, k, v)
+    return n, why if n < keep else ""
+
+
+def _leading_blocks(pages: bytes, num_blocks: int, keep: int, num_layers: int) -> bytes:
+    """The first `keep` blocks of a chunk's K (or V) pages of `num_blocks` blocks."""
+    per_layer = len(pages) // num_layers
+    run = per_layer // num_blocks * keep
+    m = memoryview(pages)
+    return b"".join(m[i * per_layer:i * per_layer + run] for i in range(num_layers))
+
+
 async def _receive(stub: Any, transfer: BlockTransfer, res: Reservation, peer: str,
-                   timeout_s: float | None, got: _Received, source: Sequence[int]) -> None:
+                   timeout_s: float | None, got: _Received, source: Sequence[int],
+                   auth: PullAuth) -> None:
     """Stream the reserved blocks from `peer` (which names them `source`) into `res`,
     counting them in `got`."""
     fmt = transfer.format
-    call = stub.ExportBlocks(worker_pb2.ExportBlocksRequest(
-        block_hashes=source[:res.num_cached + res.num_blocks], from_block=res.num_cached),
-        timeout=timeout_s)
+    want_to = res.num_cached + res.num_blocks
+    if auth.ticket:  # the holder checks the whole ticketed chain; max_blocks limits it
+        if list(auth.ticket_chain[:want_to]) != list(source[:want_to]):
+            raise TransferError(grpc.StatusCode.INVALID_ARGUMENT,
+                                "the pulled chain is not a leading run of the ticket's")
+        request = worker_pb2.ExportBlocksRequest(
+            block_hashes=auth.ticket_chain, from_block=res.num_cached, ticket=auth.ticket,
+            max_blocks=want_to)
+    else:
+        request = worker_pb2.ExportBlocksRequest(block_hashes=source[:want_to],
+                                                 from_block=res.num_cached)
+    call = stub.ExportBlocks(request, timeout=timeout_s)
     try:
         first = await call.read()
         if first is grpc.aio.EOF or first.WhichOneof("event") != "header":
@@ -365,16 +445,16 @@ async def _receive(stub: Any, transfer: BlockTransfer, res: Reservation, peer: s
                                     f"{peer}: a malformed chunk (blocks {c.first_block}+"
                                     f"{c.num_blocks}, {len(c.k)} bytes) after {received} "
                                     "blocks")
-            n = min(c.num_blocks, want - received)
-            k, v = (c.k, c.v) if n == c.num_blocks else (c.k[:n * half], c.v[:n * half])
-            if got.writing is not None:
-                # Shielded: a cancelled pull leaves the write to finish (see _commit_after).
-                await asyncio.shield(got.writing)
-                got.blocks, got.writing = got.writing_to, None
-            received += n
+            n = min(c.num_blocks, want - received)  # more than asked: the rest unused
+            # Shielded: a cancelled pull leaves the write to finish (see _commit_after).
+            await got.settle_write(shielded=True)
+            if got.error is not None:
+                raise got.error  # a block's pages did not match their digest
             got.writing = asyncio.ensure_future(asyncio.to_thread(
-                transfer.write, res, received - n, k, v))
-            got.writing_to = received
+                _verify_and_write, transfer, res, received, c.k, c.v, list(c.block_digests),
+                c.num_blocks, n, auth.require_digests))
+            got.writing_from = received
+            received += n
             got.bytes += 2 * n * half
     finally:
         call.cancel()  # a no-op once the stream ended; else the peer stops sending

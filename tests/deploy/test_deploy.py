@@ -490,7 +490,9 @@ CREDENTIALS = {
     "worker": {"tls_cert": "prefixgate-worker-keys", "tls_key": "prefixgate-worker-keys",
                "tls_client_ca": "prefixgate-internal-tls",
                "internal_token_file": "prefixgate-auth",
-               "worker_keyring": "prefixgate-worker-keys"},
+               "worker_keyring": "prefixgate-worker-keys",
+               "peer_tls_ca": "prefixgate-internal-tls", "peer_tls_cert": "prefixgate-worker-keys",
+               "peer_tls_key": "prefixgate-worker-keys", "peer_token_file": "prefixgate-auth"},
 }
 
 
@@ -567,7 +569,7 @@ def test_network_policies(rendered) -> None:
         sources = {**labels, "outside": None, "other pod": {"app": "something-else"}}
         expect = {("gateway", "grpc"): {"gateway", "worker", "redis", "outside", "other pod"},
                   ("gateway", "http"): {"gateway", "worker", "redis", "outside", "other pod"},
-                  ("worker", "grpc"): {"gateway"},
+                  ("worker", "grpc"): {"gateway", "worker"},  # block transfer
                   ("redis", "redis"): {"gateway", "worker"}}
         for (target, port), allowed in expect.items():
             got = {s for s, src in sources.items()
@@ -978,3 +980,84 @@ def test_vllm_arguments_parse_with_vllm(rendered, tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     got = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("[")]
     assert got == [[True, True, True]] * 2
+
+
+def test_workers_pull_blocks_with_the_manifests_security_on(containers, made_secrets,
+                                                            loop_thread, tiny_spec,
+                                                            tiny_model) -> None:
+    """Two workers configured exactly as the rendered manifests configure a worker pod
+    (each flag's file taken from what deploy/secrets.sh made, through the pod's own
+    mounts), a pull the gateways' keyring signs: the turn is served on pulled blocks,
+    over mutual TLS with each certificate checked against the worker id. Workers hold
+    the internal credential's hash, never the token, and pull with the peer credential.
+    (Before, deploy/ gave workers no peer TLS: with the manifests' security on, pulls
+    could not work at all.)"""
+    import grpc as grpc_sync
+
+    from prefixgate.cli.worker import worker_config
+    from prefixgate.security.auth import InternalCredential
+    from prefixgate.security.identity import Keyring
+    from prefixgate.v1 import common_pb2, worker_pb2_grpc
+    from prefixgate.wire.token_ids import pack
+    from tests.helpers import start_worker
+
+    c = containers["cpu-dev"]["worker"]
+    gateway = containers["cpu-dev"]["gateway"]
+    assert c.args.peer_tls_ca and c.args.peer_tls_cert == c.args.tls_cert
+    assert c.args.peer_tls_key == c.args.tls_key and c.args.peer_token_file
+    started, stubs = {}, {}
+    for pod in ("prefixgate-worker-0", "prefixgate-worker-1"):
+        files = _secret_files(c.pod, c.spec, pod)
+        local = argparse.Namespace(**vars(c.args))
+        for option in CREDENTIALS["worker"]:
+            name, key = files[getattr(c.args, option)]
+            setattr(local, option, str(made_secrets / name / key))
+        local.worker_id, local.port, local.host = pod, 0, "127.0.0.1"
+        assert not InternalCredential.from_file(local.internal_token_file).can_send
+        config = {k: getattr(worker_config(local), k) for k in
+                  ("tls", "peer_tls", "auth", "limits")}
+        started[pod] = start_worker(loop_thread, tiny_spec, tiny_model, pod,
+                                    worker_config=config)
+    g = {o: (made_secrets / n / k) for o, (n, k) in
+         ((o, _secret_files(gateway.pod, gateway.spec, "x")[getattr(gateway.args, o)])
+          for o in ("worker_tls_ca", "worker_tls_cert", "worker_tls_key",
+                    "internal_token_file", "worker_keyring"))}
+    creds = grpc_sync.ssl_channel_credentials(g["worker_tls_ca"].read_bytes(),
+                                              g["worker_tls_key"].read_bytes(),
+                                              g["worker_tls_cert"].read_bytes())
+    md = InternalCredential.from_file(g["internal_token_file"]).metadata
+    for pod, (address, _) in started.items():
+        channel = grpc_sync.secure_channel(address, creds, options=[
+            ("grpc.ssl_target_name_override", pod)])
+        stubs[pod] = (channel, worker_pb2_grpc.WorkerServiceStub(channel))
+    signer = Keyring.from_file(g["worker_keyring"]).for_gateway("g").ticket_signer()
+    prompt = [(i * 7) % 250 + 3 for i in range(100)]
+
+    def generate(pod: str, pull=None) -> tuple[list[int], worker_pb2.GenerateFinal]:
+        req = worker_pb2.GenerateRequest(packed_prompt_token_ids=pack(prompt).tobytes(),
+                                         sampling=common_pb2.SamplingParams(
+                                             max_tokens=6, temperature=0.0), pull=pull)
+        tokens, final = [], None
+        for ev in stubs[pod][1].Generate(req, timeout=60, metadata=md):
+            if ev.HasField("chunk"):
+                tokens += ev.chunk.token_ids
+            else:
+                final = ev.final
+        return tokens, final
+    try:
+        want, _ = generate("prefixgate-worker-0")
+        from prefixgate.radix import BlockHasher
+        chain = BlockHasher(c.args.block_size, model_fingerprint=tiny_spec.fingerprint
+                            ).hash_blocks(prompt)
+        pull = worker_pb2.PullSpec(
+            peer_address=started["prefixgate-worker-0"][0],
+            peer_worker_id="prefixgate-worker-0", num_blocks=len(chain),
+            ticket=signer.sign("prefixgate-worker-1", "prefixgate-worker-0", "", chain))
+        got, final = generate("prefixgate-worker-1", pull)
+        assert got == want
+        assert final.usage.transferred_tokens == len(chain) * c.args.block_size
+    finally:
+        for channel, _ in stubs.values():
+            channel.close()
+        for _, stop in started.values():
+            loop_thread.loop.call_soon_threadsafe(stop.set)

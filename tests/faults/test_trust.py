@@ -290,3 +290,52 @@ def test_a_worker_reporting_a_huge_prefill_rate_draws_no_extra_turns(
         assert served["liar"] <= 10, served
     finally:
         _stop_all(loop_thread, gstop, s_honest, s_liar)
+
+
+def test_a_token_holders_streams_past_the_workers_waiting_bound_are_refused(
+        loop_thread, tiny_spec, tiny_model) -> None:
+    """At most 2 requests waiting for their first token: of 8 long token-id prompts sent
+    at once (repeated and packed forms alike: no form skips the bound), 2 are admitted
+    before any has its first token and 6 are refused with RESOURCE_EXHAUSTED naming the
+    limit and its flag; the admitted ones finish, and the worker serves again after.
+    (Unbounded, all 8 were queued: one token holder could queue streams of 128k-token
+    prompts without end.)"""
+    from prefixgate.wire.token_ids import pack
+
+    address, stop = start_worker(loop_thread, tiny_spec, tiny_model, "bounded", max_num_seqs=1,
+                                 worker_config=dict(max_waiting_requests=2))
+
+    async def burst() -> list:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+
+            async def one(i: int):
+                ids = [3 + (i * 13 + j) % 250 for j in range(400)]
+                req = worker_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(
+                    max_tokens=40, temperature=0.0))
+                if i % 2:
+                    req.packed_prompt_token_ids = pack(ids).tobytes()
+                else:
+                    req.prompt_token_ids.extend(ids)
+                try:
+                    return [ev async for ev in stub.Generate(req, timeout=120)][-1].final
+                except grpc.aio.AioRpcError as exc:
+                    return exc
+            return await asyncio.gather(*(one(i) for i in range(8)))
+    try:
+        results = loop_thread.run(burst())
+        refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+        served = [r for r in results if not isinstance(r, grpc.aio.AioRpcError)]
+        report("streams_past_the_workers_waiting_bound", sent=8, served=len(served),
+               refused=len(refused))
+        assert len(served) == 2 and len(refused) == 6
+        for exc in refused:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-waiting-requests 2" in exc.details()
+        assert all(f.usage.completion_tokens == 40 for f in served)
+        with grpc.insecure_channel(address) as c:  # the bound is on requests waiting now
+            list(worker_pb2_grpc.WorkerServiceStub(c).Generate(worker_pb2.GenerateRequest(
+                prompt_token_ids=[5] * 20, sampling=common_pb2.SamplingParams(max_tokens=1)),
+                timeout=60))
+    finally:
+        _stop_all(loop_thread, stop)

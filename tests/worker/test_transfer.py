@@ -83,12 +83,12 @@ def test_pulled_kv_equals_recompute_smollm2(loop_thread, smollm2_spec, smollm2_m
         stop_all()
 
 
-def _service_engine(stub):
+def _service_engine(stub, metadata=None):
     """The in-process engine behind a worker (tests run them in this process)."""
     import gc
 
     from prefixgate.worker.server import WorkerService
-    worker_id = stub.GetInfo(worker_pb2.GetInfoRequest()).worker_id
+    worker_id = stub.GetInfo(worker_pb2.GetInfoRequest(), metadata=metadata).worker_id
     for obj in gc.get_objects():
         if type(obj) is WorkerService and obj.config.worker_id == worker_id:
             return obj.engine
@@ -183,31 +183,42 @@ def test_pull_blocks_stores_and_publishes(workers) -> None:
     assert final.usage.cached_tokens == 144
 
 
-def test_drain_hands_the_most_reused_chain_to_a_peer(loop_thread, tiny_spec, tiny_model,
-                                                      workers) -> None:
-    """A worker told to stop offers its cached chains to its peers before it leaves: the
-    conversation's next turn hits them on the peer."""
+def start_leaving(loop_thread, spec, model, config: dict, peers: list[tuple[str, str]]):
+    """A worker "leaving" (WorkerConfig fields `config`) served with `peers` for its drain
+    hand-off: (port, stop event, the serve task)."""
     import asyncio
 
     from prefixgate.worker.events import EventLog
     from prefixgate.worker.server import WorkerConfig, WorkerService, serve
     from tests.helpers import make_engine
 
-    peer_addr, _, _, peer = workers("peer")
     events = EventLog()
-    engine = make_engine(tiny_spec, tiny_model, event_sink=events)
-    service = WorkerService(engine, tiny_spec, WorkerConfig(worker_id="leaving", drain_seconds=10),
+    engine = make_engine(spec, model, event_sink=events)
+    service = WorkerService(engine, spec, WorkerConfig(worker_id="leaving", drain_seconds=10,
+                                                       **config),
                             vocab_size=engine.tokenizer.vocab_size, events=events)
 
-    async def peers() -> list[tuple[str, str]]:
-        return [("leaving", "ignored: itself"), ("peer", peer_addr)]
+    async def list_peers() -> list[tuple[str, str]]:
+        return peers
 
     async def start():
         stop = asyncio.Event()
         started = asyncio.get_running_loop().create_future()
-        done = asyncio.create_task(serve(service, stop, started, peers=peers))
+        done = asyncio.create_task(serve(service, stop, started, peers=list_peers))
         return await started, stop, done
-    port, stop, done = loop_thread.run(start())
+    return loop_thread.run(start())
+
+
+def test_drain_hands_the_most_reused_chain_to_a_peer(loop_thread, tiny_spec, tiny_model,
+                                                      workers) -> None:
+    """A worker told to stop offers its cached chains to its peers before it leaves: the
+    conversation's next turn hits them on the peer."""
+    import asyncio
+
+
+    peer_addr, _, _, peer = workers("peer")
+    port, stop, done = start_leaving(loop_thread, tiny_spec, tiny_model, {},
+                                     [("leaving", "ignored: itself"), ("peer", peer_addr)])
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     leaving = worker_pb2_grpc.WorkerServiceStub(channel)
     history = [(i * 17) % 250 + 4 for i in range(120)]
