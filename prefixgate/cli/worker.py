@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 
 from prefixgate.cli import security
 from prefixgate.cli.common import (
@@ -130,6 +131,10 @@ def run(args: argparse.Namespace) -> int:
 
     passive_omp_wait()
     asyncio.run(_serve_emulated(args) if args.emulate else _serve(args))
+    # The server has stopped. The interpreter's final collection would walk every object
+    # the model and tokenizer left (seconds of exit for a worker already stopped, which
+    # `up` and orchestrators wait on); frozen objects are skipped by it.
+    gc.freeze()
     return 0
 
 
