@@ -65,8 +65,9 @@ def encode(events: list[tuple], array_like: bool = False, ts: float = 0.0) -> by
         if ev[0] == "stored":
             _, hashes, parent, tokens, bs, salt, with_keys = ev
             keys = None
-            if with_keys:
-                keys = [((salt,) if salt and i == 0 else None) for i in range(len(hashes))]
+            if with_keys:  # vLLM keys only a sequence's first block with the salt
+                keys = [((salt,) if salt and i == 0 and parent is None else None)
+                        for i in range(len(hashes))]
             out.append(stored_t(list(hashes), parent, list(tokens), bs, None, "GPU", None,
                                 keys))
         elif ev[0] == "removed":
