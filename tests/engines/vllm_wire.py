@@ -8,6 +8,7 @@ a start sequence number with `(topic, seq, payload)` frames, then `(b"", -1, b""
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Any
 
 import msgspec
@@ -108,7 +109,7 @@ class Publisher:
 
     def publish(self, events: list[tuple], send: bool = True) -> int:
         """Publish one batch (or only buffer it for replay: a message lost on the way)."""
-        payload = encode(events, self.array_like)
+        payload = encode(events, self.array_like, ts=time.time())  # as vLLM stamps batches
         seq = self.seq
         self.seq += 1
         if send:
