@@ -123,6 +123,7 @@ class VLLMEventStream:
             try:
                 await self._follow(sub, monitor)
             finally:
+                self.in_step = False  # following no more (stalled, or stopped)
                 sub.disable_monitor()
                 monitor.close(linger=0)
                 sub.close(linger=0)
