@@ -240,8 +240,8 @@ async def _start_vllm_workers(spec: ModelSpec, tokenizer: ChatTokenizer, registr
 
     # Tenants' cache salts keyed by the gateways' shared key when there is one (every
     # gateway sending to a server then salts alike); else each adapter draws its own.
-    keyring = (identity.Keyring.from_file(config.auth.worker_keyring_file)
-               if config.auth.worker_keyring_file else None)
+    path = config.auth.worker_keyring_file
+    keyring = identity.Keyring.from_file(path).for_gateway(path) if path else None
     salt_key = cache_salt_key(keyring.gateway_key) if keyring and keyring.gateway_key else b""
     workers = await start_local_workers(
         spec, tokenizer, [VLLMConfig.parse(text, metrics_interval_s=config.status_interval_ms / 1e3,

@@ -322,6 +322,56 @@ def test_batches_missed_while_unsubscribed_are_replayed(vllm, smollm2_spec) -> N
     asyncio.run(main())
 
 
+def test_another_tenants_salt_cannot_be_computed(vllm, smollm2_spec) -> None:
+    """Another client of the same vLLM server, knowing tenant "acme"'s name and prompt,
+    probes its cache through `cached_tokens` with every salt computable from the name:
+    none finds anything (with the adapter's real salt the same probe would find it)."""
+    import hashlib
+
+    import xxhash
+
+    rng = random.Random(17)
+
+    async def main():
+        w = VLLMWorker(smollm2_spec, ChatTokenizer(smollm2_spec), WorkerConfig("v", block_size=16),
+                       VLLMConfig.parse(vllm.spec))
+        await w.start(wait_s=30)
+        client = VLLMClient(vllm.url)
+        prompt = _prompt(rng)
+        try:
+            async for _ in LocalWorker(w).Generate(worker_pb2.GenerateRequest(
+                    request_id="acme-1", prompt_token_ids=prompt, namespace="acme",
+                    sampling=common_pb2.SamplingParams(max_tokens=1)), timeout=120):
+                pass
+            name = b"acme"
+            guesses = ["acme", "prefixgate-acme", "prefixgate-" + xxhash.xxh3_128_hexdigest(name),
+                       "prefixgate-" + hashlib.sha256(name).hexdigest(),
+                       "prefixgate-" + hashlib.sha256(name).hexdigest()[:32]]
+            found = []
+            for salt in guesses:
+                usage: dict = {}
+                async for chunk in client.completions({
+                        "model": vllm.served_name, "prompt": prompt, "max_tokens": 1,
+                        "cache_salt": salt, "stream": True,
+                        "stream_options": {"include_usage": True}}, 120):
+                    usage = chunk.get("usage") or usage
+                found.append(usage["prompt_tokens_details"]["cached_tokens"])
+            usage = {}
+            async for chunk in client.completions({
+                    "model": vllm.served_name, "prompt": prompt, "max_tokens": 1,
+                    "cache_salt": w._salt("acme"), "stream": True,
+                    "stream_options": {"include_usage": True}}, 120):
+                usage = chunk.get("usage") or usage
+        finally:
+            await client.close()
+            await w.close()
+        print(f"\nsalts guessed from the name: cached tokens found {found}; with the "
+              f"adapter's key: {usage['prompt_tokens_details']['cached_tokens']}")
+        assert found == [0] * len(guesses)
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 96
+    asyncio.run(main())
+
+
 def test_a_paused_server_is_listed_again_within_seconds(vllm, smollm2_spec) -> None:
     """`up --engine vllm`'s gateway (its default refresh) and a vLLM server stopped by
     SIGSTOP for 10 s: dropped while paused, listed again within seconds of SIGCONT (it

@@ -69,3 +69,31 @@ def test_gateways_sharing_the_key_salt_alike_and_events_map_back(tiny_spec, tmp_
     two._salts.clear()
     two.mapper.apply(decode_batch(encode([stored_chain(tokens, 16, 0, 4, salt=salt)]))[1])
     assert two.mapper.num_held_blocks == 0 and two.mapper.num_foreign_blocks == 4
+
+
+def test_the_gateway_keys_its_vllm_adapters_with_the_gateways_key(tiny_spec, tmp_path) -> None:
+    """`prefixgate gateway --vllm-worker ... --worker-keyring FILE`: the adapters' salt key
+    is derived from FILE's '@gateways' line; without one each adapter has its own."""
+    import asyncio
+
+    from prefixgate.gateway.server import GatewayConfig, _start_vllm_workers
+    from prefixgate.registry import make_registry
+    from prefixgate.security.auth import AuthConfig
+
+    path = tmp_path / "gateway.keyring"
+    path.write_text(f"{new_gateway_key()}\n{new_worker_key('w0')[1]}\n")
+    servers = ("http://127.0.0.1:9,tcp://127.0.0.1:9", "http://127.0.0.2:9,tcp://127.0.0.2:9")
+
+    async def salt_keys(auth: AuthConfig) -> list[bytes]:
+        local = await _start_vllm_workers(tiny_spec, ChatTokenizer(tiny_spec),
+                                          make_registry(None),
+                                          GatewayConfig(vllm_workers=servers, auth=auth))
+        try:
+            return [w.servicer._salt_key for w in local.values()]
+        finally:
+            await asyncio.gather(*(w.servicer.close() for w in local.values()))
+
+    keyed = asyncio.run(salt_keys(AuthConfig(worker_keyring_file=str(path))))
+    assert keyed == [cache_salt_key(Keyring.from_file(path).gateway_key)] * 2
+    own = asyncio.run(salt_keys(AuthConfig()))
+    assert len(set(own)) == 2 and not set(own) & set(keyed)
