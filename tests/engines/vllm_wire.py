@@ -8,6 +8,7 @@ a start sequence number with `(topic, seq, payload)` frames, then `(b"", -1, b""
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Any
 
 import msgspec
@@ -65,8 +66,9 @@ def encode(events: list[tuple], array_like: bool = False, ts: float = 0.0) -> by
         if ev[0] == "stored":
             _, hashes, parent, tokens, bs, salt, with_keys = ev
             keys = None
-            if with_keys:
-                keys = [((salt,) if salt and i == 0 else None) for i in range(len(hashes))]
+            if with_keys:  # vLLM keys only a sequence's first block with the salt
+                keys = [((salt,) if salt and i == 0 and parent is None else None)
+                        for i in range(len(hashes))]
             out.append(stored_t(list(hashes), parent, list(tokens), bs, None, "GPU", None,
                                 keys))
         elif ev[0] == "removed":
@@ -107,7 +109,7 @@ class Publisher:
 
     def publish(self, events: list[tuple], send: bool = True) -> int:
         """Publish one batch (or only buffer it for replay: a message lost on the way)."""
-        payload = encode(events, self.array_like)
+        payload = encode(events, self.array_like, ts=time.time())  # as vLLM stamps batches
         seq = self.seq
         self.seq += 1
         if send:
