@@ -204,6 +204,8 @@ class OpenAITarget(Target):
                     event = json.loads(sse.data)
                     if event.get("usage"):
                         usage = event["usage"]
+                    # A prefixgate gateway names the serving worker in the finishing chunk.
+                    rec.worker = event.get("prefixgate_worker") or rec.worker
                     for choice in event.get("choices") or ():
                         piece = (choice.get("delta") or {}).get("content") or choice.get("text")
                         if piece:
