@@ -1,5 +1,5 @@
-"""The load-only and placement-only policies (no cached prefix in the rule): session,
-least-loaded, round-robin, random. Baselines to compare the cache-aware rules against."""
+"""Baselines to compare the cost rules against: session, least-loaded, round-robin,
+random (no cached prefix in the rule), and best-cached (nothing but the cached prefix)."""
 
 from __future__ import annotations
 
@@ -64,3 +64,14 @@ class Random(RoutingPolicy):
 
     def rank(self, c: Candidates) -> Ranking:
         return Ranking(self._rng.sample(c.workers, len(c.workers)))
+
+
+class BestCached(RoutingPolicy):
+    """The most credited cached tokens, then the least loaded: every turn on its
+    best-cached worker whatever waits there (the hit a router gives up nothing for)."""
+
+    name = "best-cached"
+
+    def rank(self, c: Candidates) -> Ranking:
+        return Ranking(sorted(c.workers, key=lambda w: (-c.credit.get(w.worker_id, 0.0),
+                                                        *load_key(w))))
