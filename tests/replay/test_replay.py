@@ -343,6 +343,17 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
     def log_message(self, *args) -> None:
         pass
 
+    def do_GET(self) -> None:  # noqa: N802
+        # /v1/models lists nothing until a worker "registers" (the second call), as a
+        # router does before its workers answer.
+        _FakeOpenAI.seen.append((self.path, {}))
+        listed = sum(p == "/v1/models" for p, _ in _FakeOpenAI.seen) > 1
+        doc = {"object": "list", "data": [{"id": "served-model"}] if listed else []}
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(json.dumps(doc).encode())
+
     def do_POST(self) -> None:  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         _FakeOpenAI.seen.append((self.path, body))
@@ -386,6 +397,23 @@ def fake_openai():
     yield f"http://127.0.0.1:{server.server_address[1]}/v1"
     server.shutdown()
     server.server_close()
+
+
+def test_openai_target_waits_for_a_listed_model_and_names_it(fake_openai) -> None:
+    """Without --openai-model the target sends the first model the server lists (smg
+    1.13 routes a request naming no model to no worker), once it lists one."""
+    async def go():
+        target = OpenAITarget(fake_openai)
+        await target.wait_ready(5)
+        rec = await target.send(TurnRequest("c", 0, 8, messages=[("user", "hi")]))
+        await target.close()
+        return target.model, rec
+
+    model, rec = asyncio.run(go())
+    assert model == "served-model" and rec.ok
+    assert [p for p, _ in _FakeOpenAI.seen] == ["/v1/models", "/v1/models",
+                                                 "/v1/chat/completions"]
+    assert _FakeOpenAI.seen[-1][1]["model"] == "served-model"
 
 
 def test_openai_target_streams_chat_and_token_prompts(fake_openai) -> None:
