@@ -9,6 +9,8 @@ variable, never a serving command's: cli/flags.py);
   * --simulate: the routing simulator over --trace for every --sim-policies policy and
     --sim-workers count;
   * --combine: one report from earlier reports' JSON files;
+  * --compare-policies: every routing policy simulated on each of the --trace files
+    (comma-separated), one document (replay/compare.py): TTFT, goodput, hit and load;
 
 then writes <out>/<name>.json, .md and plots, prints the Markdown (or, with --json, the JSON
 document) on stdout, and returns the exit code (1 when every turn failed).
@@ -20,6 +22,7 @@ import argparse
 import asyncio
 import json
 import sys
+from pathlib import Path
 
 from prefixgate.cli.common import (
     log_flags,
@@ -85,6 +88,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag(p, "--simulate", action="store_true",
          help="no model: simulate workers (LRU block caches, service-time model) and compare "
               "routing policies on the trace")
+    flag(p, "--compare-policies", action="store_true",
+         help="simulate every routing policy (or the --sim-policies) on each --trace (several "
+              "separated by commas) and report each rule's TTFT p50/p90/p99, goodput, tokens "
+              "not recomputed and load side by side (docs/bench/routing-policies.md)")
+    flag(p, "--ttft-target", type=float, default=1.0,
+         help="--compare-policies: goodput counts the turns whose TTFT is within this many "
+              "(emulated) seconds")
     flag(p, "--sim-policies", action="append",
          help="simulated routing policies (default: all the gateway has); a policy may set "
               "routing weights: prefix:shared_prefix_weight=1:load_weight=0.5")
@@ -226,12 +236,42 @@ async def _replay(args: argparse.Namespace, trace) -> dict:
                       for r in result.records]}
 
 
+def _compare(args: argparse.Namespace) -> int:
+    """--compare-policies: one document for every trace and policy (replay/compare.py)."""
+    from prefixgate.replay import compare
+    from prefixgate.replay.traces import TraceError, read_trace
+
+    paths = [p for p in args.trace.split(",") if p]
+    if not paths:
+        raise SystemExit("prefixgate replay: --compare-policies needs --trace PATH[,PATH...]")
+    traces = []
+    for path in paths:
+        try:
+            trace = read_trace(path, args.trace_format, skip_malformed=args.skip_malformed)
+        except TraceError as exc:
+            raise SystemExit(f"prefixgate replay: {exc}") from None
+        traces.append((path, trace.head(args.max_conversations)))
+    doc = compare.compare(traces, fleet_plan(args), lambda t: arrival_config(args, t),
+                          limits(args), args.ttft_target)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / f"{args.name}.json", out / f"{args.name}.md"]
+    written[0].write_text(json.dumps(doc, indent=1))
+    written[1].write_text(compare.markdown(doc, args.name))
+    if not args.no_plots:
+        written += compare.plot(doc, out, args.name)
+    print("prefixgate replay: wrote " + ", ".join(map(str, written)), file=sys.stderr)
+    print(json.dumps(doc) if args.json else compare.markdown(doc, args.name))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from prefixgate.replay.report import load_runs, markdown, write_report
     from prefixgate.replay.traces import TraceError, read_trace
 
     quiet_http_client_logs()  # not one line per turn against an HTTP target
-
+    if args.compare_policies:
+        return _compare(args)
     if args.combine:
         runs = load_runs(args.combine)
     else:

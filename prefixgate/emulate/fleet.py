@@ -183,9 +183,11 @@ class Fleet:
             for url in self.gateways:
                 while True:
                     self._check_alive()
-                    with contextlib.suppress(httpx.HTTPError):
+                    with contextlib.suppress(httpx.HTTPError, ValueError, LookupError):
+                        # The model by name: smg 1.13 routes "" to no worker.
+                        model = (await http.get(url + "/v1/models")).json()["data"][0]["id"]
                         r = await http.post(url + "/v1/completions",
-                                            json={"model": "", "prompt": "300",
+                                            json={"model": model, "prompt": "300",
                                                   "max_tokens": 1})
                         if r.status_code == 200:
                             break

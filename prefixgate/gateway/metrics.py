@@ -34,6 +34,15 @@ Decision quality (per served turn; docs/routing.md):
                                                                  by serving off the best
           prefixgate:router_cached_prediction_error_tokens       histogram: predicted minus
                                                                  reported cached tokens
+Claims (per-worker confidence, gateway/routing.py):
+          prefixgate:router_worker_confidence{worker}            share of the cached tokens
+                                                                 its events claimed of the
+                                                                 prompts it served that it
+                                                                 found (routing credits its
+                                                                 claims at this share)
+          prefixgate:router_unconfirmed_claim_tokens_total{worker}
+                                                                 claimed cached tokens its
+                                                                 served turns did not find
 Predictions: prefixgate:index_expected_blocks                    blocks expected (routed,
                                                                  not yet confirmed)
           prefixgate:index_prediction_confidence                 share of predicted blocks
@@ -132,6 +141,22 @@ EXPECTED_BLOCKS = Gauge("prefixgate:index_expected_blocks",
                         "Blocks expected on workers (routed there, not yet confirmed).")
 PREDICTION_CONFIDENCE = Gauge("prefixgate:index_prediction_confidence",
                               "Share of predicted blocks that worker events confirmed.")
+
+WORKER_CONFIDENCE = Gauge("prefixgate:router_worker_confidence",
+                          "Share of the cached tokens a worker's events claimed of the prompts "
+                          "it served that it found cached (routing credits its claims at it).",
+                          ["worker"])
+UNCONFIRMED_CLAIMS = Counter("prefixgate:router_unconfirmed_claim_tokens",
+                             "Cached tokens a worker's events claimed of prompts it served that "
+                             "it did not find cached.", ["worker"])
+
+
+def count_claim(worker_id: str, claimed: int, confirmed: int, confidence: float) -> None:
+    """A served turn's claim (Router's on_claim): the worker's confidence and the tokens
+    it claimed and did not find."""
+    WORKER_CONFIDENCE.labels(worker_id).set(confidence)
+    if claimed > confirmed:
+        UNCONFIRMED_CLAIMS.labels(worker_id).inc(claimed - confirmed)
 
 
 _BY_WORKER: dict[tuple[str, str], tuple] = {}  # (worker, policy) -> its counters' children

@@ -126,7 +126,7 @@ class TurnCore:
             max_blocks=config.index_max_blocks, spread_fanout=config.routing.spread_fanout,
             prediction_ttl_s=config.routing.prediction_ttl_s)
         self.feed: EventFeed | None = None  # serve() sets it: shares routing predictions
-        self.router = Router(config.routing, self.index)
+        self.router = Router(config.routing, self.index, on_claim=metrics.count_claim)
         self.config = config
         self.recorder = (TraceRecorder(config.record_trace, config.block_size)
                          if config.record_trace else None)
@@ -311,7 +311,7 @@ class TurnCore:
         expected = decision.cached_tokens_of(wid)
         best = decision.best_cached_tokens
         usage = final.usage
-        self.router.record(turn, wid)
+        self.router.record(turn, wid, usage.cached_tokens if not num_resumes else None)
         metrics.count_turn(wid, policy, expected, best, usage.cached_tokens,
                            turn.num_prompt_tokens, usage.transferred_tokens,
                            expected_transferred)

@@ -7,8 +7,9 @@ and three plots, returning their paths:
 
   <name>-ttft-cdf.png   TTFT CDF, one line per run
   <name>-hit-rate.png   prefix hit rate over time, one line per run
-  <name>-load.png       prompt tokens per worker over the mean, workers sorted, one line
-                        per run (1.0 everywhere = perfectly even)
+  <name>-load.png       prompt tokens per worker over the mean, workers ranked by it, one
+                        bar per run and rank (1.0 everywhere = perfectly even); runs whose
+                        target names no serving worker are listed on it
   <name>-fleet.png      replay --fleet runs side by side: hit and load at the workers,
                         TTFT p50 and p99 at the client and at the workers
 
@@ -92,17 +93,7 @@ def plot(runs: Sequence[dict], out_dir: Path, name: str) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = []
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for run in runs:
-        xs = run.get("ttft_samples_s") or []
-        if xs:
-            ax.plot(xs, [(k + 1) / len(xs) for k in range(len(xs))], label=run["label"])
-    ax.set(xscale="log", xlabel="time to first token (s, log)", ylabel="fraction of turns",
-           title=f"{name}: TTFT CDF")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    paths.append(_save(fig, out_dir / f"{name}-ttft-cdf.png"))
+    paths = [_save(_cdf_plot(runs, name), out_dir / f"{name}-ttft-cdf.png")]
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for run in runs:
@@ -118,27 +109,77 @@ def plot(runs: Sequence[dict], out_dir: Path, name: str) -> list[Path]:
     ax.set(xlabel="turn start (s from the run's start)", ylabel="prefix hit rate",
            ylim=(0, 1), title=f"{name}: hit rate over time")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _legend_below(ax, len(runs))
     paths.append(_save(fig, out_dir / f"{name}-hit-rate.png"))
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for run in runs:
-        per = run["summary"]["per_worker"]
-        toks = sorted((w["prompt_tokens"] for w in per.values()), reverse=True)
-        if toks and sum(toks):
-            mean = sum(toks) / len(toks)
-            ax.plot(range(1, len(toks) + 1), [t / mean for t in toks], marker="o", markersize=3,
-                    label=run["label"])
-    ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set(xlabel="worker (sorted by load)", ylabel="prompt tokens / mean",
-           title=f"{name}: per-worker load")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    paths.append(_save(fig, out_dir / f"{name}-load.png"))
+    paths.append(_save(_load_plot(runs, name), out_dir / f"{name}-load.png"))
     if any(r["summary"].get("workers") for r in runs):
         paths.append(_fleet_plot([r for r in runs if r["summary"].get("workers")], out_dir,
                                  name))
     return paths
+
+
+def _cdf_plot(runs: Sequence[dict], name: str):
+    """TTFT CDF, one line per run, log time axis."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for run in runs:
+        xs = run.get("ttft_samples_s") or []
+        if xs:
+            ax.plot(xs, [(k + 1) / len(xs) for k in range(len(xs))], label=run["label"])
+    ax.set(xscale="log", xlabel="time to first token (s, log)", ylabel="fraction of turns",
+           ylim=(0, 1.02), title=f"{name}: TTFT CDF")
+    ax.grid(alpha=0.3)
+    _legend_below(ax, len(runs))
+    return fig
+
+
+def _legend_below(ax, num_runs: int) -> None:
+    """The runs' legend under the axes, in columns: inside, long labels of many runs cover
+    the curves and each other."""
+    if num_runs:
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16),
+                  ncol=min(3, num_runs), frameon=False)
+
+
+def _load_plot(runs: Sequence[dict], name: str):
+    """Prompt tokens per worker over the mean, workers sorted by load (rank 1 = the most
+    loaded): one group of bars per rank, one bar per run, integer ranks. A run whose
+    target names no serving worker (an OpenAI-compatible server other than a prefixgate
+    gateway) is listed as such instead of drawing nothing."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    series, missing = [], []
+    for run in runs:
+        per = run["summary"].get("per_worker") or {}
+        toks = sorted((w["prompt_tokens"] for w in per.values()), reverse=True)
+        if toks and sum(toks):
+            mean = sum(toks) / len(toks)
+            series.append((run["label"], [t / mean for t in toks]))
+        else:
+            missing.append(run["label"])
+    width = 0.8 / max(1, len(series))
+    for k, (label, ys) in enumerate(series):
+        xs = [i + 1 - 0.4 + width * (k + 0.5) for i in range(len(ys))]
+        ax.bar(xs, ys, width=width, label=label)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    top = max((y for _, ys in series for y in ys), default=1.0)
+    ax.set_ylim(0, 1.2 * max(1.0, top))  # room for the note above the bars
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if missing:
+        where = (0.5, 0.5, "center", "center") if not series else (0.99, 0.97, "right", "top")
+        ax.text(where[0], where[1], "no serving worker reported by the target for: "
+                + ", ".join(missing), transform=ax.transAxes, ha=where[2], va=where[3],
+                fontsize=8, color="dimgrey",
+                bbox={"facecolor": "white", "edgecolor": "lightgrey", "alpha": 0.9})
+    ax.set(xlabel="worker rank (1 = most prompt tokens)", ylabel="prompt tokens / mean",
+           title=f"{name}: per-worker load")
+    ax.grid(alpha=0.3, axis="y")
+    _legend_below(ax, len(series))
+    return fig
 
 
 def _fleet_plot(runs: Sequence[dict], out_dir: Path, name: str) -> Path:
@@ -177,7 +218,7 @@ def _save(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 

@@ -568,7 +568,7 @@ class _Sim:
             w.prefill_rate = cfg.service.prefill_tokens_per_s
         if req.num_output_tokens > 1 and cfg.service.decode_s_per_token:
             w.decode_step_s = cfg.service.decode_s_per_token
-        g.router.record(req.routed, w.wid)
+        g.router.record(req.routed, w.wid, req.cached)
         self.records.append(TurnRecord(
             t.conversation_id, t.turn_index, start_s=req.arrival, ttft_s=req.ttft,
             e2e_s=self.now - req.arrival, prompt_tokens=t.num_prompt_tokens,

@@ -21,6 +21,7 @@ Targets:
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import time
@@ -171,6 +172,27 @@ class OpenAITarget(Target):
                        for _ in range(16)]
         self._next_pool = itertools.cycle(self._pools)
 
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Until the server lists a model at GET /v1/models (a server without that
+        endpoint: at once); TimeoutError after `timeout_s`. Without a model set, the first
+        one listed is sent from then on: routers such as smg 1.13 route a request only to
+        workers serving the model it names, and list none before a worker registered."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                resp = await self._pools[0].get(self.base_url + "/v1/models")
+                if resp.status_code in (404, 405, 501):  # no such endpoint
+                    return
+                listed = [m["id"] for m in resp.json().get("data") or ()]
+            except (httpx.HTTPError, ValueError, LookupError, TypeError, AttributeError):
+                listed = []
+            if listed:
+                self.model = self.model or listed[0]
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.base_url} listed no model in {timeout_s:g} s")
+            await asyncio.sleep(0.2)
+
     async def send(self, request: TurnRequest) -> TurnRecord:
         rec = TurnRecord(request.conversation_id, request.turn_index)
         body: dict = {"model": self.model, "max_tokens": request.max_tokens,
@@ -204,6 +226,8 @@ class OpenAITarget(Target):
                     event = json.loads(sse.data)
                     if event.get("usage"):
                         usage = event["usage"]
+                    # A prefixgate gateway names the serving worker in the finishing chunk.
+                    rec.worker = event.get("prefixgate_worker") or rec.worker
                     for choice in event.get("choices") or ():
                         piece = (choice.get("delta") or {}).get("content") or choice.get("text")
                         if piece:

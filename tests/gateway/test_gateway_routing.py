@@ -253,3 +253,47 @@ def test_shared_system_prompt_spreads_across_real_workers(loop_thread, tiny_spec
     finally:
         for stop in (g_stop, a_stop, b_stop):
             loop_thread.loop.call_soon_threadsafe(stop.set)
+
+
+def test_a_worker_claiming_blocks_it_never_stored_stops_drawing_a_tenants_turns(
+        loop_thread, tiny_spec, tiny_model) -> None:
+    """Ownership events for worker "lb" claim the whole prompts of 8 conversations of a
+    tenant that it never stored (what a stolen key can publish). The first turn drawn by
+    the claim finds nothing cached there; from then on lb's claims count for nothing (its
+    confidence is 0, in the gateway's metrics), so it draws none of the other 7 by them,
+    while the honest worker's real blocks keep drawing their follow-ups."""
+    from prefixgate.gateway import metrics
+
+    a, a_stop = start_worker(loop_thread, tiny_spec, tiny_model, "la")
+    b, b_stop = start_worker(loop_thread, tiny_spec, tiny_model, "lb")
+    gw, g_stop, index = start_gateway_with_index(
+        loop_thread, tiny_spec, [a, b], routing=RoutingConfig(measured_rates=False))
+    hasher = BlockHasher(BLOCK, model_fingerprint=tiny_spec.fingerprint)
+    forged = [[3 + (11 * i + 3 * j) % 240 for j in range(96)] for i in range(8)]
+    try:
+        with grpc.insecure_channel(gw) as ch:
+            stub = chat_pb2_grpc.ChatServiceStub(ch)
+            wait_workers(stub, 2)
+            wait_for(lambda: index.epoch_of("lb") >= 0, what="the index to follow lb")
+
+            async def forge() -> None:  # applied on the gateway's loop, as an event is
+                for ids in forged:
+                    index.stored("lb", index.epoch_of("lb"), None, hasher.hash_blocks(ids))
+
+            loop_thread.run(forge())
+            assert all(owners(index, hasher, ids).get("lb", 0) == 6 for ids in forged)
+            finals = [chat(stub, ids + [5, 6], f"tenant-{i}") for i, ids in enumerate(forged)]
+            served = [f.worker_id for f in finals]
+            assert served[0] == "lb" and finals[0].usage.cached_tokens == 0
+            assert served[1:].count("lb") == 0, served  # the claims draw nothing more
+            assert metrics.WORKER_CONFIDENCE.labels("lb")._value.get() == 0.0
+            assert metrics.UNCONFIRMED_CLAIMS.labels("lb")._value.get() >= 96
+            # The honest worker's own blocks still draw their conversations' next turns.
+            for i in (1, 2):
+                wait_for(lambda i=i: owners(index, hasher, forged[i] + [5, 6]).get("la", 0)
+                         >= 6, what="la's blocks in the index")
+                final = chat(stub, forged[i] + [5, 6, 7, 7, 7, 7], f"tenant-{i}")
+                assert final.worker_id == "la" and final.usage.cached_tokens >= 96
+    finally:
+        for stop in (g_stop, a_stop, b_stop):
+            loop_thread.loop.call_soon_threadsafe(stop.set)

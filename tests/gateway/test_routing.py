@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from prefixgate.gateway.index import PrefixIndex
 from prefixgate.gateway.routing import (
+    POLICIES,
     LoadSnapshot,
     Router,
     RoutingConfig,
@@ -127,7 +128,7 @@ def test_shared_system_prompt_spreads_new_conversations() -> None:
     assert max(hot.values()) == 16 and sticky
 
 
-@pytest.mark.parametrize("policy", ["round-robin", "random", "least-loaded", "session", "prefix"])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_every_policy_ranks_each_worker_once(policy: str) -> None:
     router = Router(RoutingConfig(policy=policy, seed=1), PrefixIndex())
     ws = workers(5, w2=(10, 1))

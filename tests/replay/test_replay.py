@@ -276,6 +276,60 @@ def test_report_writes_json_markdown_and_plots(tmp_path) -> None:
     assert len(json.loads((tmp_path / "r.json").read_text())["runs"]) == 2
 
 
+def _run(label: str, workers: dict[str, int]) -> dict:
+    recs = [TurnRecord("c", i, start_s=i, ttft_s=0.1 * (i + 1), e2e_s=1.0, prompt_tokens=n,
+                       completion_tokens=2, worker=w)
+            for i, (w, n) in enumerate(workers.items())]
+    return {"label": label, "config": {}, "summary": summarize(recs, 6.0),
+            "ttft_samples_s": sorted(r.ttft_s for r in recs)}
+
+
+def test_load_plot_ranks_workers_in_whole_numbers_and_names_runs_without_workers() -> None:
+    """Two workers give two integer ranks with a bar per run (not a line between two
+    ranks with fractional ticks); a run whose target names no worker (an HTTP server
+    that is not a prefixgate gateway) is named on the plot, not left empty."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from prefixgate.replay.report import _load_plot
+
+    runs = [_run("grpc a", {"w0": 30, "w1": 10}), _run("grpc b", {"w0": 20, "w1": 20}),
+            _run("http", {"": 40})]
+    fig = _load_plot(runs, "r")
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+    heights = sorted(round(p.get_height(), 3) for p in ax.patches)
+    assert heights == [0.5, 1.0, 1.0, 1.5]  # 2 runs x 2 ranks
+    assert any("http" in t.get_text() for t in ax.texts)
+    plt.close(fig)
+
+
+def test_plot_legends_sit_below_the_axes() -> None:
+    """Long labels of several runs go under the axes, clear of the curves and each
+    other."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from prefixgate.replay.report import _cdf_plot
+
+    runs = [_run(f"prefix x8, a long label number {i}", {"w0": 10 + i}) for i in range(5)]
+    fig = _cdf_plot(runs, "r")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    legend = ax.get_legend().get_window_extent(renderer)
+    assert legend.y1 <= ax.get_window_extent(renderer).y0  # wholly under the axes
+    texts = [t.get_window_extent(renderer) for t in ax.get_legend().get_texts()]
+    assert not any(a.overlaps(b) for i, a in enumerate(texts) for b in texts[i + 1:])
+    plt.close(fig)
+
+
 # --- OpenAI-compatible target --------------------------------------------------------------
 
 
@@ -288,6 +342,17 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
 
     def log_message(self, *args) -> None:
         pass
+
+    def do_GET(self) -> None:  # noqa: N802
+        # /v1/models lists nothing until a worker "registers" (the second call), as a
+        # router does before its workers answer.
+        _FakeOpenAI.seen.append((self.path, {}))
+        listed = sum(p == "/v1/models" for p, _ in _FakeOpenAI.seen) > 1
+        doc = {"object": "list", "data": [{"id": "served-model"}] if listed else []}
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(json.dumps(doc).encode())
 
     def do_POST(self) -> None:  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -316,7 +381,10 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
             time.sleep(0.02)
         usage = {"prompt_tokens": 40, "completion_tokens": 3,
                  "prompt_tokens_details": {"cached_tokens": 32}}
-        self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+        last = {"choices": [], "usage": usage}
+        if body.get("model") == "m":  # as a prefixgate gateway names its serving worker
+            last["prefixgate_worker"] = "w7"
+        self.wfile.write(f"data: {json.dumps(last)}\n\n".encode())
         self.wfile.write(b"data: [DONE]\n\n")
 
 
@@ -329,6 +397,23 @@ def fake_openai():
     yield f"http://127.0.0.1:{server.server_address[1]}/v1"
     server.shutdown()
     server.server_close()
+
+
+def test_openai_target_waits_for_a_listed_model_and_names_it(fake_openai) -> None:
+    """Without --openai-model the target sends the first model the server lists (smg
+    1.13 routes a request naming no model to no worker), once it lists one."""
+    async def go():
+        target = OpenAITarget(fake_openai)
+        await target.wait_ready(5)
+        rec = await target.send(TurnRequest("c", 0, 8, messages=[("user", "hi")]))
+        await target.close()
+        return target.model, rec
+
+    model, rec = asyncio.run(go())
+    assert model == "served-model" and rec.ok
+    assert [p for p, _ in _FakeOpenAI.seen] == ["/v1/models", "/v1/models",
+                                                 "/v1/chat/completions"]
+    assert _FakeOpenAI.seen[-1][1]["model"] == "served-model"
 
 
 def test_openai_target_streams_chat_and_token_prompts(fake_openai) -> None:
@@ -355,6 +440,7 @@ def test_openai_target_streams_chat_and_token_prompts(fake_openai) -> None:
         assert len(rec.itl_s) == 2 and all(g > 0.01 for g in rec.itl_s)
         assert 0 < rec.ttft_s < rec.e2e_s
     assert failed.status == "HTTP 503" and "overloaded" in failed.error
+    assert chat.worker == toks.worker == "w7" and multiline.worker == ""
     (p1, b1), (p2, b2), _, _, _ = _FakeOpenAI.seen
     assert p1 == "/v1/chat/completions" and b1["messages"] == [{"role": "user", "content": "hi"}]
     assert b1["stream"] is True and b1["max_tokens"] == 8
