@@ -81,6 +81,7 @@ from prefixgate.telemetry import metrics_export, tracing
 from prefixgate.v1 import chat_pb2, common_pb2
 from prefixgate.wire import rpc
 from prefixgate.wire.protocol import (
+    MAX_SAMPLES,
     MAX_TOP_LOGPROBS,
     OVERFLOW_FROM_PROTO,
     SHIFTED_REUSE_FROM_PROTO,
@@ -201,10 +202,22 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) 
     return value
 
 
-def _count(body: dict, name: str, lo: int, hi: int = 2**32 - 1) -> int | None:
+def _count(body: dict, name: str, lo: int, hi: int) -> int | None:
+    """An integer field of the body within [lo, hi] (None when left out)."""
     value = _field(body, name, (int,))
     if value is not None and not lo <= value <= hi:
         raise InvalidRequest(f"{name} is {value}: it must be between {lo} and {hi}", name)
+    return value
+
+
+def _max_tokens(body: dict, name: str) -> int | None:
+    """`max_tokens` / `max_completion_tokens`: at least 1; the most is what the context
+    window leaves after the prompt, which the core checks once the prompt is tokenized
+    (its message names the range for this prompt)."""
+    value = _field(body, name, (int,))
+    if value is not None and not 1 <= value < 2**32:
+        raise InvalidRequest(f"{name} is {value}: it must be at least 1 and fit in the "
+                             "model's context window with the prompt", name)
     return value
 
 
@@ -235,21 +248,21 @@ def sampling_params(body: dict, chat: bool = True) -> common_pb2.SamplingParams:
     if body.get("tool_choice") not in (None, "none", "auto"):
         raise InvalidRequest("tool_choice is not supported by prefixgate: leave it out",
                              "tool_choice")
-    params = common_pb2.SamplingParams(n=_count(body, "n", 0) or 0)
+    params = common_pb2.SamplingParams(n=_count(body, "n", 1, MAX_SAMPLES) or 0)
     # Left out: unset, for the model's defaults (HTTPFront._events, wire/protocol.py).
     for name in ("temperature", "top_p"):
         value = _field(body, name, (int, float))
         if value is not None:
             setattr(params, name, float(value))
-    max_tokens = _count(body, "max_completion_tokens", 0)
+    max_tokens = _max_tokens(body, "max_completion_tokens")
     if max_tokens is None:
-        max_tokens = _count(body, "max_tokens", 0)
+        max_tokens = _max_tokens(body, "max_tokens")
     if max_tokens is not None:
         params.max_tokens = max_tokens
     seed = _count(body, "seed", 0, 2**64 - 1)
     if seed is not None:
         params.seed = seed
-    top_k = _count(body, "top_k", -1)
+    top_k = _count(body, "top_k", -1, 2**32 - 1)
     if top_k is not None:
         params.top_k = max(0, top_k)  # -1 (vLLM) and 0: off
     top_logprobs = logprobs_wanted(body, chat)
