@@ -17,8 +17,9 @@ its edge, with `TurnCore.authenticate`: the gRPC call guard, the HTTP headers) a
 turn's deadline (monotonic seconds; None: none).
 
 Steps (each a method, in order):
-  `admit`     namespace (the tenant's, auth.bind_namespace), request fields and limits
-              (prefixgate.wire.protocol), the prompt
+  `admit`     namespace (the tenant's, auth.bind_namespace), the tenant's turns in flight
+              (at most `RequestLimits.max_turns_per_tenant`, whatever the prompt's form:
+              EXHAUSTED), request fields and limits (prefixgate.wire.protocol), the prompt
               as packed token ids (text, chat messages or a plain `prompt_text`, is
               tokenized here and only here, on threads when long: `off_loop`):
               INVALID_ARGUMENT (UNKNOWN_MODEL for a model not served here) before any
@@ -155,8 +156,8 @@ class Caller:
 
 class TurnCore:
     """One gateway's turn path (see the module docstring). Owns the routing state (index,
-    router, hashers, hash memo: its `placer`) and the tokenizer threads; each front holds
-    one."""
+    router, hashers, hash memo: its `placer`), the tokenizer threads and the tenants' turns
+    in flight; each front holds one."""
 
     def __init__(self, spec: ModelSpec, tokenizer: ChatTokenizer, pool: WorkerPool,
                  config: GatewayConfig, *, index: PrefixIndex | None = None,
@@ -181,6 +182,7 @@ class TurnCore:
         # Tokenizing a long prompt off the event loop, on a bounded pool (tokenize_pool.py).
         self._tokenize_pool = TokenizePool(config.limits.tokenize_threads,
                                            config.limits.max_tokenize_waiting)
+        self._in_flight: dict[str, int] = {}  # turns running per tenant (namespace)
 
     def close(self) -> None:
         """Stop the tokenizer threads (tokenizations in progress finish)."""
@@ -221,8 +223,9 @@ class TurnCore:
         caller.trace_reply[:] = tracing.response_headers(span)
         error: BaseException | str | None = None
         figures: dict = {}
+        namespace = None
         try:
-            namespace = self._namespace(request, caller)
+            namespace = self._enter(request, caller)
             prompt = await self.admit(request, prompt_text)
             turn, decision = self.route(prompt, namespace, request.conversation_id)
             gen = worker_pb2.GenerateRequest(request_id=request_id,
@@ -246,7 +249,31 @@ class TurnCore:
             error = exc
             raise
         finally:
+            if namespace is not None:
+                self._leave(namespace)
             tracing.end(span, error, figures)
+
+    def _enter(self, request: chat_pb2.ChatRequest, caller: Caller) -> str:
+        """The turn's namespace, counted among its tenant's turns in flight (`_leave`
+        gives it back); EXHAUSTED past `max_turns_per_tenant`. Before any tokenizing, so
+        no form of prompt (text or token ids) holds gateway memory beyond the bound."""
+        namespace = self._namespace(request, caller)
+        limit = self.config.limits.max_turns_per_tenant
+        running = self._in_flight.get(namespace, 0)
+        if limit and running >= limit:
+            raise TurnError(Failure.EXHAUSTED,
+                            f"namespace {namespace!r} already has {running} turns in flight, "
+                            f"its limit (the gateway's --max-turns-per-tenant, {limit}): "
+                            "wait for a reply to finish and retry")
+        self._in_flight[namespace] = running + 1
+        return namespace
+
+    def _leave(self, namespace: str) -> None:
+        left = self._in_flight[namespace] - 1
+        if left:
+            self._in_flight[namespace] = left
+        else:
+            del self._in_flight[namespace]
 
     async def admit(self, request: chat_pb2.ChatRequest,
                     prompt_text: str | None = None) -> memoryview:

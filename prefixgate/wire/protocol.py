@@ -88,7 +88,11 @@ class RequestLimits:
     # bound the gateway's memory, not the node's core count.
     tokenize_threads: int = 2
     max_tokenize_waiting: int = 16
-
+    # Gateway: turns one tenant (its namespace: a token's own, else the one requested) may
+    # have in flight, whatever the form of their prompts; more are refused with
+    # RESOURCE_EXHAUSTED (HTTP 429). Each holds its prompt (up to max_prompt_tokens ids)
+    # and a worker stream, so this bounds what one token holder can pin. 0: no bound.
+    max_turns_per_tenant: int = 1024
 
     def server_options(self, max_receive_bytes: int) -> list[tuple[str, int]]:
         """gRPC server options enforcing these limits (receive size, pending calls)."""
