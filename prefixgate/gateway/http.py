@@ -26,6 +26,10 @@ differs; this front imports nothing of the gRPC one):
 worker found in its prefix cache. The worker that served the reply (its end, after a
 mid-stream resume): the `X-Prefixgate-Worker` header of a whole reply, the
 `prefixgate_worker` field of a stream's finishing chunk (known only once it ends).
+Whether the reply was resumed on another worker after its own was lost mid-reply
+(gateway/resume.py): `prefixgate_resumed`, the number of resumes (0: none), a field of a
+whole reply's body and of a stream's finishing chunk, and the `X-Prefixgate-Resumed`
+header of a whole reply.
 
 Routing: prompts route by their cached prefix, as on gRPC. Conversation affinity (the
 `session` policy, and the trace recorder's conversation id) comes from the request's
@@ -614,8 +618,10 @@ class HTTPFront:
             choices = [{"index": i, "text": "".join(t), "logprobs": merged[i],
                         "finish_reason": reasons[i]} for i, t in enumerate(texts)]
         return web.json_response(
-            turn.envelope(choices, usage=usage_json(final.usage)),
+            turn.envelope(choices, usage=usage_json(final.usage),
+                          prefixgate_resumed=final.num_resumes),
             headers={"X-Request-Id": turn.request_id, "X-Prefixgate-Worker": final.worker_id,
+                     "X-Prefixgate-Resumed": str(final.num_resumes),
                      **dict(caller.trace_reply)})
 
     def _logprobs(self, turn: _Turn, delta: chat_pb2.ChatDelta, offset: int) -> dict:
@@ -662,7 +668,8 @@ class HTTPFront:
                     await response.write(turn.chunk(
                         [turn.piece(i, None if turn.chat else "", reasons[i])
                          for i in range(turn.n)], **usage_none,
-                        prefixgate_worker=final.worker_id))
+                        prefixgate_worker=final.worker_id,
+                        prefixgate_resumed=final.num_resumes))
                     if include_usage:
                         await response.write(turn.chunk([], usage=usage_json(final.usage)))
                     await response.write(b"data: [DONE]\n\n")

@@ -24,10 +24,12 @@ tokenizer the seam is decoded with, and the model's context window.
 * What holds: with greedy sampling (temperature 0) the continuation's tokens are those
   of an uninterrupted run (the same model on the same prefix picks the same tokens,
   within the engines' numerics: tests/faults/test_resume.py compares them). With seeded
-  sampling the continuation is sent the request's seed, but an engine restarts its
-  random stream per request (prefixgate's does), so its draws are a fresh stream from that
-  seed, not the interrupted one's continuation: a valid sample, not the same one.
-  Unseeded sampling continues as a new sample.
+  sampling the continuation is sent the request's seed and `seed_offset_tokens` = the
+  tokens already relayed: a prefixgate worker draws one value set per sampled token from
+  the seed's stream, so it skips that many draws and samples on from where the
+  interrupted reply stood (the same tokens as an uninterrupted run, within the numerics),
+  never repeating the draws already spent. A vLLM server takes no offset (its seed
+  restarts its stream). Unseeded sampling continues as a new sample.
 * It does not resume (the loss reaches the turn path as before: UNAVAILABLE, "retry is
   safe") when the client opted out (`ChatRequest.no_resume`, HTTP `"resume": false`),
   for several samples (n > 1), before the first token (the turn path's failover covers
@@ -35,7 +37,9 @@ tokenizer the seam is decoded with, and the model's context window.
   worker's loss (a request's own error is never retried on another worker), or when no
   other worker is up. The continuation worker failing ends the stream the same way.
 * `worker` is the worker serving the reply now (the continuation's after a resume);
-  `num_resumes` counts resumes. Counted in `prefixgate:router_resumes_total{outcome}`.
+  `num_resumes` counts resumes (the fronts tell clients: ChatFinal.num_resumes, the HTTP
+  finishing chunk's / reply's `prefixgate_resumed`). Counted in
+  `prefixgate:router_resumes_total{outcome}`.
 """
 
 from __future__ import annotations
@@ -175,6 +179,8 @@ class Reply:
             packed_prompt_token_ids=ids.obj, sampling=gen.sampling,
             namespace=gen.namespace)
         cont.sampling.max_tokens = left
+        if cont.sampling.HasField("seed"):  # the seed's stream goes on past what was sent
+            cont.sampling.seed_offset_tokens += len(sent)
         placed = resumer.placer.place(turn, decision, worker, cont)
         log.info("request %s: worker %s lost after %d tokens; resuming on %s (%d prompt + "
                  "%d sent tokens, %d expected cached)", gen.request_id,

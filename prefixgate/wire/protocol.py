@@ -166,6 +166,9 @@ class SamplingConfig:
     shifted_reuse: str = ""  # "recompute" | "shift" | "blend"; "" = engine default
     # Log probabilities wanted with each token: None none, k the token's and the top k's.
     top_logprobs: int | None = None
+    # Draws of the seed's random stream already spent: sampling starts past them (a
+    # resumed reply continues the stream of the reply it continues).
+    seed_offset_tokens: int = 0
 
 
 MAX_SAMPLES = 16
@@ -266,6 +269,10 @@ def _sampling(msg: common_pb2.SamplingParams, max_tokens: int, overflow: str,
         raise InvalidRequest(f"sampling.top_logprobs is {msg.top_logprobs}: it must be between "
                              f"0 and {MAX_TOP_LOGPROBS} (alternatives per token)",
                              "sampling.top_logprobs")
+    if msg.seed_offset_tokens > limits.max_prompt_tokens:
+        raise InvalidRequest(f"sampling.seed_offset_tokens is {msg.seed_offset_tokens}: it "
+                             f"must be between 0 and {limits.max_prompt_tokens} (tokens of "
+                             "the reply already sampled)", "sampling.seed_offset_tokens")
     check_stops(msg, limits)
     return SamplingConfig(
         n=max(1, msg.n),
@@ -279,6 +286,7 @@ def _sampling(msg: common_pb2.SamplingParams, max_tokens: int, overflow: str,
         context_overflow=overflow,
         shifted_reuse=reuse,
         top_logprobs=int(msg.top_logprobs) if msg.HasField("top_logprobs") else None,
+        seed_offset_tokens=int(msg.seed_offset_tokens),
     )
 
 
