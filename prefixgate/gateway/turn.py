@@ -9,7 +9,7 @@ predicted and best predicted cached tokens). It either ends after that final eve
 raises `TurnError(kind, message, field)`: a `Failure` kind that says nothing of any wire
 (invalid argument, exhausted, unavailable, deadline, ...), an actionable message and the
 request field at fault (its ChatRequest path, e.g. "sampling.max_tokens"), which each
-front maps to its own status and field names (gateway/server.py: the call's gRPC status;
+front maps to its own status and field names (gateway/grpc_front.py: the call's gRPC status;
 gateway/http.py: an HTTP status and OpenAI error body with `param`).
 
 `Caller` is what the core needs of the front: the tenant the front authenticated (once, at
