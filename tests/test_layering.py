@@ -1,5 +1,7 @@
 """The package map holds: libraries never import the command line; the gateway never
-imports the worker.
+imports the worker; the gateway's two fronts know nothing of each other and its turn code
+nothing of either (or of any server framework); engines build on the Worker API, never on
+the torch engine.
 
 `prefixgate/cli/` is the edge where flags become configuration (frozen dataclasses) that
 the libraries take; a library importing it would make the CLI a dependency of the
@@ -80,6 +82,110 @@ def test_the_wire_contract_is_the_bottom_layer() -> None:
            if not any(line.endswith(f" imports {a}") or f" imports {a}." in line
                       for a in allowed)]
     assert not bad, "\n".join(bad)
+
+
+GATEWAY = "prefixgate.gateway"
+# The gateway's fronts: each holds the turn core and speaks one wire.
+FRONTS = ("grpc_front", "http")
+# The turn path: no front, no server framework. (The worker seam is a gRPC stub, so the
+# grpc package itself is allowed: its status codes are read there into Failure kinds.)
+TURN_CODE = ("turn", "placement", "resume")
+TRANSPORTS = (*(f"{GATEWAY}.{m}" for m in (*FRONTS, "server", "startup", "processes")),
+              "prefixgate.wire.rpc", "aiohttp", "grpc_health", "grpc_reflection")
+TORCH = ("torch", "triton")
+
+
+def _gateway_file(name: str) -> Path:
+    return PACKAGE / "gateway" / f"{name}.py"
+
+
+def front_imports_of_fronts() -> list[str]:
+    """Imports of one front by the other."""
+    return [line for front in FRONTS for other in FRONTS if other != front
+            for line in imports_of(f"{GATEWAY}.{other}", [_gateway_file(front)])]
+
+
+def transport_imports_of_turn_code() -> list[str]:
+    return [line for target in TRANSPORTS
+            for line in imports_of(target, [_gateway_file(m) for m in TURN_CODE])]
+
+
+def torch_engine_modules() -> set[str]:
+    """Modules of worker/ that import torch (or triton), or such a module, at any depth:
+    the torch engine. The rest of worker/ is the Worker API service the engines build on."""
+    mods = {_module_name(p): p for p in sorted((PACKAGE / "worker").rglob("*.py"))}
+    imported = {m: {name for _, name in _imports(p)} for m, p in mods.items()}
+    torchy = {m for m, names in imported.items()
+              if any(n == t or n.startswith(t + ".") for n in names for t in TORCH)}
+    grown = True
+    while grown:
+        grown = False
+        for m, names in imported.items():
+            if m not in torchy and names & torchy:
+                torchy.add(m)
+                grown = True
+    return torchy
+
+
+def torch_engine_imports_of_engines() -> list[str]:
+    sources = sorted([*(PACKAGE / "engines").rglob("*.py"), *(PACKAGE / "emulate").rglob("*.py")])
+    torchy = torch_engine_modules()
+    return [f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}"
+            for path in sources for line, name in _imports(path) if name in torchy]
+
+
+def test_a_front_imports_nothing_of_the_other() -> None:
+    """gRPC (gateway/grpc_front.py) and HTTP (gateway/http.py) each hold the turn core;
+    gateway/server.py assembles them."""
+    bad = front_imports_of_fronts()
+    assert not bad, "\n".join(bad)
+
+
+def test_the_turn_code_imports_no_transport() -> None:
+    """turn.py, placement.py and resume.py: no front, no server framework."""
+    bad = transport_imports_of_turn_code()
+    assert not bad, "\n".join(bad)
+
+
+def test_engines_do_not_import_the_torch_engine() -> None:
+    """engines/ and emulate/ build on the torch-free Worker API (worker/api.py, server.py,
+    transfer.py, ...), never on the torch engine."""
+    assert "prefixgate.worker.engine" in torch_engine_modules()
+    bad = torch_engine_imports_of_engines()
+    assert not bad, "\n".join(bad)
+
+
+def test_the_new_checks_fail_on_a_bad_import(tmp_path, monkeypatch) -> None:
+    """Each check above can fail: a front importing the other (lazily), turn code
+    importing a front or aiohttp, an engine importing a worker module that imports one
+    that imports torch."""
+    pkg = tmp_path / "prefixgate"
+    for d in ("gateway", "worker", "engines", "emulate"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    gw = pkg / "gateway"
+    (gw / "grpc_front.py").write_text("def f():\n    from prefixgate.gateway.http import HTTPFront\n")
+    (gw / "http.py").write_text("from prefixgate.gateway import turn\n")
+    (gw / "turn.py").write_text("import grpc\nfrom . import grpc_front\n")
+    (gw / "placement.py").write_text("from aiohttp import web\n")
+    (gw / "resume.py").write_text("from prefixgate.gateway.placement import Placer\n")
+    (pkg / "worker" / "kernels.py").write_text("import torch\n")
+    (pkg / "worker" / "engine.py").write_text("from prefixgate.worker import kernels\n")
+    (pkg / "worker" / "api.py").write_text("import dataclasses\n")
+    (pkg / "engines" / "vllm.py").write_text(
+        "from prefixgate.worker.api import Engine\nfrom prefixgate.worker.engine import X\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
+    assert front_imports_of_fronts() == [
+        "prefixgate/gateway/grpc_front.py:2 imports prefixgate.gateway.http",
+        "prefixgate/gateway/grpc_front.py:2 imports prefixgate.gateway.http.HTTPFront"]
+    assert transport_imports_of_turn_code() == [
+        "prefixgate/gateway/turn.py:2 imports prefixgate.gateway.grpc_front",
+        "prefixgate/gateway/placement.py:1 imports aiohttp",
+        "prefixgate/gateway/placement.py:1 imports aiohttp.web"]
+    assert torch_engine_modules() == {"prefixgate.worker.kernels", "prefixgate.worker.engine"}
+    assert torch_engine_imports_of_engines() == [
+        "prefixgate/engines/vllm.py:2 imports prefixgate.worker.engine"]
 
 
 def test_the_check_sees_lazy_and_relative_imports(tmp_path, monkeypatch) -> None:

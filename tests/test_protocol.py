@@ -19,12 +19,12 @@ def test_defaults_fit_the_context() -> None:
 
 
 @pytest.mark.parametrize("params, num_prompt, match", [
-    (dict(max_tokens=0), 10, "max_tokens must be at least 1"),
-    (dict(max_tokens=100), 2000, "at most 48 tokens"),
+    (dict(max_tokens=0), 10, "max_tokens is 0: it must be between 1 and 2038"),
+    (dict(max_tokens=100), 2000, "must be between 1 and 48"),
     (dict(), 2048, "context window is 2048"),
     (dict(temperature=-1), 10, "temperature"),
     (dict(top_p=1.5), 10, "top_p"),
-    (dict(top_logprobs=21), 10, "top_logprobs=21 is too many"),
+    (dict(top_logprobs=21), 10, "top_logprobs is 21: it must be between 0 and 20"),
 ])
 def test_bad_sampling(params: dict, num_prompt: int, match: str) -> None:
     with pytest.raises(InvalidRequest, match=match):

@@ -34,6 +34,9 @@ def limit_flags(p: argparse.ArgumentParser) -> None:
     flag(g, "--max-tokenize-waiting", type=int, default=d.max_tokenize_waiting,
          help="gateway: long prompts waiting for a tokenizer thread; more are refused "
               "with RESOURCE_EXHAUSTED (HTTP 429)")
+    flag(g, "--max-turns-per-tenant", type=int, default=d.max_turns_per_tenant,
+         help="gateway: turns one tenant (namespace) may have in flight; more are refused "
+              "with RESOURCE_EXHAUSTED (HTTP 429); 0: no bound")
 
 
 def request_limits(args: argparse.Namespace):

@@ -1,9 +1,12 @@
 """The gateway (torch-free: never imports torch): the Chat gRPC service and the OpenAI HTTP
 front over one turn core, routing each turn to the worker holding its prefix.
 
-  turn.py           the turn core: validate, route, relay, account (no transport in it)
-  server.py         ChatService (gRPC) and `serve`, the gateway process's main loop
-  http.py           the OpenAI-compatible HTTP front (aiohttp), on the same turn core
+  config.py         GatewayConfig, the gateway's configuration
+  turn.py           the turn core: admit, route, relay, account (no transport in it)
+  placement.py      one attempt's placement: hash, decide, pull, dispatch, predict, lease
+  grpc_front.py     ChatService, the gRPC front: holds the turn core
+  http.py           the OpenAI-compatible HTTP front (aiohttp): holds the same turn core
+  server.py         `serve`: builds the core and both fronts, the process's main loop
   startup.py        a gateway process's start-up (GatewayStartup: model, registry, metrics)
   processes.py      several gateway processes sharing one port (SO_REUSEPORT)
   pool.py           the gateway's view of its workers: connections, identity, load leases

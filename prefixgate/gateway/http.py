@@ -2,9 +2,10 @@
 
 Contract
 --------
-`HTTPFront(service)` serves, beside the gRPC ChatService and through the very same turn
-core (gateway/turn.py `TurnCore.turn`: the same validation, limits and messages,
-tokenizing, routing, namespaces, retries and worker calls; only the wire format differs):
+`HTTPFront(core)` serves, beside the gRPC ChatService and through the very same turn
+core, which it holds (gateway/turn.py `TurnCore.turn`: the same validation, limits and
+messages, tokenizing, routing, namespaces, retries and worker calls; only the wire format
+differs; this front imports nothing of the gRPC one):
 
   POST /v1/chat/completions  messages -> a chat completion; `stream` (SSE, `data: [DONE]`
                              last), `stream_options.include_usage` (with `stream` only),
@@ -25,6 +26,10 @@ tokenizing, routing, namespaces, retries and worker calls; only the wire format 
 worker found in its prefix cache. The worker that served the reply (its end, after a
 mid-stream resume): the `X-Prefixgate-Worker` header of a whole reply, the
 `prefixgate_worker` field of a stream's finishing chunk (known only once it ends).
+Whether the reply was resumed on another worker after its own was lost mid-reply
+(gateway/resume.py): `prefixgate_resumed`, the number of resumes (0: none), a field of a
+whole reply's body and of a stream's finishing chunk, and the `X-Prefixgate-Resumed`
+header of a whole reply.
 
 Routing: prompts route by their cached prefix, as on gRPC. Conversation affinity (the
 `session` policy, and the trace recorder's conversation id) comes from the request's
@@ -35,19 +40,22 @@ the gRPC SamplingParams names them: "keep-system-drop-oldest", "blend", ...), `r
 (false: no mid-stream resume, ChatRequest.no_resume).
 
 Authentication: with --tokens-file, `Authorization: Bearer <token>` as on gRPC (the
-same tokens, the same namespace binding, prefixgate/security/auth.py), checked from the
-headers before the body is read, parsed or tokenized; /health and /metrics stay open
+same tokens, the same namespace binding, prefixgate/security/auth.py), checked once, from
+the headers, before the body is read, parsed or tokenized (`TurnCore.authenticate`; the
+tenant goes to the core with the turn); /health and /metrics stay open
 (probes, scrapers). Bodies are bounded by --max-request-bytes (413), long text prompts by
 the gateway's bounded tokenizer pool (429 when it is full). TLS: the gateway's --tls-cert/--tls-key (and --tls-client-ca)
 serve HTTPS here too.
 
 Errors are OpenAI's error object `{"error": {"message", "type", "param", "code"}}` with the
-HTTP status of the gRPC code the turn path chose (INVALID_ARGUMENT 400, UNAUTHENTICATED 401,
-PERMISSION_DENIED 403, NOT_FOUND 404, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503,
-DEADLINE_EXCEEDED 504); `code` is the gRPC code's name in lower case, except an unknown
-`model`: 404 `model_not_found`, as OpenAI and vLLM answer. Messages and `param` name the
-request's own fields (`prompt_cache_key`, `stop`, `max_tokens`), not the gRPC ones the
-shared checks use (HTTP_FIELDS). A stream fails before its first byte with
+HTTP status and `code` of the way the turn failed (gateway/turn.py `Failure`; ERRORS:
+invalid argument 400 `invalid_argument`, unauthenticated 401, permission denied 403, an
+unknown `model` 404 `model_not_found` as OpenAI and vLLM answer, exhausted 429
+`resource_exhausted`, unavailable 503, deadline 504 `deadline_exceeded`, a worker's
+failure on the request alone 500 `internal`). Every error about one field names it in
+`param`, and the message and `param` name the body's own fields (`prompt_cache_key`,
+`stop`, `max_tokens`, `messages` or `prompt`): the core's errors carry the field at
+fault, which `HTTP_FIELDS` names for this front. A stream fails before its first byte with
 that status when it can; after it has begun, with one SSE `data: {"error": ...}` event and
 no `[DONE]`. A client that disconnects cancels its turn (and the worker's request).
 Log probabilities are the model's own (log-softmax of its logits, before temperature and
@@ -62,34 +70,29 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import ssl
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator
+from typing import Any
 
-import grpc
 from aiohttp import web
 
 from prefixgate.gateway import metrics
 from prefixgate.gateway.logprobs import OpenAILogprobs, merge_completion
-from prefixgate.gateway.tokenize_pool import TokenizerBusy
-from prefixgate.gateway.turn import Caller, TurnError
+from prefixgate.gateway.turn import Caller, Failure, TurnCore, TurnError
 from prefixgate.telemetry import metrics_export, tracing
 from prefixgate.v1 import chat_pb2, common_pb2
 from prefixgate.wire import rpc
 from prefixgate.wire.protocol import (
+    MAX_SAMPLES,
     MAX_TOP_LOGPROBS,
     OVERFLOW_FROM_PROTO,
     SHIFTED_REUSE_FROM_PROTO,
     InvalidRequest,
     check_id,
 )
-from prefixgate.wire.token_ids import pack, repeated_token_ids
-
-if TYPE_CHECKING:
-    from prefixgate.gateway.server import ChatService
+from prefixgate.wire.token_ids import repeated_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -99,13 +102,16 @@ CHAT_ROUTE = "/v1/chat/completions"
 CANCEL_GRACE_S = 1.0
 COMPLETIONS_ROUTE = "/v1/completions"
 
-HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
-    grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.CANCELLED: 499,
-    grpc.StatusCode.UNIMPLEMENTED: 501, grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+# The HTTP status and OpenAI `code` of each way a turn fails (gateway/turn.py Failure).
+ERRORS = {
+    Failure.INVALID_ARGUMENT: (400, "invalid_argument"),
+    Failure.UNKNOWN_MODEL: (404, "model_not_found"),
+    Failure.UNAUTHENTICATED: (401, "unauthenticated"),
+    Failure.PERMISSION_DENIED: (403, "permission_denied"),
+    Failure.EXHAUSTED: (429, "resource_exhausted"),
+    Failure.UNAVAILABLE: (503, "unavailable"),
+    Failure.DEADLINE: (504, "deadline_exceeded"),
+    Failure.FAILED: (500, "internal"),
 }
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 413: "invalid_request_error",
@@ -125,68 +131,51 @@ SHIFTED_REUSE_TO_PROTO = {name: value for value, name in SHIFTED_REUSE_FROM_PROT
                           if name}
 
 
-# The turn path's checks (wire/protocol.py) name the gRPC fields; an HTTP client sent
-# OpenAI's, so its error messages (and `param`) name those instead.
+# The body's name of each ChatRequest field the turn core's errors name (TurnError.field);
+# "messages" and "prompt_token_ids" are the prompt: `messages` on /v1/chat/completions,
+# `prompt` on /v1/completions.
 HTTP_FIELDS = {"conversation_id": "prompt_cache_key", "sampling.stop": "stop",
-               "sampling.max_tokens": "max_tokens", "sampling.temperature": "temperature",
-               "sampling.top_p": "top_p", "sampling.top_k": "top_k", "sampling.n": "n",
-               "sampling.seed": "seed", "sampling.context_overflow": "context_overflow",
-               "sampling.shifted_reuse": "shifted_reuse", "prompt_token_ids": "prompt",
-               "sampling.top_logprobs": "top_logprobs"}
-_GRPC_FIELD = re.compile(r"(?<![\w.])(" + "|".join(
-    map(re.escape, sorted(HTTP_FIELDS, key=len, reverse=True))) + r")(?!\w)")
+               "sampling.stop_token_ids": "stop", "sampling.max_tokens": "max_tokens",
+               "sampling.temperature": "temperature", "sampling.top_p": "top_p",
+               "sampling.top_k": "top_k", "sampling.n": "n", "sampling.seed": "seed",
+               "sampling.context_overflow": "context_overflow",
+               "sampling.shifted_reuse": "shifted_reuse",
+               "sampling.top_logprobs": "top_logprobs", "packed_prompt_token_ids": "prompt",
+               "prompt_token_ids": "prompt"}
 
 
-def http_field_names(details: str) -> tuple[str, str | None]:
-    """`details` with the gRPC field names it mentions replaced by the OpenAI body's, and
-    the first such field (OpenAI's `param`), if any."""
-    named: list[str] = []
-
-    def rename(m: re.Match) -> str:
-        named.append(HTTP_FIELDS[m.group(1)])
-        return named[-1]
-
-    return _GRPC_FIELD.sub(rename, details), (named[0] if named else None)
+def param_of(field: str | None, route: str, body: dict | None = None) -> str | None:
+    """The request body's name (OpenAI's `param`) of the ChatRequest field `field`."""
+    if field is None:
+        return None
+    if field == "messages" and route == COMPLETIONS_ROUTE:
+        return "prompt"
+    if field == "sampling.max_tokens" and body and \
+            body.get("max_completion_tokens") is not None:
+        return "max_completion_tokens"  # the body's name for it (it wins over max_tokens)
+    return HTTP_FIELDS.get(field, field)
 
 
 class TurnFailed(Exception):
-    """A turn that ends with an error the client should see (gRPC code + message; OpenAI's
-    `code` is the gRPC code's name in lower case unless `error_code` says otherwise)."""
+    """A turn that ends with an error the client should see: its HTTP status, message,
+    OpenAI `code` and `param` (the body field at fault)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, error_code: str | None = None,
-                 param: str | None = None) -> None:
-        super().__init__(details)
-        self.code, self.details, self.param = code, details, param
-        self.error_code = error_code or code.name.lower()
-
-    @property
-    def http_status(self) -> int:
-        return HTTP_STATUS.get(self.code, 500)
+    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.http_status, self.details, self.error_code, self.param = \
+            status, message, code, param
 
 
-def turn_failed(code: grpc.StatusCode, details: str) -> TurnFailed:
-    """The HTTP form of a turn's failure (the turn core's TurnError, an auth refusal)."""
-    if code == grpc.StatusCode.NOT_FOUND:  # the turn path's only: an unknown model
-        return TurnFailed(code, details, "model_not_found", "model")
-    details, param = http_field_names(details)
-    return TurnFailed(code, details, param=param)
+def turn_failed(exc: TurnError, route: str, body: dict | None = None) -> TurnFailed:
+    """The HTTP form of the turn core's failure on `route` (for a request `body`)."""
+    status, code = ERRORS[exc.kind]
+    param = param_of(exc.field, route, body)
+    return TurnFailed(status, exc.message_for(param), code, param)
 
 
-class _TurnContext:
-    """What rpc.abort_refused needs of a gRPC ServicerContext, for an HTTP request: an
-    abort that raises TurnFailed."""
-
-    def __init__(self, authorization: str | None) -> None:
-        self._metadata = (("authorization", authorization),) if authorization else ()
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return self._metadata
-
-    def time_remaining(self) -> float | None:
-        return None
-
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        raise turn_failed(code, details)
+def invalid(exc: InvalidRequest, route: str) -> TurnFailed:
+    """The HTTP form of a body this front could not read into a ChatRequest."""
+    return turn_failed(TurnError.invalid(exc), route)
 
 
 def error_body(status: int, message: str, code: str | None = None,
@@ -213,14 +202,26 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) 
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
         names = " or ".join(k.__name__.replace("str", "string").replace("int", "integer")
                             .replace("float", "number") for k in kinds)
-        raise InvalidRequest(f"{name} must be {names}, not {json.dumps(value)[:40]}")
+        raise InvalidRequest(f"{name} must be {names}, not {json.dumps(value)[:40]}", name)
     return value
 
 
-def _count(body: dict, name: str, lo: int, hi: int = 2**32 - 1) -> int | None:
+def _count(body: dict, name: str, lo: int, hi: int) -> int | None:
+    """An integer field of the body within [lo, hi] (None when left out)."""
     value = _field(body, name, (int,))
     if value is not None and not lo <= value <= hi:
-        raise InvalidRequest(f"{name} is {value}: it must be between {lo} and {hi}")
+        raise InvalidRequest(f"{name} is {value}: it must be between {lo} and {hi}", name)
+    return value
+
+
+def _max_tokens(body: dict, name: str) -> int | None:
+    """`max_tokens` / `max_completion_tokens`: at least 1; the most is what the context
+    window leaves after the prompt, which the core checks once the prompt is tokenized
+    (its message names the range for this prompt)."""
+    value = _field(body, name, (int,))
+    if value is not None and not 1 <= value < 2**32:
+        raise InvalidRequest(f"{name} is {value}: it must be at least 1 and fit in the "
+                             "model's context window with the prompt", name)
     return value
 
 
@@ -233,7 +234,7 @@ def logprobs_wanted(body: dict, chat: bool) -> int | None:
     wanted = _field(body, "logprobs", (bool,), False)
     top = _count(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top is not None and not wanted:
-        raise InvalidRequest("top_logprobs needs logprobs: true")
+        raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
     return (top or 0) if wanted else None
 
 
@@ -247,24 +248,25 @@ def sampling_params(body: dict, chat: bool = True) -> common_pb2.SamplingParams:
         if value is not None and value != off and value != [] and value != {} and not (
                 name == "response_format" and isinstance(value, dict)
                 and value.get("type") == "text"):
-            raise InvalidRequest(f"{name} is not supported by prefixgate: leave it out")
+            raise InvalidRequest(f"{name} is not supported by prefixgate: leave it out", name)
     if body.get("tool_choice") not in (None, "none", "auto"):
-        raise InvalidRequest("tool_choice is not supported by prefixgate: leave it out")
-    params = common_pb2.SamplingParams(n=_count(body, "n", 0) or 0)
+        raise InvalidRequest("tool_choice is not supported by prefixgate: leave it out",
+                             "tool_choice")
+    params = common_pb2.SamplingParams(n=_count(body, "n", 1, MAX_SAMPLES) or 0)
     # Left out: unset, for the model's defaults (HTTPFront._events, wire/protocol.py).
     for name in ("temperature", "top_p"):
         value = _field(body, name, (int, float))
         if value is not None:
             setattr(params, name, float(value))
-    max_tokens = _count(body, "max_completion_tokens", 0)
+    max_tokens = _max_tokens(body, "max_completion_tokens")
     if max_tokens is None:
-        max_tokens = _count(body, "max_tokens", 0)
+        max_tokens = _max_tokens(body, "max_tokens")
     if max_tokens is not None:
         params.max_tokens = max_tokens
     seed = _count(body, "seed", 0, 2**64 - 1)
     if seed is not None:
         params.seed = seed
-    top_k = _count(body, "top_k", -1)
+    top_k = _count(body, "top_k", -1, 2**32 - 1)
     if top_k is not None:
         params.top_k = max(0, top_k)  # -1 (vLLM) and 0: off
     top_logprobs = logprobs_wanted(body, chat)
@@ -275,14 +277,15 @@ def sampling_params(body: dict, chat: bool = True) -> common_pb2.SamplingParams:
         stop = [stop]
     if stop is not None:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise InvalidRequest("stop must be a string or a list of strings")
+            raise InvalidRequest("stop must be a string or a list of strings", "stop")
         params.stop.extend(stop)
     for name, table, field in (("context_overflow", OVERFLOW_TO_PROTO, "context_overflow"),
                                ("shifted_reuse", SHIFTED_REUSE_TO_PROTO, "shifted_reuse")):
         value = _field(body, name, (str,), "")
         if value:
             if value not in table:
-                raise InvalidRequest(f"{name} is {value!r}: use one of {', '.join(table)}")
+                raise InvalidRequest(f"{name} is {value!r}: use one of {', '.join(table)}",
+                                     name)
             setattr(params, field, table[value])
     return params
 
@@ -297,15 +300,18 @@ def _text_content(i: int, content: Any) -> str:
             if not isinstance(part, dict) or part.get("type") != "text" or \
                     not isinstance(part.get("text"), str):
                 raise InvalidRequest(f"messages[{i}].content: only text parts "
-                                     '({"type": "text", "text": ...}) are supported')
+                                     '({"type": "text", "text": ...}) are supported',
+                                     "messages")
             texts.append(part["text"])
         return "".join(texts)
-    raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts")
+    raise InvalidRequest(f"messages[{i}].content must be a string or a list of text parts",
+                         "messages")
 
 
 def _common_fields(body: dict, request: chat_pb2.ChatRequest, chat: bool) -> None:
     if body.get("stream_options") is not None and body.get("stream") is not True:
-        raise InvalidRequest("stream_options is only allowed with stream: true")
+        raise InvalidRequest("stream_options is only allowed with stream: true",
+                             "stream_options")
     request.model = _field(body, "model", (str,), "")
     request.conversation_id = _field(body, "prompt_cache_key", (str,), "")
     request.namespace = _field(body, "namespace", (str,), "")
@@ -317,38 +323,39 @@ def chat_request(body: dict) -> chat_pb2.ChatRequest:
     """The ChatRequest of a /v1/chat/completions body."""
     messages = body.get("messages")
     if not isinstance(messages, list):
-        raise InvalidRequest("messages must be a list of {role, content} objects")
+        raise InvalidRequest("messages must be a list of {role, content} objects", "messages")
     request = chat_pb2.ChatRequest()
     request.messages.SetInParent()  # an empty list is still messages (the path says so)
     out = request.messages.messages
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise InvalidRequest(f"messages[{i}] must be an object with a role and content")
+            raise InvalidRequest(f"messages[{i}] must be an object with a role and content",
+                                 "messages")
         role = "system" if m["role"] == "developer" else m["role"]
         out.add(role=role, content=_text_content(i, m.get("content")))
     _common_fields(body, request, chat=True)
     return request
 
 
-def completion_request(body: dict, encode: Callable[[str], list[int]],
-                       vocab_size: int) -> chat_pb2.ChatRequest:
-    """The ChatRequest of a /v1/completions body (one prompt: text or token ids)."""
+def completion_request(body: dict, vocab_size: int) -> tuple[chat_pb2.ChatRequest, str | None]:
+    """The ChatRequest of a /v1/completions body (one prompt), and its prompt when it is
+    text (tokenized by the turn core, where chat messages are: `TurnCore.turn`'s
+    `prompt_text`); token ids are checked and packed here, as on gRPC."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     request = chat_pb2.ChatRequest()
+    text = None
     if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidRequest("prompt is empty: send some text or token ids")
-        request.packed_prompt_token_ids = pack(encode(prompt)).obj
+        text = prompt
     elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
         # The gRPC path's own check (token_ids.py), packed once here as on gRPC.
         request.packed_prompt_token_ids = repeated_token_ids(prompt, vocab_size, "prompt").obj
     else:
         raise InvalidRequest("prompt must be a string or a list of token ids (one prompt per "
-                             "request)")
+                             "request)", "prompt")
     _common_fields(body, request, chat=False)
-    return request
+    return request, text
 
 
 # --- responses ---------------------------------------------------------------------------
@@ -403,10 +410,10 @@ class _Turn:
 class HTTPFront:
     """The OpenAI-compatible HTTP server of one gateway process (see the module docstring)."""
 
-    def __init__(self, service: ChatService) -> None:
-        self.service = service
-        self.model = service.spec.name
-        self.app = web.Application(client_max_size=service.config.limits.max_request_bytes,
+    def __init__(self, core: TurnCore) -> None:
+        self.core = core
+        self.model = core.spec.name
+        self.app = web.Application(client_max_size=core.config.limits.max_request_bytes,
                                    middlewares=[self._errors])
         self.app.add_routes([
             web.post(CHAT_ROUTE, self.chat_completions),
@@ -418,7 +425,7 @@ class HTTPFront:
         ])
         self.runner: web.AppRunner | None = None
         self.turns_in_flight = 0
-        tokenizer = service.tokenizer
+        tokenizer = core.tokenizer
         self.openai_logprobs = OpenAILogprobs(
             lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
 
@@ -465,7 +472,7 @@ class HTTPFront:
         except TurnFailed as exc:
             response = error_response(exc.http_status, exc.details, exc.error_code, exc.param)
         except web.HTTPRequestEntityTooLarge:
-            limit = self.service.config.limits.max_request_bytes
+            limit = self.core.config.limits.max_request_bytes
             response = error_response(413, f"the request body is over {limit} bytes: send a "
                                            "shorter prompt", "request_too_large")
         except web.HTTPException as exc:
@@ -483,23 +490,20 @@ class HTTPFront:
 
     # --- routes ---------------------------------------------------------------------------
 
-    async def _authenticate(self, request: web.Request) -> None:
-        """The bearer token check (--tokens-file) every route but /health and /metrics
-        makes first, from the headers alone; the turn routes check it again with the
-        namespace binding (the turn core)."""
-        if self.service.tokens is not None:
-            from prefixgate.security import auth
-            try:
-                self.service.tokens.authenticate(request.headers.get("Authorization"))
-            except auth.AuthError as exc:  # the status the gRPC calls give (rpc.py)
-                await rpc.abort_refused(_TurnContext(None), exc)
+    def _authenticate(self, request: web.Request, route: str = ""):
+        """The caller's tenant (None when tokens are off), from the `Authorization`
+        header alone: every route but /health and /metrics checks it first, once."""
+        try:
+            return self.core.authenticate(request.headers.get("Authorization"))
+        except TurnError as exc:
+            raise turn_failed(exc, route) from None
 
     async def models(self, request: web.Request) -> web.Response:
-        await self._authenticate(request)
+        self._authenticate(request)
         return web.json_response({"object": "list", "data": [self._model_card()]})
 
     async def model_info(self, request: web.Request) -> web.Response:
-        await self._authenticate(request)
+        self._authenticate(request)
         if request.match_info["model"] != self.model:
             return error_response(404, f"model {request.match_info['model']!r} is not served "
                                        f"here: this gateway serves {self.model!r}",
@@ -507,13 +511,13 @@ class HTTPFront:
         return web.json_response(self._model_card())
 
     def _model_card(self) -> dict:
-        spec = self.service.spec
+        spec = self.core.spec
         return {"id": spec.name, "object": "model", "created": 0, "owned_by": "prefixgate",
                 "max_model_len": spec.max_context_tokens, "fingerprint": spec.fingerprint,
-                "num_workers": len(self.service.pool.healthy())}
+                "num_workers": len(self.core.pool.healthy())}
 
     async def health(self, request: web.Request) -> web.Response:
-        workers = len(self.service.pool.healthy())
+        workers = len(self.core.pool.healthy())
         return web.json_response({"status": "ok" if workers else "no workers",
                                   "workers": workers}, status=200 if workers else 503)
 
@@ -524,39 +528,22 @@ class HTTPFront:
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        async def build(body: dict) -> chat_pb2.ChatRequest:
-            return chat_request(body)  # messages: tokenized by the ChatService
-
-        return await self._turn(request, CHAT_ROUTE, build)
+        return await self._turn(request, CHAT_ROUTE)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        service = self.service
-        tokenizer = service.tokenizer
+        return await self._turn(request, COMPLETIONS_ROUTE)
 
-        async def build(body: dict) -> chat_pb2.ChatRequest:
-            prompt = body.get("prompt")
-            num_chars = len(prompt) if isinstance(prompt, str) else 0
-            return await service.off_loop(  # a long text prompt off the event loop
-                num_chars, completion_request, body,
-                lambda text: tokenizer.encode_text(text, add_special_tokens=True),
-                tokenizer.vocab_size)
-
-        return await self._turn(request, COMPLETIONS_ROUTE, build)
-
-    async def _turn(self, request: web.Request, route: str,
-                    build: Callable[[dict], Awaitable[chat_pb2.ChatRequest]]
-                    ) -> web.StreamResponse:
+    async def _turn(self, request: web.Request, route: str) -> web.StreamResponse:
         # The credential first: a caller without one costs no body read, parse or
         # tokenizing (the body stays unread; aiohttp discards it).
-        await self._authenticate(request)
+        tenant = self._authenticate(request, route)
         try:
             body = await request.json(loads=json.loads)
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise TurnFailed(grpc.StatusCode.INVALID_ARGUMENT,
-                             "the request body is not valid JSON") from None
+            raise TurnFailed(400, "the request body is not valid JSON",
+                             "invalid_argument") from None
         if not isinstance(body, dict):
-            raise TurnFailed(grpc.StatusCode.INVALID_ARGUMENT,
-                             "the request body must be a JSON object")
+            raise TurnFailed(400, "the request body must be a JSON object", "invalid_argument")
         request_id = _request_id(request)
         stream = body.get("stream") is True
         options = body.get("stream_options") or {}
@@ -567,12 +554,11 @@ class HTTPFront:
         turn = _Turn(route, request_id, self.model, n, logprobs=asked is True if
                      route == CHAT_ROUTE else type(asked) is int)
         # No deadline: a client ends its turn by disconnecting.
-        caller = Caller(request.headers.get("Authorization"),
-                        trace_headers=tracing.incoming(request.headers))
+        caller = Caller(tenant, trace_headers=tracing.incoming(request.headers))
         conversation_id = body.get("prompt_cache_key")
         request["counted"] = True  # observe_turn counts the turn routes
         events = metrics.observe_turn(
-            route, self._events(build, body, caller, request_id), request_id=request_id,
+            route, self._events(route, body, caller, request_id), request_id=request_id,
             conversation_id=conversation_id if isinstance(conversation_id, str) else "",
             status_of=_http_status_of, ok_status="200")
         self.turns_in_flight += 1
@@ -584,23 +570,25 @@ class HTTPFront:
             self.turns_in_flight -= 1
             await events.aclose()
 
-    async def _events(self, build: Callable[[dict], Awaitable[chat_pb2.ChatRequest]],
-                      body: dict, caller: Caller, request_id: str
+    async def _events(self, route: str, body: dict, caller: Caller, request_id: str
                       ) -> AsyncIterator[chat_pb2.ChatEvent]:
+        """The turn's events: the body read into a ChatRequest (and a completion's text
+        prompt), run by the core; every failure a TurnFailed."""
         try:
-            chat = await build(body)
+            if route == CHAT_ROUTE:
+                chat, text = chat_request(body), None
+            else:
+                chat, text = completion_request(body, self.core.tokenizer.vocab_size)
         except InvalidRequest as exc:
-            raise TurnFailed(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        except TokenizerBusy as exc:
-            raise TurnFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
+            raise invalid(exc, route) from None
         if not chat.sampling.HasField("temperature") and \
-                self.service.spec.generation.temperature is None:
+                self.core.spec.generation.temperature is None:
             chat.sampling.temperature = OPENAI_TEMPERATURE  # no model default: OpenAI's
         try:
-            async for ev in self.service.turn(chat, caller, request_id):
+            async for ev in self.core.turn(chat, caller, request_id, text):
                 yield ev
         except TurnError as exc:
-            raise turn_failed(exc.code, exc.details) from None
+            raise turn_failed(exc, route, body) from None
 
     async def _collect(self, turn: _Turn, events: AsyncIterator[chat_pb2.ChatEvent],
                        caller: Caller) -> web.Response:
@@ -630,8 +618,10 @@ class HTTPFront:
             choices = [{"index": i, "text": "".join(t), "logprobs": merged[i],
                         "finish_reason": reasons[i]} for i, t in enumerate(texts)]
         return web.json_response(
-            turn.envelope(choices, usage=usage_json(final.usage)),
+            turn.envelope(choices, usage=usage_json(final.usage),
+                          prefixgate_resumed=final.num_resumes),
             headers={"X-Request-Id": turn.request_id, "X-Prefixgate-Worker": final.worker_id,
+                     "X-Prefixgate-Resumed": str(final.num_resumes),
                      **dict(caller.trace_reply)})
 
     def _logprobs(self, turn: _Turn, delta: chat_pb2.ChatDelta, offset: int) -> dict:
@@ -678,7 +668,8 @@ class HTTPFront:
                     await response.write(turn.chunk(
                         [turn.piece(i, None if turn.chat else "", reasons[i])
                          for i in range(turn.n)], **usage_none,
-                        prefixgate_worker=final.worker_id))
+                        prefixgate_worker=final.worker_id,
+                        prefixgate_resumed=final.num_resumes))
                     if include_usage:
                         await response.write(turn.chunk([], usage=usage_json(final.usage)))
                     await response.write(b"data: [DONE]\n\n")

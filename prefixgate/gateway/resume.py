@@ -1,17 +1,20 @@
 """Mid-stream resume: a reply whose worker is lost after its first token goes on, on
 another worker, as one unbroken stream.
 
-Contract: `Reply(service, worker, gen, remaining_s, opt_out)` is the worker event stream
+Contract: `Reply(resumer, worker, gen, remaining_s, opt_out)` is the worker event stream
 (GenerateEvent: chunks, then one final) of one turn attempt, as the turn path relays it
-(gateway/server.py), plus the resume: iterate it like `worker.stub.Generate(gen)`.
+(gateway/turn.py), plus the resume: iterate it like `worker.stub.Generate(gen)`.
+`Resumer` is what a resume needs of the gateway, typed: the turn core's `Placer`
+(gateway/placement.py: route, place, mark down, the very step the turn path takes), the
+tokenizer the seam is decoded with, and the model's context window.
 
 * While the first worker streams, its events pass through unchanged.
 * When that worker is **lost** (the call fails with UNAVAILABLE, the transport's code,
   or its stream ends without a final event) after at least one token was relayed, the
   worker is marked down (as the turn path does: health comes from transport errors) and
-  the reply continues: the prompt plus the token ids already relayed is routed like a
-  new turn (the Router, with its cached prefixes and pulls: whatever of it is cached or
-  transferable is reused) to the best other healthy worker, asking for the tokens left
+  the reply continues: the prompt plus the token ids already relayed is placed like a
+  new turn (`Placer.route` and `Placer.place`: whatever of it is cached or transferable
+  is reused) on the best other healthy worker, asking for the tokens left
   (max_tokens - relayed). Its token ids follow the relayed ones with nothing missing or
   repeated; their text is decoded here (`StreamDecoder`, fed the relayed ids first), so
   a character or a stop string that spans the seam comes out as one uninterrupted run
@@ -21,10 +24,12 @@ Contract: `Reply(service, worker, gen, remaining_s, opt_out)` is the worker even
 * What holds: with greedy sampling (temperature 0) the continuation's tokens are those
   of an uninterrupted run (the same model on the same prefix picks the same tokens,
   within the engines' numerics: tests/faults/test_resume.py compares them). With seeded
-  sampling the continuation is sent the request's seed, but an engine restarts its
-  random stream per request (prefixgate's does), so its draws are a fresh stream from that
-  seed, not the interrupted one's continuation: a valid sample, not the same one.
-  Unseeded sampling continues as a new sample.
+  sampling the continuation is sent the request's seed and `seed_offset_tokens` = the
+  tokens already relayed: a prefixgate worker draws one value set per sampled token from
+  the seed's stream, so it skips that many draws and samples on from where the
+  interrupted reply stood (the same tokens as an uninterrupted run, within the numerics),
+  never repeating the draws already spent. A vLLM server takes no offset (its seed
+  restarts its stream). Unseeded sampling continues as a new sample.
 * It does not resume (the loss reaches the turn path as before: UNAVAILABLE, "retry is
   safe") when the client opted out (`ChatRequest.no_resume`, HTTP `"resume": false`),
   for several samples (n > 1), before the first token (the turn path's failover covers
@@ -32,7 +37,9 @@ Contract: `Reply(service, worker, gen, remaining_s, opt_out)` is the worker even
   worker's loss (a request's own error is never retried on another worker), or when no
   other worker is up. The continuation worker failing ends the stream the same way.
 * `worker` is the worker serving the reply now (the continuation's after a resume);
-  `num_resumes` counts resumes. Counted in `prefixgate:router_resumes_total{outcome}`.
+  `num_resumes` counts resumes (the fronts tell clients: ChatFinal.num_resumes, the HTTP
+  finishing chunk's / reply's `prefixgate_resumed`). Counted in
+  `prefixgate:router_resumes_total{outcome}`.
 """
 
 from __future__ import annotations
@@ -41,27 +48,29 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import grpc
 
-from prefixgate.gateway import metrics, pulls
+from prefixgate.gateway import metrics
+from prefixgate.gateway.placement import Placer
 from prefixgate.gateway.pool import WorkerHandle
-from prefixgate.gateway.routing import Turn
 
 # The incremental detokenizer the workers use (torch-free): the seam is decoded exactly
 # as the worker would have decoded an uninterrupted reply.
 from prefixgate.model.detokenizer import StreamDecoder
+from prefixgate.model.tokenizer import ChatTokenizer
 from prefixgate.radix import packed, tokens_to_bytes
 from prefixgate.v1 import common_pb2, worker_pb2
 from prefixgate.wire.protocol import sampling_from_proto
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_RESUMES", "Reply"]
+__all__ = ["MAX_RESUMES", "Reply", "Resumer"]
 
 # Continuations of one turn. A worker's loss is not the request's doing, but a request
 # that crashes workers looks the same from here: like failover before the first token
-# (server.MAX_RETRIES), one more worker at most, never a walk through the fleet.
+# (turn.MAX_RETRIES), one more worker at most, never a walk through the fleet.
 MAX_RESUMES = 1
 
 
@@ -74,11 +83,20 @@ class _StreamLost(Exception):
     """A worker stream that ended without its final event (the worker went away)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Resumer:
+    """What resuming a reply needs of the gateway (module docstring)."""
+
+    placer: Placer
+    tokenizer: ChatTokenizer  # the seam's text is decoded with it
+    max_context_tokens: int
+
+
 class Reply:
-    def __init__(self, service, worker: WorkerHandle, gen: worker_pb2.GenerateRequest,
-                 remaining_s: Callable[[], float | None], opt_out: bool = False,
-                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
-        self.service = service  # the ChatService: router, pool, index, tokenizer, feed
+    def __init__(self, resumer: Resumer, worker: WorkerHandle,
+                 gen: worker_pb2.GenerateRequest, remaining_s: Callable[[], float | None],
+                 opt_out: bool = False, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        self.resumer = resumer
         self.worker = worker
         self.gen = gen
         self.remaining_s = remaining_s
@@ -123,9 +141,7 @@ class Reply:
                 raise
             detail = "stream ended" if isinstance(exc, _StreamLost) else exc.details()
         lost_worker = self.worker
-        service = self.service
-        service.pool.mark_down(lost_worker, f"lost mid-stream: {detail}")
-        service.index.drop_predictions(lost_worker.worker_id)
+        self.resumer.placer.mark_down(lost_worker, f"lost mid-stream: {detail}")
         async for ev in self._continue(lost_worker):
             yield ev
 
@@ -142,16 +158,14 @@ class Reply:
         return ""
 
     async def _continue(self, lost_worker: WorkerHandle):
-        service, gen = self.service, self.gen
+        resumer, gen = self.resumer, self.gen
         sent = list(self._sent)
         prompt = packed(gen.packed_prompt_token_ids)  # the turn path always sends it packed
-        asked = sampling_from_proto(gen.sampling, len(prompt), service.spec.max_context_tokens)
+        asked = sampling_from_proto(gen.sampling, len(prompt), resumer.max_context_tokens)
         left = asked.max_tokens - len(sent)
         ids = packed(gen.packed_prompt_token_ids + tokens_to_bytes(sent))
-        hasher = service.hashers.get(gen.namespace)
-        turn = Turn(len(ids), "", hasher.hash_blocks(ids), hasher.block_size)
-        healthy = [w for w in service.pool.healthy() if w is not lost_worker]
-        decision = service.router.decide(healthy, turn)
+        turn, decision = resumer.placer.route(ids, gen.namespace, exclude=lost_worker,
+                                              memo=False)
         if left <= 0 or not decision.ranked:
             metrics.RESUMES.labels("no_worker" if left > 0 else "not_lost").inc()
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
@@ -165,10 +179,9 @@ class Reply:
             packed_prompt_token_ids=ids.obj, sampling=gen.sampling,
             namespace=gen.namespace)
         cont.sampling.max_tokens = left
-        charge = pulls.attach(cont, decision, worker, healthy)
-        service.router.dispatch(turn, worker.worker_id)
-        if service.feed is not None:
-            service.feed.predicted(worker.record, turn.block_hashes)
+        if cont.sampling.HasField("seed"):  # the seed's stream goes on past what was sent
+            cont.sampling.seed_offset_tokens += len(sent)
+        placed = resumer.placer.place(turn, decision, worker, cont)
         log.info("request %s: worker %s lost after %d tokens; resuming on %s (%d prompt + "
                  "%d sent tokens, %d expected cached)", gen.request_id,
                  lost_worker.worker_id, len(sent), worker.worker_id, len(prompt), len(sent),
@@ -176,20 +189,16 @@ class Reply:
         metrics.RESUMES.labels("resumed").inc()
         self.worker = worker
         # The seam's text: decode the relayed ids first (their text went out already).
-        decoder = StreamDecoder(service.tokenizer, asked.stop)
+        decoder = StreamDecoder(resumer.tokenizer, asked.stop)
         for t in sent:
             decoder.push(t)
-        pending = max(0, len(ids) - decision.cached_tokens_of(worker.worker_id)
-                      - decision.transferred_tokens_of(worker.worker_id))
         started = time.monotonic()
-        lease = worker.lease(pending)  # its load, until the continuation ends there
         try:
             async with contextlib.aclosing(self._stream(worker, cont)) as events:
                 async for ev in events:
                     if ev.HasField("chunk"):
                         if ev.chunk.token_ids:
-                            lease.first_token()
-                            charge.release()
+                            placed.first_token()
                         text = "".join(decoder.push(t) for t in ev.chunk.token_ids)
                         if decoder.stopped:  # a stop string across the seam, or within
                             yield _chunk(ev.chunk, text)
@@ -212,8 +221,7 @@ class Reply:
                                        f"worker {worker.worker_id} (resuming) ended its "
                                        "stream without a final event") from None
         finally:
-            lease.close()
-            charge.release()
+            placed.close()
 
 
 def _chunk(chunk: worker_pb2.GenerateChunk | None, text: str) -> worker_pb2.GenerateEvent:

@@ -1,15 +1,12 @@
-"""Chat gRPC service of the gateway, and `serve`: the gateway process's main loop.
+"""`serve`: the gateway process's main loop, which assembles the gateway.
 
 Contract
 --------
-`ChatService` is the gRPC transport of the turn core (gateway/turn.py: validate, tokenize,
-route, relay, account; its docstring holds the turn's rules, failure handling included):
-`Chat` runs one turn with the call's credentials and deadline and ends the call with the
-core's TurnError status; `ListModels` describes the served model. The HTTP front
-(gateway/http.py) calls the same core.
-
-`serve` runs the gateway: the worker pool and its probes, the index feed, status pushes,
-health and the gRPC (and optional HTTP) servers, until `stop` is set.
+`serve` builds the gateway complete (the worker pool, the routing index and its feed,
+the tokens, the turn core (gateway/turn.py), and the fronts that each hold it: the Chat
+gRPC service (gateway/grpc_front.py) and the OpenAI-compatible HTTP front
+(gateway/http.py), which know nothing of each other) and runs it: the pool's probes, the index feed,
+status pushes, health and the gRPC (and optional HTTP) servers, until `stop` is set.
 
 Index feeds (gateway/feeds.py): with Redis, the gateway follows the shared event stream
 (gateway/redis_feed.py) and reaps expired workers on each refresh; without, it follows
@@ -27,117 +24,29 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import time
-import uuid
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2
 
 from prefixgate.gateway import metrics
+from prefixgate.gateway.config import GatewayConfig
 from prefixgate.gateway.feeds import EventFeed, WorkerStreamFeed
+from prefixgate.gateway.grpc_front import SERVICE, ChatService
 from prefixgate.gateway.index import PrefixIndex
 from prefixgate.gateway.pool import WorkerPool
-from prefixgate.gateway.routing import RoutingConfig
 from prefixgate.gateway.status import StatusFollower
-from prefixgate.gateway.turn import (  # noqa: F401 (INLINE_TOKENIZE_CHARS, MAX_RETRIES: re-exported)
-    INLINE_TOKENIZE_CHARS,
-    MAX_RETRIES,
-    Caller,
-    TurnCore,
-    TurnError,
-)
+from prefixgate.gateway.turn import TurnCore, new_index
 from prefixgate.model.catalog import ModelSpec
 from prefixgate.model.tokenizer import ChatTokenizer
 from prefixgate.registry import Registry, WorkerRecord
 from prefixgate.security import auth, identity
-from prefixgate.telemetry import tracing
-from prefixgate.v1 import chat_pb2
 from prefixgate.wire import rpc
-from prefixgate.wire.protocol import RequestLimits
+
+__all__ = ["GatewayConfig", "serve", "make_feed"]
 
 log = logging.getLogger(__name__)
 
-SERVICE = chat_pb2.DESCRIPTOR.services_by_name["ChatService"]
 REGISTRY_HEALTH = "prefixgate.registry"  # health name: NOT_SERVING while Redis is unreachable
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    host: str = "127.0.0.1"
-    port: int = 0
-    block_size: int = 16
-    routing: RoutingConfig = RoutingConfig()
-    # Workers given by address (embedded registry); with Redis, workers register themselves.
-    static_workers: tuple[str, ...] = ()
-    # vLLM servers served as workers from this process (engines/vllm.py), each
-    # "URL,EVENTS[,REPLAY]": its HTTP API and KV event endpoints.
-    vllm_workers: tuple[str, ...] = ()
-    refresh_interval_s: float = 2.0  # registry, worker probes, index feeds
-    # Worker load is pushed at most this often (WatchStatus; polled where unsupported).
-    status_interval_ms: int = 50
-    # Recent prompts kept so that a turn hashes only its new blocks (radix.HashMemo).
-    hash_memo_bytes: int = 64 << 20
-    drain_seconds: float = 30.0
-    record_trace: str = ""  # append one line per finished turn here (prefixgate.telemetry.trace_recorder)
-    index_max_blocks: int = 0  # hard cap on the routing index (0: bounded by the workers)
-    # Overflow policy for requests that do not choose one: "fail" or
-    # "keep-system-drop-oldest". It is made explicit on the way to the worker, so every
-    # worker answers a turn alike whatever its own default.
-    context_overflow: str = "fail"
-    tls: rpc.TLSConfig = rpc.TLSConfig()  # the Chat API's certificate (+ client CA: mTLS)
-    health_port: int = 0  # plaintext grpc.health.v1 only, for probes without TLS (0: off)
-    worker_tls: rpc.TLSConfig = rpc.TLSConfig()  # to workers: their CA, our client cert
-    auth: auth.AuthConfig = auth.AuthConfig()  # tokens (public), internal credential
-    limits: RequestLimits = RequestLimits()  # what one request may carry
-    # The OpenAI-compatible HTTP front (gateway/http.py) on this port: -1 off, 0 any free.
-    http_port: int = -1
-    # Several gateway processes serve these ports (SO_REUSEPORT; gateway/processes.py).
-    # Off, binding a port something already listens on fails with a clear message instead
-    # of silently sharing it with that listener.
-    share_port: bool = False
-
-
-class ChatService(TurnCore):
-    """The Chat gRPC service: each call is one turn of the core (gateway/turn.py), its
-    TurnError the call's status."""
-
-    async def Chat(self, request: chat_pb2.ChatRequest, context: grpc.aio.ServicerContext):
-        """The gRPC entry: `chat_events`, observed (request metrics, one log line per turn)."""
-        request_id = uuid.uuid4().hex
-        async for ev in metrics.observe_turn(
-                "grpc:Chat", self.chat_events(request, context, request_id),
-                request_id=request_id, conversation_id=request.conversation_id,
-                status_of=metrics.grpc_status_of(context)):
-            yield ev
-
-    async def chat_events(self, request: chat_pb2.ChatRequest,
-                          context: grpc.aio.ServicerContext, request_id: str):
-        """One turn's ChatEvents for a gRPC call: the core's turn with the call's
-        credentials and deadline; a TurnError aborts the call with its status."""
-        remaining = context.time_remaining()
-        caller = Caller(auth.metadata_value(context.invocation_metadata(), "authorization")
-                        if self.tokens is not None else None,  # read only when checked
-                        None if remaining is None else time.monotonic() + remaining,
-                        tracing.incoming(context.invocation_metadata())
-                        if tracing.enabled() else ())
-        try:
-            first = True
-            async for ev in self.turn(request, caller, request_id):
-                if first and caller.trace_reply:  # the turn span's traceresponse
-                    await context.send_initial_metadata(tuple(caller.trace_reply))
-                first = False
-                yield ev
-        except TurnError as exc:
-            await context.abort(exc.code, exc.details)
-
-    async def ListModels(self, request, context) -> chat_pb2.ListModelsResponse:
-        return chat_pb2.ListModelsResponse(models=[chat_pb2.ModelInfo(
-            name=self.spec.name, fingerprint=self.spec.fingerprint,
-            max_context_tokens=self.spec.max_context_tokens,
-            max_completion_tokens=self.spec.max_context_tokens - 1,
-            block_size=self.config.block_size, num_workers=len(self.pool.healthy()))])
-
 
 async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop: asyncio.Event,
                 started: asyncio.Future[int] | None = None,
@@ -154,15 +63,16 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
     keyring = _worker_keyring(registry, config.auth)
     pool = WorkerPool(registry, spec.fingerprint, block_size=config.block_size,
                       tls=config.worker_tls, credential=internal, keyring=keyring, local=local)
-    service = ChatService(spec, tokenizer, pool, config, index)
-    feed = service.feed = make_feed(registry, service.index)
+    index = index if index is not None else new_index(config)
+    feed = make_feed(registry, index)
+    core = TurnCore(spec, tokenizer, pool, config, index=index, feed=feed,
+                    tokens=auth.load_tokens(config.auth, "gateway"))
+    service = ChatService(core)
     status = StatusFollower(config.status_interval_ms)
     server = grpc.aio.server(options=[
         *config.limits.server_options(config.limits.max_request_bytes),
         ("grpc.so_reuseport", int(config.share_port))])
-    service.tokens = auth.load_tokens(config.auth, "gateway")
-    rpc.add_service(server, SERVICE, service,
-                    None if service.tokens is None else auth.tokens_guard(service.tokens))
+    rpc.add_service(server, SERVICE, service, service.guard())
     health = rpc.add_health_and_reflection(server, [SERVICE.full_name])
     port = rpc.bind(server, config.host, config.port, config.tls, "gateway")
     await server.start()
@@ -172,7 +82,7 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
     if config.http_port >= 0:
         from prefixgate.gateway.http import HTTPFront
 
-        http = HTTPFront(service)
+        http = HTTPFront(core)
         try:
             http_port = await http.start(config.host, config.http_port, config.tls,
                                          share_port=config.share_port)
@@ -202,11 +112,11 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
             await health.set(REGISTRY_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING
                              if feed.degraded else health_pb2.HealthCheckResponse.SERVING)
             metrics.REGISTRY_DEGRADED.set(1 if feed.degraded else 0)
-            metrics.INDEX_BLOCKS.set(service.index.num_blocks)
-            _drop_predictions_of_lost_workers(service.index, pool.healthy())
-            metrics.EXPECTED_BLOCKS.set(service.index.num_expected_blocks())
-            metrics.PREDICTION_CONFIDENCE.set(service.index.prediction_confidence)
-            frozen_blocks = _freeze_long_lived(service.index.num_blocks, frozen_blocks)
+            metrics.INDEX_BLOCKS.set(index.num_blocks)
+            _drop_predictions_of_lost_workers(index, pool.healthy())
+            metrics.EXPECTED_BLOCKS.set(index.num_expected_blocks())
+            metrics.PREDICTION_CONFIDENCE.set(index.prediction_confidence)
+            frozen_blocks = _freeze_long_lived(index.num_blocks, frozen_blocks)
             try:
                 await asyncio.wait_for(stop.wait(), config.refresh_interval_s)
             except TimeoutError:
@@ -220,9 +130,9 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
                              *([http.stop(config.drain_seconds)] if http is not None else []))
         if health_server is not None:
             await health_server.stop(0)
-        if service.recorder is not None:
-            await asyncio.to_thread(service.recorder.close)
-        service.close()
+        if core.recorder is not None:
+            await asyncio.to_thread(core.recorder.close)
+        core.close()
         await pool.close()
         await asyncio.gather(*(w.servicer.close() for w in local.values()))
         await registry.close()

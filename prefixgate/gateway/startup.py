@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefixgate.gateway.server import GatewayConfig
+from prefixgate.gateway.config import GatewayConfig
 
 __all__ = ["GatewayStartup", "run_gateway", "serve_process"]
 

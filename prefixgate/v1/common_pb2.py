@@ -24,25 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprefixgate/v1/common.proto\x12\rprefixgate.v1\"\x85\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\t\n\x01n\x18\x08 \x01(\r\x12\x38\n\x10\x63ontext_overflow\x18\t \x01(\x0e\x32\x1e.prefixgate.v1.ContextOverflow\x12\x32\n\rshifted_reuse\x18\n \x01(\x0e\x32\x1b.prefixgate.v1.ShiftedReuse\x12\x19\n\x0ctop_logprobs\x18\x0b \x01(\rH\x05\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0f\n\r_top_logprobs\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\x84\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x16\n\x0e\x64ropped_tokens\x18\x04 \x01(\r\x12\x1a\n\x12transferred_tokens\x18\x05 \x01(\r\">\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01*|\n\x0f\x43ontextOverflow\x12 \n\x1c\x43ONTEXT_OVERFLOW_UNSPECIFIED\x10\x00\x12\x19\n\x15\x43ONTEXT_OVERFLOW_FAIL\x10\x01\x12,\n(CONTEXT_OVERFLOW_KEEP_SYSTEM_DROP_OLDEST\x10\x02*|\n\x0cShiftedReuse\x12\x1d\n\x19SHIFTED_REUSE_UNSPECIFIED\x10\x00\x12\x1b\n\x17SHIFTED_REUSE_RECOMPUTE\x10\x01\x12\x17\n\x13SHIFTED_REUSE_SHIFT\x10\x02\x12\x17\n\x13SHIFTED_REUSE_BLEND\x10\x03*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprefixgate/v1/common.proto\x12\rprefixgate.v1\"\xa1\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\t\n\x01n\x18\x08 \x01(\r\x12\x38\n\x10\x63ontext_overflow\x18\t \x01(\x0e\x32\x1e.prefixgate.v1.ContextOverflow\x12\x32\n\rshifted_reuse\x18\n \x01(\x0e\x32\x1b.prefixgate.v1.ShiftedReuse\x12\x19\n\x0ctop_logprobs\x18\x0b \x01(\rH\x05\x88\x01\x01\x12\x1a\n\x12seed_offset_tokens\x18\x0c \x01(\rB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0f\n\r_top_logprobs\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\x84\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x16\n\x0e\x64ropped_tokens\x18\x04 \x01(\r\x12\x1a\n\x12transferred_tokens\x18\x05 \x01(\r\">\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01*|\n\x0f\x43ontextOverflow\x12 \n\x1c\x43ONTEXT_OVERFLOW_UNSPECIFIED\x10\x00\x12\x19\n\x15\x43ONTEXT_OVERFLOW_FAIL\x10\x01\x12,\n(CONTEXT_OVERFLOW_KEEP_SYSTEM_DROP_OLDEST\x10\x02*|\n\x0cShiftedReuse\x12\x1d\n\x19SHIFTED_REUSE_UNSPECIFIED\x10\x00\x12\x1b\n\x17SHIFTED_REUSE_RECOMPUTE\x10\x01\x12\x17\n\x13SHIFTED_REUSE_SHIFT\x10\x02\x12\x17\n\x13SHIFTED_REUSE_BLEND\x10\x03*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'prefixgate.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CONTEXTOVERFLOW']._serialized_start=714
-  _globals['_CONTEXTOVERFLOW']._serialized_end=838
-  _globals['_SHIFTEDREUSE']._serialized_start=840
-  _globals['_SHIFTEDREUSE']._serialized_end=964
-  _globals['_FINISHREASON']._serialized_start=966
-  _globals['_FINISHREASON']._serialized_end=1090
+  _globals['_CONTEXTOVERFLOW']._serialized_start=742
+  _globals['_CONTEXTOVERFLOW']._serialized_end=866
+  _globals['_SHIFTEDREUSE']._serialized_start=868
+  _globals['_SHIFTEDREUSE']._serialized_end=992
+  _globals['_FINISHREASON']._serialized_start=994
+  _globals['_FINISHREASON']._serialized_end=1118
   _globals['_SAMPLINGPARAMS']._serialized_start=46
-  _globals['_SAMPLINGPARAMS']._serialized_end=435
-  _globals['_TOKENLOGPROB']._serialized_start=437
-  _globals['_TOKENLOGPROB']._serialized_end=513
-  _globals['_USAGE']._serialized_start=516
-  _globals['_USAGE']._serialized_end=648
-  _globals['_TIMINGS']._serialized_start=650
-  _globals['_TIMINGS']._serialized_end=712
+  _globals['_SAMPLINGPARAMS']._serialized_end=463
+  _globals['_TOKENLOGPROB']._serialized_start=465
+  _globals['_TOKENLOGPROB']._serialized_end=541
+  _globals['_USAGE']._serialized_start=544
+  _globals['_USAGE']._serialized_end=676
+  _globals['_TIMINGS']._serialized_start=678
+  _globals['_TIMINGS']._serialized_end=740
 # @@protoc_insertion_point(module_scope)

@@ -39,7 +39,7 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n", "context_overflow", "shifted_reuse", "top_logprobs")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n", "context_overflow", "shifted_reuse", "top_logprobs", "seed_offset_tokens")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class SamplingParams(_message.Message):
     CONTEXT_OVERFLOW_FIELD_NUMBER: _ClassVar[int]
     SHIFTED_REUSE_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SEED_OFFSET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -62,7 +63,8 @@ class SamplingParams(_message.Message):
     context_overflow: ContextOverflow
     shifted_reuse: ShiftedReuse
     top_logprobs: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., context_overflow: _Optional[_Union[ContextOverflow, str]] = ..., shifted_reuse: _Optional[_Union[ShiftedReuse, str]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    seed_offset_tokens: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., context_overflow: _Optional[_Union[ContextOverflow, str]] = ..., shifted_reuse: _Optional[_Union[ShiftedReuse, str]] = ..., top_logprobs: _Optional[int] = ..., seed_offset_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")

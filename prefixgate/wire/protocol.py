@@ -22,7 +22,22 @@ MIN_TEMPERATURE = 2.0 ** -126
 
 
 class InvalidRequest(ValueError):
-    """Bad input; the message says what to change."""
+    """Bad input; the message says what to change. `field`: the request field at fault,
+    by its protobuf path ("sampling.max_tokens", "messages", "prompt_token_ids"), or None
+    when no one field is. A message that names the field names it first, so a front whose
+    clients call it otherwise (OpenAI's `max_tokens`) says it in their words:
+    `message_for(name)`."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+    def message_for(self, name: str | None) -> str:
+        """The message with `field` called `name` (None or no field: as it is)."""
+        message = str(self)
+        if self.field and name and message.startswith(self.field):
+            return name + message[len(self.field):]
+        return message
 
 
 class UnknownModel(InvalidRequest):
@@ -73,7 +88,11 @@ class RequestLimits:
     # bound the gateway's memory, not the node's core count.
     tokenize_threads: int = 2
     max_tokenize_waiting: int = 16
-
+    # Gateway: turns one tenant (its namespace: a token's own, else the one requested) may
+    # have in flight, whatever the form of their prompts; more are refused with
+    # RESOURCE_EXHAUSTED (HTTP 429). Each holds its prompt (up to max_prompt_tokens ids)
+    # and a worker stream, so this bounds what one token holder can pin. 0: no bound.
+    max_turns_per_tenant: int = 1024
 
     def server_options(self, max_receive_bytes: int) -> list[tuple[str, int]]:
         """gRPC server options enforcing these limits (receive size, pending calls)."""
@@ -95,7 +114,8 @@ def check_prompt_tokens(num_tokens: int, limits: RequestLimits = DEFAULT_LIMITS)
     """Raise when a prompt has more than `max_prompt_tokens` tokens."""
     if num_tokens > limits.max_prompt_tokens:
         raise InvalidRequest(f"the prompt is {num_tokens} tokens: at most "
-                             f"{limits.max_prompt_tokens} are accepted (drop the oldest turns)")
+                             f"{limits.max_prompt_tokens} are accepted (drop the oldest turns)",
+                             "messages")
 
 
 def clip(text: str, max_chars: int = 64) -> str:
@@ -109,7 +129,7 @@ def check_id(field_name: str, value: str, limits: RequestLimits = DEFAULT_LIMITS
     """Raise unless the client-chosen identifier `value` is at most `max_id_chars` long."""
     if len(value) > limits.max_id_chars:
         raise InvalidRequest(f"{field_name} is {len(value)} characters long: at most "
-                             f"{limits.max_id_chars} are accepted")
+                             f"{limits.max_id_chars} are accepted", field_name)
 
 
 def check_stops(msg: common_pb2.SamplingParams, limits: RequestLimits = DEFAULT_LIMITS) -> None:
@@ -117,14 +137,15 @@ def check_stops(msg: common_pb2.SamplingParams, limits: RequestLimits = DEFAULT_
     string is searched for after each token, so their count and length are bounded)."""
     if len(msg.stop) > limits.max_stop:
         raise InvalidRequest(f"sampling.stop has {len(msg.stop)} strings: at most "
-                             f"{limits.max_stop} are accepted")
+                             f"{limits.max_stop} are accepted", "sampling.stop")
     longest = max((len(s) for s in msg.stop), default=0)
     if longest > limits.max_stop_chars:
-        raise InvalidRequest(f"a sampling.stop string is {longest} characters long: at most "
-                             f"{limits.max_stop_chars} are accepted")
+        raise InvalidRequest(f"sampling.stop has a string {longest} characters long: at most "
+                             f"{limits.max_stop_chars} are accepted", "sampling.stop")
     if len(msg.stop_token_ids) > limits.max_stop_token_ids:
         raise InvalidRequest(f"sampling.stop_token_ids has {len(msg.stop_token_ids)} ids: at "
-                             f"most {limits.max_stop_token_ids} are accepted")
+                             f"most {limits.max_stop_token_ids} are accepted",
+                             "sampling.stop_token_ids")
 
 
 @dataclass(frozen=True)
@@ -145,6 +166,9 @@ class SamplingConfig:
     shifted_reuse: str = ""  # "recompute" | "shift" | "blend"; "" = engine default
     # Log probabilities wanted with each token: None none, k the token's and the top k's.
     top_logprobs: int | None = None
+    # Draws of the seed's random stream already spent: sampling starts past them (a
+    # resumed reply continues the stream of the reply it continues).
+    seed_offset_tokens: int = 0
 
 
 MAX_SAMPLES = 16
@@ -191,16 +215,18 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, num_prompt_tokens: int,
     overflow = OVERFLOW_FROM_PROTO.get(msg.context_overflow)
     reuse = SHIFTED_REUSE_FROM_PROTO.get(msg.shifted_reuse)
     if overflow is None or reuse is None:
-        raise InvalidRequest("sampling.context_overflow or sampling.shifted_reuse has an "
-                             "unknown value: use one of the ContextOverflow / ShiftedReuse enums")
+        raise InvalidRequest(
+            f"sampling.{'context_overflow' if overflow is None else 'shifted_reuse'} has an "
+            "unknown value: use one of the ContextOverflow / ShiftedReuse enums",
+            f"sampling.{'context_overflow' if overflow is None else 'shifted_reuse'}")
     if (overflow or default_overflow) == "keep-system-drop-oldest" and \
             num_prompt_tokens + (msg.max_tokens if msg.HasField("max_tokens") else 1) \
             > max_context_tokens:
         limit = max_context_tokens - 1
         if msg.HasField("max_tokens") and not 1 <= msg.max_tokens <= limit:
             raise InvalidRequest(
-                f"sampling.max_tokens={msg.max_tokens} does not fit: the context window is "
-                f"{max_context_tokens} tokens, so at most {limit} tokens can be generated")
+                f"sampling.max_tokens is {msg.max_tokens}: it must be between 1 and {limit} "
+                f"(the context window is {max_context_tokens} tokens)", "sampling.max_tokens")
         max_tokens = msg.max_tokens if msg.HasField("max_tokens") else \
             min(DEFAULT_MAX_TOKENS, max_context_tokens // 2)
         return _sampling(msg, max_tokens, overflow, reuse, limits)
@@ -208,16 +234,15 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, num_prompt_tokens: int,
         raise InvalidRequest(
             f"the prompt is {num_prompt_tokens} tokens but the model's context window is "
             f"{max_context_tokens} tokens (prompt and reply together): shorten the "
-            "conversation, e.g. drop its oldest turns")
+            "conversation, e.g. drop its oldest turns", "messages")
     room = max_context_tokens - num_prompt_tokens
     if msg.HasField("max_tokens"):
-        if msg.max_tokens < 1:
-            raise InvalidRequest("sampling.max_tokens must be at least 1 (or unset for the default)")
-        if msg.max_tokens > room:
+        if not 1 <= msg.max_tokens <= room:
             raise InvalidRequest(
-                f"sampling.max_tokens={msg.max_tokens} does not fit: the prompt is "
-                f"{num_prompt_tokens} tokens and the context window {max_context_tokens}, "
-                f"so at most {room} tokens can be generated; lower max_tokens or shorten the prompt")
+                f"sampling.max_tokens is {msg.max_tokens}: it must be between 1 and {room} "
+                f"(the prompt is {num_prompt_tokens} tokens and the context window "
+                f"{max_context_tokens}; leave it unset for min({DEFAULT_MAX_TOKENS}, {room}), "
+                "or shorten the prompt for more)", "sampling.max_tokens")
         max_tokens = msg.max_tokens
     else:
         max_tokens = min(DEFAULT_MAX_TOKENS, room)
@@ -227,19 +252,27 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, num_prompt_tokens: int,
 def _sampling(msg: common_pb2.SamplingParams, max_tokens: int, overflow: str,
               reuse: str, limits: RequestLimits) -> SamplingConfig:
     if not math.isfinite(msg.temperature) or msg.temperature < 0:
-        raise InvalidRequest("sampling.temperature must be >= 0 (0 means greedy)")
+        raise InvalidRequest("sampling.temperature must be >= 0 (0 means greedy)",
+                             "sampling.temperature")
     if 0 < msg.temperature < MIN_TEMPERATURE:
         raise InvalidRequest(
             f"sampling.temperature={msg.temperature:.3g} is below {MIN_TEMPERATURE:.3g}, the "
             "smallest value the workers' float32 sampling can divide by: use 0 for greedy "
-            "decoding or a temperature of at least that")
+            "decoding or a temperature of at least that", "sampling.temperature")
     if not math.isfinite(msg.top_p) or not 0 <= msg.top_p <= 1:
-        raise InvalidRequest("sampling.top_p must be in (0, 1] (0 or unset means 1)")
+        raise InvalidRequest("sampling.top_p must be in (0, 1] (0 or unset means 1)",
+                             "sampling.top_p")
     if msg.n > MAX_SAMPLES:
-        raise InvalidRequest(f"sampling.n={msg.n} is too many: at most {MAX_SAMPLES} samples")
+        raise InvalidRequest(f"sampling.n is {msg.n}: it must be between 1 and {MAX_SAMPLES} "
+                             "(0 means 1)", "sampling.n")
     if msg.top_logprobs > MAX_TOP_LOGPROBS:
-        raise InvalidRequest(f"sampling.top_logprobs={msg.top_logprobs} is too many: at most "
-                             f"{MAX_TOP_LOGPROBS} alternatives per token")
+        raise InvalidRequest(f"sampling.top_logprobs is {msg.top_logprobs}: it must be between "
+                             f"0 and {MAX_TOP_LOGPROBS} (alternatives per token)",
+                             "sampling.top_logprobs")
+    if msg.seed_offset_tokens > limits.max_prompt_tokens:
+        raise InvalidRequest(f"sampling.seed_offset_tokens is {msg.seed_offset_tokens}: it "
+                             f"must be between 0 and {limits.max_prompt_tokens} (tokens of "
+                             "the reply already sampled)", "sampling.seed_offset_tokens")
     check_stops(msg, limits)
     return SamplingConfig(
         n=max(1, msg.n),
@@ -253,17 +286,20 @@ def _sampling(msg: common_pb2.SamplingParams, max_tokens: int, overflow: str,
         context_overflow=overflow,
         shifted_reuse=reuse,
         top_logprobs=int(msg.top_logprobs) if msg.HasField("top_logprobs") else None,
+        seed_offset_tokens=int(msg.seed_offset_tokens),
     )
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
     """Raise unless `token_ids` is non-empty and every id is in [0, vocab_size)."""
     if not token_ids:
-        raise InvalidRequest("prompt_token_ids is empty: send at least one token id")
+        raise InvalidRequest("prompt_token_ids is empty: send at least one token id",
+                             "prompt_token_ids")
     bad = next((t for t in token_ids if t >= vocab_size), None)
     if bad is not None:
-        raise InvalidRequest(f"prompt token id {bad} is out of range: the model's vocabulary has "
-                             f"{vocab_size} tokens (ids 0..{vocab_size - 1})")
+        raise InvalidRequest(f"prompt_token_ids: token id {bad} is out of range: the model's "
+                             f"vocabulary has {vocab_size} tokens (ids 0..{vocab_size - 1})",
+                             "prompt_token_ids")
 
 
 def check_messages(messages: list[tuple[str, str]]) -> None:
@@ -271,14 +307,17 @@ def check_messages(messages: list[tuple[str, str]]) -> None:
     messages are empty (a reply can be empty) and the last message is not from the
     assistant."""
     if not messages:
-        raise InvalidRequest("messages is empty: send at least one user message")
+        raise InvalidRequest("messages is empty: send at least one user message", "messages")
     for i, (role, content) in enumerate(messages):
         if role not in ROLES:
-            raise InvalidRequest(f"messages[{i}].role is {role!r}: use one of {', '.join(ROLES)}")
+            raise InvalidRequest(f"messages[{i}].role is {role!r}: use one of "
+                                 f"{', '.join(ROLES)}", "messages")
         if not content and role != "assistant":
-            raise InvalidRequest(f"messages[{i}].content is empty: every message needs text")
+            raise InvalidRequest(f"messages[{i}].content is empty: every message needs text",
+                                 "messages")
     if messages[-1][0] == "assistant":
-        raise InvalidRequest("the last message is from the assistant: end with a user message")
+        raise InvalidRequest("the last message is from the assistant: end with a user message",
+                             "messages")
 
 
 def check_chat_fields(request: chat_pb2.ChatRequest,
@@ -290,8 +329,9 @@ def check_chat_fields(request: chat_pb2.ChatRequest,
     check_id("model", request.model, limits)
     if request.WhichOneof("input") == "messages" and \
             len(request.messages.messages) > limits.max_messages:
-        raise InvalidRequest(f"the request has {len(request.messages.messages)} messages: at "
-                             f"most {limits.max_messages} are accepted (drop the oldest turns)")
+        raise InvalidRequest(f"messages has {len(request.messages.messages)} messages: at "
+                             f"most {limits.max_messages} are accepted (drop the oldest turns)",
+                             "messages")
     check_stops(request.sampling, limits)
 
 

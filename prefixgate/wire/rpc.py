@@ -9,7 +9,8 @@
   `protocol.PermissionDenied` PERMISSION_DENIED, with the guard's message. The request is
   parsed only after the guard let the call in: gRPC hands the handler the raw bytes
   (bounded by the server's max receive size), so a caller without a credential costs no
-  parsing, and nothing of its message reaches the service. A handler may return or
+  parsing, and nothing of its message reaches the service. What the guard returned (the
+  caller's tenant) is `guarded()` in the handler of that call. A handler may return or
   yield a response as bytes already in its wire form (sent as they are).
 - `add_health_and_reflection` adds the standard health service (grpc.health.v1) and
   server reflection; the returned servicer's statuses are the server's readiness.
@@ -23,6 +24,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import ipaddress
 import logging
 import random
@@ -45,6 +47,13 @@ log = logging.getLogger(__name__)
 
 # guard(method name, invocation metadata): raises protocol.AuthError to refuse the call.
 Guard = Callable[[str, Sequence[tuple[str, Any]]], object]
+# What the guard of the call being handled returned (each call runs in a task of its own).
+_GUARDED: contextvars.ContextVar[object] = contextvars.ContextVar("guarded", default=None)
+
+
+def guarded() -> Any:
+    """In a handler: what its call's guard returned (None without a guard)."""
+    return _GUARDED.get()
 
 
 def _raw(data: bytes) -> bytes:
@@ -69,7 +78,7 @@ async def _admit(name: str, guard: Guard | None, request_cls: type, data: bytes,
     parsing); aborts the call otherwise, or when `data` does not parse."""
     if guard is not None:
         try:
-            guard(name, context.invocation_metadata() or ())
+            _GUARDED.set(guard(name, context.invocation_metadata() or ()))
         except AuthError as exc:
             await abort_refused(context, exc)
     try:

@@ -39,15 +39,15 @@ def packed_token_ids(data: bytes, vocab_size: int, field: str = PACKED_FIELD) ->
     if len(data) % 4:
         raise InvalidRequest(
             f"{field} is {len(data)} bytes, not a multiple of 4: send each token id as 4 "
-            "bytes, a little-endian uint32 (e.g. numpy.asarray(ids, '<u4').tobytes())")
+            "bytes, a little-endian uint32 (e.g. numpy.asarray(ids, '<u4').tobytes())", field)
     if not data:
-        raise InvalidRequest(f"{field} is empty: send at least one token id")
+        raise InvalidRequest(f"{field} is empty: send at least one token id", field)
     ids = np.frombuffer(data, dtype="<u4")
     if int(ids.max()) >= vocab_size:
         at = int(np.argmax(ids >= vocab_size))
         raise InvalidRequest(
             f"{field}: token id {int(ids[at])} at position {at} is out of range: the model's "
-            f"vocabulary has {vocab_size} tokens (ids 0..{vocab_size - 1})")
+            f"vocabulary has {vocab_size} tokens (ids 0..{vocab_size - 1})", field)
     return packed(data)
 
 
@@ -57,12 +57,12 @@ def repeated_token_ids(token_ids: Sequence[int], vocab_size: int,
     form and checked like `packed_token_ids`. A protobuf repeated field is copied in C
     (numpy reads it through its `__array__`), not id by id."""
     if not len(token_ids):
-        raise InvalidRequest(f"{field} is empty: send at least one token id")
+        raise InvalidRequest(f"{field} is empty: send at least one token id", field)
     try:
         data = np.asarray(token_ids, dtype="<u4").tobytes()
     except (OverflowError, TypeError, ValueError):  # a Python list only: proto ids are u32
         raise InvalidRequest(f"{field} holds a value that is not a token id: ids are integers "
-                             f"in 0..{vocab_size - 1}") from None
+                             f"in 0..{vocab_size - 1}", field) from None
     return packed_token_ids(data, vocab_size, field)
 
 
@@ -70,7 +70,7 @@ def prompt_token_ids(repeated: Sequence[int], data: bytes, vocab_size: int) -> m
     """A request's prompt from whichever form it was sent in (exactly one may be set)."""
     if data and len(repeated):
         raise InvalidRequest(f"both {REPEATED_FIELD} and {PACKED_FIELD} are set: send the "
-                             "prompt in one of them")
+                             "prompt in one of them", PACKED_FIELD)
     if data:
         return packed_token_ids(data, vocab_size)
     return repeated_token_ids(repeated, vocab_size)

@@ -4,7 +4,10 @@ Contract: `Sampler(params).sample(logits)` takes the next-token logits of one se
 (shape [vocab], any float dtype) and returns one token id in [0, vocab). With temperature
 0 it is the argmax. Otherwise the result depends only on the logits and the request's seed
 (a private torch.Generator per request), so the same seed gives the same output whatever
-else the worker runs. Filters apply in the order temperature, top-k, top-p.
+else the worker runs. Filters apply in the order temperature, top-k, top-p. Each sampled
+token takes one draw of the stream (a multinomial over the vocabulary, whose consumption
+of the generator does not depend on the probabilities); `params.seed_offset_tokens`
+draws are skipped before the first, so a resumed reply samples on where it stood.
 
 It never raises for parameters `prefixgate.wire.protocol` accepts, whatever the logits hold:
 NaN counts as -inf, +inf as the largest float32; the largest logit is subtracted before
@@ -33,6 +36,7 @@ class Sampler:
             self.generator = torch.Generator()
             seed = params.seed if params.seed is not None else torch.seed()
             self.generator.manual_seed(seed % (1 << 63))
+        self._skip_draws = params.seed_offset_tokens if self.generator is not None else 0
 
     def sample(self, logits: torch.Tensor) -> int:
         p = self.params
@@ -54,6 +58,11 @@ class Sampler:
             drop = torch.cumsum(sorted_probs, 0) - sorted_probs > p.top_p
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        if self._skip_draws:  # the draws of the tokens sampled before a resume
+            spent = torch.ones_like(probs)
+            for _ in range(self._skip_draws):
+                torch.multinomial(spent, 1, generator=self.generator)
+            self._skip_draws = 0
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
     def logprobs(self, logits: torch.Tensor, token: int) -> TokenLogprob | None:

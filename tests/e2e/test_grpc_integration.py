@@ -71,7 +71,7 @@ def test_raw_token_ids_match_messages(cluster, tiny_spec) -> None:
     (dict(messages=[("user", "")]), "content is empty"),
     (dict(messages=[("wizard", "hi")]), "role is 'wizard'"),
     (dict(messages=[("user", "hi")], sampling=common_pb2.SamplingParams(max_tokens=0)),
-     "max_tokens must be at least 1"),
+     "max_tokens is 0: it must be between 1 and"),
     (dict(token_ids=[5] * 3000), "context window is 2048"),
     (dict(token_ids=[99999]), "out of range"),
 ])

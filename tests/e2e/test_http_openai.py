@@ -198,7 +198,59 @@ def test_same_limits_and_messages_as_grpc(front) -> None:
     r = httpx.post(front["base"] + "/v1/chat/completions", json={
         "model": front["model"], "max_tokens": 10**6,
         "messages": [{"role": "user", "content": "hi"}]})
-    assert r.status_code == 400 and r.json()["error"]["message"].startswith("max_tokens=")
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+        "max_tokens is 1000000: it must be between 1 and ")
+
+
+@pytest.mark.parametrize("route, fields, param", [
+    ("chat", {"messages": []}, "messages"),
+    ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": "hi " * 3000}]}, "messages"),
+    ("chat", {"stop": ["x"] * 17}, "stop"),
+    ("chat", {"n": 17}, "n"),
+    ("chat", {"n": 0}, "n"),
+    ("chat", {"temperature": -1}, "temperature"),
+    ("chat", {"top_p": 2}, "top_p"),
+    ("chat", {"seed": -1}, "seed"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"context_overflow": "drop-everything"}, "context_overflow"),
+    ("chat", {"tools": [{"type": "function"}]}, "tools"),
+    ("chat", {"prompt_cache_key": 5}, "prompt_cache_key"),
+    ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {"prompt": 5}, "prompt"),
+    ("completions", {"prompt": [1, 10**9]}, "prompt"),
+    ("completions", {"prompt": [7] * 3000}, "prompt"),
+])
+def test_every_field_error_names_its_param(front, route, fields, param) -> None:
+    """A refused field is OpenAI's `param`, by the body's own name, and the message names
+    it so too (never the gRPC field)."""
+    body = {"model": front["model"], "max_tokens": 2,
+            **({"messages": [{"role": "user", "content": "hi"}]} if route == "chat"
+               else {"prompt": "hi"}), **fields}
+    r = httpx.post(front["base"] + ("/v1/chat/completions" if route == "chat"
+                                    else "/v1/completions"), json=body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param, error
+    assert "sampling." not in error["message"] and "prompt_token_ids" not in error["message"]
+
+
+@pytest.mark.parametrize("value", [-1, 0, 2**32, 10**6])
+def test_max_tokens_out_of_range_says_one_range(front, value) -> None:
+    """Every out-of-range max_tokens is refused with a range that holds: at least 1 (0 is
+    refused as -1 is), at most what the context leaves."""
+    messages = [{"role": "user", "content": "hi"}]
+    for name in ("max_tokens", "max_completion_tokens"):
+        r = httpx.post(front["base"] + "/v1/chat/completions",
+                       json={"model": front["model"], name: value, "messages": messages})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == name, error
+        assert error["message"].startswith(f"{name} is {value}: it must be ") and \
+            ("between 1 and " in error["message"] or "at least 1" in error["message"])
+        assert "4294967295" not in error["message"] and "between 0" not in error["message"]
+    ok = httpx.post(front["base"] + "/v1/chat/completions",
+                    json={"model": front["model"], "max_tokens": 1, "messages": messages})
+    assert ok.status_code == 200
 
 
 def test_metrics_health_and_request_counts(client, front) -> None:

@@ -1,6 +1,8 @@
 """Mid-stream resume (gateway/resume.py) against real processes: a worker killed while it
 streams 10 long greedy replies; every stream completes on the other worker, token for token
-what an uninterrupted run gives, with no client error; the same over HTTP (SSE). And the
+what an uninterrupted run gives, with no client error; seeded sampled replies likewise (the
+continuation's random stream starts past the tokens already sent, never replaying them);
+the same over HTTP (SSE), whose finishing chunk says the reply was resumed. And the
 opt-out: a client that asks for no resume gets UNAVAILABLE ("retry is safe") as before.
 
 The streams are placed on the worker to kill by the `session` policy (a rendezvous hash of
@@ -67,12 +69,15 @@ class _Stream:
         self.final = None
         self.code = "OK"
         self.details = ""
+        self.resumed: int | None = None  # HTTP: the finishing chunk's prefixgate_resumed
 
 
 def _run(fleet: Fleet, conv: str, prompt: list[int], progress: list[int] | None = None,
-         i: int = 0, **extra) -> _Stream:
+         i: int = 0, sampling: dict | None = None, **extra) -> _Stream:
     out = _Stream()
     req = chat_request(conv, prompt, MAX_TOKENS, temperature=0.0)
+    for k, v in (sampling or {}).items():
+        setattr(req.sampling, k, v)
     for k, v in extra.items():
         setattr(req, k, v)
     try:
@@ -114,6 +119,7 @@ def _run_http(fleet: Fleet, conv: str, prompt: list[int], progress: list[int] | 
                 out.token_ids.append(len(out.text))  # progress only: chunks seen
                 if choice.get("finish_reason"):
                     out.final = choice["finish_reason"]
+                    out.resumed = event.get("prefixgate_resumed")
             if progress is not None:
                 progress[i] = len(out.token_ids)
     return out
@@ -183,6 +189,51 @@ def test_greedy_streams_continue_on_another_worker_token_for_token(
     assert all(s.final.worker_id == "fw1" for s in resumed)
 
 
+def test_the_sampler_skips_the_draws_of_the_tokens_sent() -> None:
+    """The worker's half of a seeded resume: a Sampler told `seed_offset_tokens` = k draws
+    the tokens an uninterrupted one draws from its (k+1)-th on; without it, the stream
+    restarts (the draws already spent come again)."""
+    import torch
+
+    from prefixgate.wire.protocol import SamplingConfig
+    from prefixgate.worker.sampling import Sampler
+
+    torch.manual_seed(0)
+    logits = [torch.randn(300) for _ in range(40)]
+    params = dict(temperature=1.0, seed=7, top_k=50, top_p=0.9)
+    whole = Sampler(SamplingConfig(**params))
+    tokens = [whole.sample(x) for x in logits]
+    for sent in (1, 15, 39):
+        resumed = Sampler(SamplingConfig(**params, seed_offset_tokens=sent))
+        assert [resumed.sample(x) for x in logits[sent:]] == tokens[sent:]
+    restarted = Sampler(SamplingConfig(**params))
+    assert [restarted.sample(x) for x in logits[15:]] != tokens[15:]
+
+
+def test_seeded_streams_continue_their_random_stream(session_fleet: Fleet) -> None:
+    """Seeded sampling (temperature 1): the resumed reply is the uninterrupted one, token
+    for token; the continuation does not replay the seed's first draws."""
+    fleet = session_fleet
+    n = 4
+    convs = _on("fw0", n)
+    prompts = [prompt_for(400 + i, 48) for i in range(n)]
+    sampling = {"temperature": 1.0, "seed": 1234}
+    reference = concurrently(lambda i: _run(fleet, convs[i], prompts[i], sampling=sampling),
+                             [(i,) for i in range(n)], DEADLINE_S)
+    assert all(r.code == "OK" and r.final.worker_id == "fw0" for r in reference), \
+        [(r.code, r.details) for r in reference]
+    streams, at_kill = _kill_mid_stream(fleet, convs, prompts, sampling=sampling)
+    report("worker SIGKILL mid-stream, seeded resume", streams=len(streams),
+           resumed=sum(bool(s.final and s.final.num_resumes) for s in streams),
+           identical=sum(s.token_ids == r.token_ids for s, r in zip(streams, reference,
+                                                                    strict=True)),
+           tokens_at_kill=at_kill)
+    assert [s.code for s in streams] == ["OK"] * n, [(s.code, s.details) for s in streams]
+    assert any(s.final.num_resumes for s in streams), at_kill
+    for s, r in zip(streams, reference, strict=True):
+        assert s.token_ids == r.token_ids
+
+
 def test_a_client_that_opts_out_sees_the_loss(session_fleet: Fleet) -> None:
     fleet = session_fleet
     convs = _on("fw0", 3)
@@ -212,6 +263,9 @@ def test_http_streams_continue_too(session_fleet: Fleet) -> None:
     assert [s.code for s in streams] == ["OK"] * 4, [s.details for s in streams]
     assert [s.text for s in streams] == [r.text for r in reference]
     assert [s.final for s in streams] == [r.final for r in reference]
+    # The finishing chunk says whether the reply was resumed (gateway/http.py).
+    assert [r.resumed for r in reference] == [0] * 4
+    assert all(s.resumed in (0, 1) for s in streams) and any(s.resumed for s in streams)
     opted, _ = _kill_mid_stream(fleet, convs[:2], [prompt_for(300 + i, 48) for i in range(2)],
                                 run=_run_http, resume=False)
     assert any(s.code == "error" for s in opted), [(s.code, s.details) for s in opted]

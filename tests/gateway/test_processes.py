@@ -74,12 +74,18 @@ def test_every_shared_port_is_checked(which) -> None:
 
 def test_spawn_joins_a_port_the_caller_already_listens_on() -> None:
     # `prefixgate up` binds process 0 first, then spawns the others onto its port.
-    with listen_reuseport() as parent:
-        children = processes.spawn(_listen, Startup(port=parent.getsockname()[1]), 1)
-        try:
-            processes.wait_ready(children, timeout_s=60)
-        finally:
-            processes.stop(children, 5)
+    parent = listen_reuseport()
+    port = parent.getsockname()[1]
+    children = processes.spawn(_listen, Startup(port=port), 1)
+    try:
+        processes.wait_ready(children, timeout_s=60)
+        assert all(c.process.is_alive() for c in children)
+        parent.close()  # the caller's listener gone, the port still answers: the child's
+        with socket.create_connection(("127.0.0.1", port), timeout=10):
+            pass
+    finally:
+        parent.close()
+        processes.stop(children, 5)
 
 
 def _listen(startup: Startup, on_listening) -> None:

@@ -1,19 +1,20 @@
-"""Tokenizing a long prompt runs off the gateway's event loop (gateway/server.py,
-`ChatService.off_loop`): the loop keeps serving other streams meanwhile, and the ids are
+"""Tokenizing a long prompt runs off the gateway's event loop (gateway/turn.py,
+`TurnCore.off_loop`): the loop keeps serving other streams meanwhile, and the ids are
 the tokenizer's own."""
 
 from __future__ import annotations
 
 import asyncio
 
+from prefixgate.gateway.config import GatewayConfig
 from prefixgate.gateway.pool import WorkerPool
-from prefixgate.gateway.server import INLINE_TOKENIZE_CHARS, ChatService, GatewayConfig
+from prefixgate.gateway.turn import INLINE_TOKENIZE_CHARS, TurnCore
 from prefixgate.model.catalog import ModelSpec
 from prefixgate.model.tokenizer import ChatTokenizer
 from prefixgate.registry import make_registry
 
 
-def _loop_ticks_while(service: ChatService, num_chars: int, messages: list) -> tuple[list, int]:
+def _loop_ticks_while(service: TurnCore, num_chars: int, messages: list) -> tuple[list, int]:
     """Tokenize through `service.off_loop` (as if the text had `num_chars` characters)
     while a task ticks every millisecond; returns the ids and the ticks seen meanwhile."""
 
@@ -39,8 +40,8 @@ def _loop_ticks_while(service: ChatService, num_chars: int, messages: list) -> t
 
 def test_a_long_prompt_is_tokenized_off_the_event_loop(tiny_spec: ModelSpec) -> None:
     tokenizer = ChatTokenizer(tiny_spec)
-    service = ChatService(tiny_spec, tokenizer,
-                          WorkerPool(make_registry(None), tiny_spec.fingerprint), GatewayConfig())
+    service = TurnCore(tiny_spec, tokenizer,
+                       WorkerPool(make_registry(None), tiny_spec.fingerprint), GatewayConfig())
     try:
         text = "the quick brown fox jumps over the lazy dog " * 20_000  # 880k characters
         messages = [("user", text)]

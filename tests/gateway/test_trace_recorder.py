@@ -40,15 +40,24 @@ def test_recorder_writes_on_its_own_thread_and_close_drains(tmp_path) -> None:
     assert writers == {"trace-recorder"}
 
 
-def test_recorder_write_error_stops_recording_without_raising(tmp_path) -> None:
+def test_recorder_write_error_stops_recording_without_raising(tmp_path, caplog) -> None:
+    """A failing write is logged once and ends recording: no later line is tried, nothing
+    reaches the caller (the gateway's event loop), and close() still returns."""
     rec = TraceRecorder(tmp_path / "t.jsonl", 16)
+    tried: list[str] = []
 
     def fail(line: str) -> int:
+        tried.append(line)
         raise OSError("disk full")
 
     rec._file.write = fail  # type: ignore[method-assign]
-    for _ in range(3):
-        rec.record(arrival_unix_s=0.0, conversation_id="c", num_prompt_tokens=1,
+    for i in range(3):
+        rec.record(arrival_unix_s=0.0, conversation_id=f"c{i}", num_prompt_tokens=1,
                    block_hashes=[], output_tokens=0, worker_id="w", cached_tokens=0)
     rec.close()
-    assert rec._closed
+    rec.record(arrival_unix_s=0.0, conversation_id="late", num_prompt_tokens=1,
+               block_hashes=[], output_tokens=0, worker_id="w", cached_tokens=0)
+    assert len(tried) == 1 and '"conversation_id":"c0"' in tried[0]
+    errors = [r for r in caplog.records if "trace recording" in r.getMessage()]
+    assert len(errors) == 1 and "disk full" in errors[0].getMessage()
+    assert (tmp_path / "t.jsonl").read_text() == ""
