@@ -25,7 +25,7 @@ Weight formats (`WeightsConfig`, the worker's `--weights` / `--kv-dtype`):
             or an AVX2 + FMA path, whichever the CPU runs: worker/kernels/cpu_quant.py). On a model shipped as such a GGUF (SmolLM2) the
             blocks are recovered exactly from the float32 reference (checked at load:
             `model.quantization_error` == 0), so it is lossless against float32 while a
-            decode streams 0.75 bytes per weight instead of 4. The CPU default where it is
+            decode streams 0.625 bytes per weight instead of 4. The CPU default where it is
             lossless (`default_weights`); on any other model it is plain round-to-nearest
             4-bit, opt-in, and its fidelity is measured like int8's.
   int8      weight-only int8: every nn.Linear (projections, MLP, LM head) keeps its
