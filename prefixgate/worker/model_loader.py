@@ -19,15 +19,16 @@ Weight formats (`WeightsConfig`, the worker's `--weights` / `--kv-dtype`):
             (`prefixgate bench worker`, fidelity).
   bfloat16 / float16
             weights, activations and (by default) KV in that dtype.
-  q4_1      GGUF's blocks of 32 weights: every linear layer Q4_1 (a float32 scale and
+  q4_1      GGUF's blocks of 32 weights: every linear layer Q4_1 (a float16 scale and
             min per block, 4-bit codes), the LM head Q8_0 (a scale per block, 8-bit codes);
             activations, norms, attention and KV float32. CPU only (kernels on an AVX-512
-            or an AVX2 + FMA path, whichever the CPU runs: worker/kernels/cpu_quant.py). On a model shipped as such a GGUF (SmolLM2) the
-            blocks are recovered exactly from the float32 reference (checked at load:
-            `model.quantization_error` == 0), so it is lossless against float32 while a
-            decode streams 0.625 bytes per weight instead of 4. The CPU default where it is
-            lossless (`default_weights`); on any other model it is plain round-to-nearest
-            4-bit, opt-in, and its fidelity is measured like int8's.
+            or an AVX2 + FMA path, whichever the CPU runs: worker/kernels/cpu_quant.py).
+            On a model shipped as such a GGUF (SmolLM2) the blocks are recovered exactly
+            from the float32 reference (checked at load: `model.quantization_error` ==
+            0), so it is lossless against float32 while a decode streams 0.625 bytes per
+            weight instead of 4. The CPU default where it is lossless
+            (`default_weights`); on any other model it is plain round-to-nearest 4-bit,
+            opt-in, and its fidelity is measured like int8's.
   int8      weight-only int8: every nn.Linear (projections, MLP, LM head) keeps its
             weight as int8 with one bfloat16 scale per output channel (symmetric, round to
             nearest); activations, norms, RoPE, attention and (by default) KV are bfloat16.

@@ -10,9 +10,10 @@ float32. `kernel_path()` names the path, `kernel_reason()` says why (also logged
 
 Why: decoding at batch 1 streams every weight once per token, so its speed is the weight
 bytes over the memory bandwidth. Q4_1 holds 32 weights in 20 bytes (0.625 B/weight,
-float32 holds 4), Q8_0 in 34 (1.0625): GGUF's own blocks, byte for byte. On a model shipped as a GGUF in those formats (the
-built-in SmolLM2 is), the float32 reference weights are these blocks dequantized, so the
-blocks carry exactly the reference values: the products below equal the float32 ones up
+float32 holds 4), Q8_0 in 34 (1.0625): GGUF's own blocks, byte for byte. On a model
+shipped as a GGUF in those formats (the built-in SmolLM2 is), the float32 reference
+weights are these blocks dequantized, so the blocks carry exactly the reference values:
+the products below equal the float32 ones up
 to float32 summation order.
 
 Layouts (GGUF's block_q4_1 / block_q8_0; one row per output feature, rows of `K // 32`
