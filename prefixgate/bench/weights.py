@@ -26,7 +26,17 @@ Contract: `add_arguments(parser)` adds this part's flags to `bench worker`;
             lossless, the blocks of the model's GGUF recovered exactly);
   llama_cpp {"batch1_tok_s", "prefixgate_over_llama_cpp"} when `--llama-cpp-url` names a
             running llama.cpp server (OpenAI API): the same prompt as text, streamed,
-            the same token count, measured right after prefixgate's figures.
+            the same token count, measured right after prefixgate's figures;
+  llama_bench  when `--llama-bench` names llama.cpp's llama-bench binary: batch-1 decode
+            of every format and of llama-bench on the model's GGUF (`spec.gguf_path`),
+            taken alternately `--alternations` times (format 1, format 2, ...,
+            llama-bench; again), with the same thread count (torch's), a 128-token
+            context before the `--decode-tokens` timed tokens on both sides:
+            {"threads", "runs", "median_tok_s": {format or "llama.cpp": tok/s},
+            "all_tok_s": {...: [each run]}, "median_over_llama_cpp": {format: ratio of
+            medians}, "command": llama-bench's command line}. Medians of alternating runs
+            keep a shared machine's load swings out of the ratio; llama-bench times
+            llama.cpp's bare decode (no server, no sampling), prefixgate's the engine's.
 Both models run the worker's own paged path (ModelRunner over a KV pool), so the
 figures are the served ones. Progress goes to stderr.
 """
@@ -60,6 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--llama-cpp-url", default="",
                         help="a running llama.cpp server (http://HOST:PORT) on the same GGUF: "
                              "its batch-1 decode rate is measured in the same run")
+    parser.add_argument("--llama-bench", type=Path, default=None,
+                        help="llama.cpp's llama-bench binary: batch-1 decode on the model's "
+                             "GGUF with torch's thread count, alternated with every format's "
+                             "(medians of --alternations runs each)")
+    parser.add_argument("--alternations", type=int, default=5,
+                        help="runs per side for --llama-bench, taken alternately")
 
 
 def _log(msg: str) -> None:
@@ -93,6 +109,12 @@ def weight_figures(args: argparse.Namespace, spec, tok, prompt: Callable[[int], 
                                  args.decode_tokens)
         out["llama_cpp"] = {"batch1_tok_s": round(rate, 1), "prefixgate_over_llama_cpp": {
             fmt: round(r["batch1_tok_s"] / rate, 2) for fmt, r in out["decode"].items()}}
+    if args.llama_bench is not None and 1 in args.batches:
+        if spec.gguf_path is None:
+            raise SystemExit(f"--llama-bench: {spec.name} has no GGUF to run llama.cpp on")
+        out["llama_bench"] = _alternate_with_llama_bench(
+            {fmt: models[fmt] for fmt in args.weight_formats}, spec, tok, prompts[1][0],
+            args.decode_tokens, args.llama_bench, args.alternations)
     if args.fidelity_conversations > 0 and args.trace.is_file():
         turns = _dev_turns(args.trace, tok, args.fidelity_conversations, args.fidelity_turns,
                            spec.max_context_tokens - args.fidelity_tokens - 1)
@@ -135,6 +157,75 @@ def _decode_rates(model, spec, tok, prompts: dict[int, list[list[int]]], num_tok
                 for b, p in prompts.items()}
     finally:
         engine.shutdown()
+
+
+class _Batch1:
+    """Batch-1 decode runs of one model through the real engine (as `_decode_rates`)."""
+
+    def __init__(self, model, spec, tok, num_tokens: int) -> None:
+        from prefixgate.worker.engine import EngineConfig, PagedEngine
+
+        self.engine = PagedEngine(model, tok, EngineConfig(
+            num_blocks=(128 + num_tokens) // 16 + 18, enable_prefix_cache=False,
+            max_num_seqs=4, max_context_tokens=spec.max_context_tokens,
+            model_fingerprint=spec.fingerprint))
+        self.num_tokens, self.count = num_tokens, 0
+
+    def rate(self, prompt: list[int], num_tokens: int | None = None) -> float:
+        from prefixgate.wire.protocol import SamplingConfig
+        from prefixgate.worker.engine import Request
+
+        n = num_tokens or self.num_tokens
+        self.count += 1
+        (final,) = self.engine.run_batch([Request(f"a{self.count}", tuple(prompt),
+                                                  SamplingConfig(max_tokens=n))], 900)
+        return (n - 1) / max(1e-9, (final.total_ms - final.ttft_ms) / 1e3)
+
+
+def llama_bench_command(binary: Path, gguf: Path, threads: int, num_tokens: int,
+                        context_tokens: int = 128) -> list[str]:
+    """llama-bench timing `num_tokens` decoded tokens after `context_tokens` of context,
+    once (after its warm-up run), as JSON."""
+    return [str(binary), "-m", str(gguf), "-t", str(threads), "-p", "0",
+            "-n", str(num_tokens), "-d", str(context_tokens), "-r", "1", "-o", "json"]
+
+
+def _llama_bench_rate(command: list[str]) -> float:
+    import subprocess
+
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise SystemExit(f"llama-bench failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    (row,) = json.loads(proc.stdout)
+    return float(row["avg_ts"])
+
+
+def _alternate_with_llama_bench(models: dict, spec, tok, prompt: list[int], num_tokens: int,
+                                binary: Path, runs: int) -> dict:
+    import statistics
+
+    import torch
+    from tqdm import tqdm
+
+    threads = torch.get_num_threads()
+    command = llama_bench_command(binary, spec.gguf_path, threads, num_tokens, len(prompt))
+    sides = {fmt: _Batch1(m, spec, tok, num_tokens) for fmt, m in models.items()}
+    rates: dict[str, list[float]] = {**{fmt: [] for fmt in sides}, "llama.cpp": []}
+    try:
+        for side in sides.values():
+            side.rate(prompt, 4)  # warm-up: kernel builds, allocator
+        for _ in tqdm(range(runs), desc="alternating with llama-bench", file=sys.stderr):
+            for fmt, side in sides.items():
+                rates[fmt].append(round(side.rate(prompt), 1))
+            rates["llama.cpp"].append(round(_llama_bench_rate(command), 1))
+    finally:
+        for side in sides.values():
+            side.engine.shutdown()
+    medians = {k: round(statistics.median(v), 1) for k, v in rates.items()}
+    return {"threads": threads, "runs": runs, "median_tok_s": medians, "all_tok_s": rates,
+            "median_over_llama_cpp": {fmt: round(medians[fmt] / medians["llama.cpp"], 2)
+                                      for fmt in sides},
+            "command": " ".join(command)}
 
 
 def _llama_cpp_decode(url: str, prompt_text: str, num_tokens: int, repeats: int = 3) -> float:

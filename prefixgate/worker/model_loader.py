@@ -19,15 +19,16 @@ Weight formats (`WeightsConfig`, the worker's `--weights` / `--kv-dtype`):
             (`prefixgate bench worker`, fidelity).
   bfloat16 / float16
             weights, activations and (by default) KV in that dtype.
-  q4_1      GGUF's blocks of 32 weights: every linear layer Q4_1 (a float32 scale and
+  q4_1      GGUF's blocks of 32 weights: every linear layer Q4_1 (a float16 scale and
             min per block, 4-bit codes), the LM head Q8_0 (a scale per block, 8-bit codes);
-            activations, norms, attention and KV float32. CPU only (AVX-512 kernels,
-            worker/kernels/cpu_quant.py). On a model shipped as such a GGUF (SmolLM2) the
-            blocks are recovered exactly from the float32 reference (checked at load:
-            `model.quantization_error` == 0), so it is lossless against float32 while a
-            decode streams 0.75 bytes per weight instead of 4. The CPU default where it is
-            lossless (`default_weights`); on any other model it is plain round-to-nearest
-            4-bit, opt-in, and its fidelity is measured like int8's.
+            activations, norms, attention and KV float32. CPU only (kernels on an AVX-512
+            or an AVX2 + FMA path, whichever the CPU runs: worker/kernels/cpu_quant.py).
+            On a model shipped as such a GGUF (SmolLM2) the blocks are recovered exactly
+            from the float32 reference (checked at load: `model.quantization_error` ==
+            0), so it is lossless against float32 while a decode streams 0.625 bytes per
+            weight instead of 4. The CPU default where it is lossless
+            (`default_weights`); on any other model it is plain round-to-nearest 4-bit,
+            opt-in, and its fidelity is measured like int8's.
   int8      weight-only int8: every nn.Linear (projections, MLP, LM head) keeps its
             weight as int8 with one bfloat16 scale per output channel (symmetric, round to
             nearest); activations, norms, RoPE, attention and (by default) KV are bfloat16.
@@ -150,7 +151,9 @@ class WeightsConfig:
         default."""
         if self.weights != "auto":
             return self
-        return WeightsConfig(default_weights(device, spec), self.kv_dtype)
+        fmt, why = _default_weights(device, spec)
+        log.info("--weights auto: %s (%s)", fmt, why)
+        return WeightsConfig(fmt, self.kv_dtype)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -173,12 +176,19 @@ def default_weights(device: str, spec: ModelSpec | None = None) -> str:
     exactly the float32 reference's values, in a fifth of the bytes) and its kernels build;
     float32 otherwise (bfloat16 holds the quality bar but runs no faster there in eager
     mode; int8 misses it, top-1 agreement 0.956 < 0.97). bfloat16 on GPUs."""
+    return _default_weights(device, spec)[0]
+
+
+def _default_weights(device: str, spec: ModelSpec | None) -> tuple[str, str]:
+    """`default_weights` and why (a phrase for the log)."""
     if torch.device(device).type != "cpu":
-        return "bfloat16"
-    if spec is not None and spec.gguf_path is not None \
-            and _gguf_is_q4_1(str(spec.gguf_path)) and cpu_quant.available():
-        return "q4_1"
-    return "float32"
+        return "bfloat16", f"the default on {torch.device(device).type}"
+    if spec is None or spec.gguf_path is None or not _gguf_is_q4_1(str(spec.gguf_path)):
+        return "float32", "q4_1 is lossless only on a model shipped as a Q4_1 GGUF"
+    if not cpu_quant.available():
+        return "float32", f"q4_1 kernels unavailable: {cpu_quant.kernel_reason()}"
+    return "q4_1", (f"{spec.gguf_path.name} is Q4_1 + Q8_0, lossless; kernels on the "
+                    f"{cpu_quant.kernel_path()} path: {cpu_quant.kernel_reason()}")
 
 
 @functools.lru_cache(maxsize=8)
@@ -352,8 +362,9 @@ def quantize_q4_1(model: torch.nn.Module) -> torch.nn.Module:
     if next(model.parameters()).device.type != "cpu":
         raise ValueError("q4_1 weights run on the CPU only; use --weights bfloat16 on a GPU")
     if not cpu_quant.available():
-        raise ValueError("q4_1 weights need the CPU kernels (a C compiler and AVX-512); "
-                         "use --weights float32")
+        raise ValueError(f"q4_1 weights need the CPU kernels (a C compiler or the prebuilt "
+                         f"library, and AVX-512 or AVX2 + FMA + F16C), unavailable here: "
+                         f"{cpu_quant.kernel_reason()}; use --weights float32")
     head = model.get_output_embeddings()
     error = 0.0
     for module in list(model.modules()):

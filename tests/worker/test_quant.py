@@ -1,15 +1,18 @@
-"""The q4_1 weight format: the quantized kernels against their torch reference, packing
+"""The q4_1 weight format: the quantized kernels against their torch reference (every
+vector path the CPU runs: AVX-512 and AVX2 + FMA where it has AVX-512, AVX2 + FMA on an
+AVX2-only CPU; dequantization exact, products to float32 rounding), packing
 that recovers GGUF blocks exactly, the worker's own Llama step (`LlamaStep`) on q4_1
 weights against transformers' forward of the same weights, greedy tokens with and
 without the prefix cache, and on SmolLM2: lossless against float32 (its GGUF's blocks),
-paged logits within float32 rounding of the float32 path's."""
+paged logits within float32 rounding of the float32 path's, and a short chat's greedy
+replies identical to float32's."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from prefixgate.worker.kernels import cpu_quant
+from prefixgate.worker.kernels import cbuild, cpu_quant
 from prefixgate.worker.model_loader import (
     QUANT_KERNEL_MAX_ROWS,
     QuantLinear,
@@ -18,15 +21,41 @@ from prefixgate.worker.model_loader import (
     load_model,
 )
 
-pytestmark = pytest.mark.skipif(not cpu_quant.available(),
-                                reason="no C compiler or no AVX-512 for the q4_1 kernels")
+pytestmark = pytest.mark.skipif(
+    not cpu_quant.available(),
+    reason=f"no q4_1 kernels here: {cpu_quant.kernel_reason()}")
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_kernels_match_the_torch_reference(kind, threads) -> None:
+    """The path this host runs (cbuild's choice for its CPU)."""
+    _check_against_reference(kind, threads)
+
+
+@pytest.mark.skipif(cbuild._compiler() is None, reason="no C compiler")
+@pytest.mark.parametrize("variant", ["x86-64-v4", "x86-64-v3"])
+def test_every_path_this_cpu_runs_matches_the_reference(variant, tmp_path, monkeypatch) -> None:
+    """Each portable build whose instructions the CPU has (x86-64-v4: the AVX-512 path,
+    x86-64-v3: AVX2 + FMA), loaded in place of this host's library."""
+    needs, flags = cbuild.VARIANTS[variant]
+    if not needs <= cbuild.cpu_features():
+        pytest.skip(f"the CPU lacks {', '.join(sorted(needs - cbuild.cpu_features()))}")
+    cbuild.compile_library(tmp_path / "lib.so", flags, cbuild._compiler())
+    lib = cbuild._bind(tmp_path / "lib.so")
+    path = cbuild.quant_path_name(lib.pg_quant_path())
+    assert path == cbuild.VARIANT_PATH[variant]
+    monkeypatch.setattr(cpu_quant, "_lib", lib)
+    monkeypatch.setattr(cpu_quant, "_path", path)
+    for kind in ("q4_1", "q8_0"):
+        for threads in (1, 2):
+            _check_against_reference(kind, threads)
+
+
+def _check_against_reference(kind: str, threads: int) -> None:
     """N = 130 (not a multiple of the 64-row work slices), K = 96; row counts around the
-    kernel's 8-row passes; a row-strided input."""
+    kernels' 4- and 8-row passes; a row-strided input. Dequantization is exact; products
+    equal x @ dequantized.T to float32 rounding."""
     g = torch.Generator().manual_seed(0)
     q8 = kind == "q8_0"
     w = torch.randn(130, 96, generator=g) * 0.1
@@ -41,7 +70,7 @@ def test_kernels_match_the_torch_reference(kind, threads) -> None:
     torch.set_num_threads(threads)
     try:
         assert torch.equal(deq(packed, 96), ref_w)
-        for m in (1, 5, 8, 9, 33):
+        for m in (1, 2, 3, 4, 5, 8, 9, 33):
             x = torch.randn(m, 2 * 96, generator=g)[:, ::2]  # strided rows: copied first
             torch.testing.assert_close(linear(x, packed, 130), x @ ref_w.T, atol=1e-5, rtol=1e-5)
     finally:
@@ -157,3 +186,18 @@ def test_smollm2_q4_1_is_lossless_and_matches_float32(smollm2_spec, smollm2_mode
             rows.append(runner.forward([t], [i], step, [0]))
         outs.append(torch.cat(rows))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-3, rtol=0)
+
+    # A short chat's greedy replies (the worker's engine: prefill through the dequantized
+    # GEMM, decode steps through the one-call decode layers on this CPU's path) are
+    # float32's, token for token.
+    from tests.helpers import make_engine
+    from tests.worker.test_engine import run
+
+    chat = [("user", "Write two sentences about the sea.")]
+    replies = []
+    for m in (smollm2_model, model):
+        engine = make_engine(smollm2_spec, m, enable_prefix_cache=False)
+        prompt = ChatTokenizer(smollm2_spec).encode_messages(chat)
+        replies.append(run(engine, prompt, max_tokens=24, rid="sea")[0])
+        engine.shutdown()
+    assert replies[1] == replies[0] and len(replies[0]) > 8

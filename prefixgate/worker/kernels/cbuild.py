@@ -8,13 +8,20 @@ had (logged; callers keep their torch path). The first library found is used:
   1. prebuilt (the worker image builds them, `python -m prefixgate.worker.kernels.cbuild
      --prebuild`): one library per portable variant in `PREBUILT_DIR` (or
      $PREFIXGATE_KERNEL_DIR), named by the variant and the hash of the sources; the best
-     variant this CPU runs (x86-64-v4: AVX-512, the q4_1 kernels; x86-64-v3; baseline)
-     whose hash matches these sources;
+     variant this CPU runs (`best_variant`: x86-64-v4, the q4_1 kernels' AVX-512 path;
+     x86-64-v3, their AVX2 + FMA path; baseline, no q4_1 kernels) whose hash matches
+     these sources;
   2. built here on first use with `-march=native` (the host's vector units) by the system
      C compiler ($CC, else cc/gcc), cached in the prefixgate cache directory under a key
      of the sources, the header, the flags, the compiler's version and the CPU's features
      (so an edited source, another compiler or a CPU with other features builds afresh,
      and hosts alike share a build).
+
+Which q4_1 path a library holds is decided by its target flags (csrc/pg_internal.h:
+PG_QUANT_PATH) and reported by the library (`pg_quant_built`, and `pg_quant_path`: that
+path if this CPU's cpuid has its instructions); `QUANT_PATHS` names them, and
+`expected_quant_path(features)` is the one a CPU with those features should get (with a
+compiler that knows its instructions). cpu_quant.py logs the outcome and its reason.
 
 Every build treats warnings as errors (-Wall -Wextra -Werror) and exports the ABI alone
 (-fvisibility=hidden). Concurrent builders agree: a library is written under a temporary
@@ -48,7 +55,8 @@ FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
          *WARNINGS)
 NATIVE = ("-march=native",)
 # Portable builds for images (best first): the CPU features each needs (/proc/cpuinfo
-# names) and its flags. x86-64-v4 is the AVX-512 level the q4_1 kernels need.
+# names) and its flags. x86-64-v4 builds the q4_1 kernels' AVX-512 path, x86-64-v3 their
+# AVX2 + FMA path (many cloud AMD EPYC and Intel hosts have no AVX-512), baseline none.
 VARIANTS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     "x86-64-v4": (frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl",
                              "avx2", "fma", "bmi2", "movbe", "f16c"}), ("-march=x86-64-v4",)),
@@ -56,6 +64,16 @@ VARIANTS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
                   ("-march=x86-64-v3",)),
     "baseline": (frozenset(), ()),
 }
+
+# The q4_1 kernels' vector paths, best first: the code the library reports for each
+# (pg_quant_path) and the CPU features (/proc/cpuinfo names) its instructions need (both
+# read the blocks' float16 scales with F16C).
+QUANT_PATHS: dict[str, tuple[int, frozenset[str]]] = {
+    "avx512": (2, frozenset({"avx512f", "f16c"})),
+    "avx2": (1, frozenset({"avx2", "fma", "f16c"})),
+}
+# The prebuilt variant that holds each path.
+VARIANT_PATH = {"x86-64-v4": "avx512", "x86-64-v3": "avx2", "baseline": None}
 
 _CTYPES = {"void": None, "int": ctypes.c_int, "float": ctypes.c_float,
            "int64_t": ctypes.c_int64}
@@ -134,14 +152,29 @@ def _bind(path: Path) -> ctypes.CDLL:
     return lib
 
 
+def expected_quant_path(features: frozenset[str]) -> str | None:
+    """The best q4_1 path (QUANT_PATHS) a CPU with these features runs, or None."""
+    return next((name for name, (_, needs) in QUANT_PATHS.items() if needs <= features), None)
+
+
+def quant_path_name(code: int) -> str | None:
+    """QUANT_PATHS' name for a library's pg_quant_path / pg_quant_built code (0: None)."""
+    return next((name for name, (c, _) in QUANT_PATHS.items() if c == code), None)
+
+
+def best_variant(features: frozenset[str], available: Sequence[str] = tuple(VARIANTS)
+                 ) -> str | None:
+    """The best of `available` variants a CPU with these features runs."""
+    return next((v for v, (needs, _) in VARIANTS.items() if v in available and needs <= features),
+                None)
+
+
 def _prebuilt() -> Path | None:
     folder = Path(os.environ.get("PREFIXGATE_KERNEL_DIR") or PREBUILT_DIR)
-    have, digest = cpu_features(), source_hash()
-    for variant, (needs, _) in VARIANTS.items():
-        path = folder / f"{NAME}-{variant}-{digest}.so"
-        if needs <= have and path.is_file():
-            return path
-    return None
+    digest = source_hash()
+    found = [v for v in VARIANTS if (folder / f"{NAME}-{v}-{digest}.so").is_file()]
+    variant = best_variant(cpu_features(), found)
+    return None if variant is None else folder / f"{NAME}-{variant}-{digest}.so"
 
 
 def _cache_dir() -> Path:
@@ -165,15 +198,19 @@ def _native(cc: str) -> Path:
 def load() -> ctypes.CDLL | None:
     """The kernel library (module docstring), or None (logged)."""
     path = _prebuilt()
+    how = "prebuilt"
     try:
         if path is None:
+            how = "built here with -march=native"
             cc = _compiler()
             if cc is None:
                 log.info("no C compiler and no prebuilt kernels: the CPU kernels are "
                          "unavailable (torch path in use)")
                 return None
             path = _native(cc)
-        return _bind(path)
+        lib = _bind(path)
+        log.info("CPU kernel library %s (%s)", path, how)
+        return lib
     except subprocess.CalledProcessError as e:
         log.warning("building the CPU kernels failed; using the torch path:\n%s",
                     (e.stderr or "")[-2000:])
@@ -192,7 +229,11 @@ def prebuild(folder: Path, cc: str | None = None) -> list[Path]:
     for variant, (_, flags) in VARIANTS.items():
         path = folder / f"{NAME}-{variant}-{source_hash()}.so"
         compile_library(path, flags, cc)
-        _bind(path)  # every ABI function is there
+        lib = _bind(path)  # every ABI function is there
+        holds = quant_path_name(lib.pg_quant_built())
+        if holds != VARIANT_PATH[variant]:  # e.g. a compiler that drops an -march level
+            raise SystemExit(f"prebuild: {path.name} holds q4_1 path {holds}, "
+                             f"not {VARIANT_PATH[variant]}")
         built.append(path)
     return built
 
@@ -207,5 +248,5 @@ if __name__ == "__main__":
     opts = parser.parse_args()
     if opts.prebuild is None:
         parser.error("nothing to do: give --prebuild [FOLDER]")
-    for p in prebuild(opts.prebuild):
-        print(p)
+    for variant, p in zip(VARIANTS, prebuild(opts.prebuild), strict=True):
+        print(p, "q4_1 path:", VARIANT_PATH[variant] or "none")

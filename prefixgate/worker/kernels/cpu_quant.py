@@ -1,22 +1,29 @@
 """CPU kernels: matrix products against group-quantized weights (GGUF's Q4_1 and Q8_0).
 
 The C is csrc/quant.c (the thread pool: csrc/pool.c), its signatures csrc/pg_kernels.h;
-cbuild.py builds or finds the library.
+cbuild.py builds or finds the library. It runs on one of two vector paths, the one the
+library was built for (cbuild.py picks the build for the CPU's features): AVX-512 (16
+lanes) or AVX2 + FMA (8 lanes; many cloud AMD EPYC and Intel hosts have no AVX-512),
+both with F16C;
+with neither (or no library) the kernels are unavailable and `--weights auto` keeps
+float32. `kernel_path()` names the path, `kernel_reason()` says why (also logged once).
 
 Why: decoding at batch 1 streams every weight once per token, so its speed is the weight
-bytes over the memory bandwidth. Q4_1 holds 32 weights in 24 bytes here (0.75 B/weight,
-float32 holds 4), Q8_0 in 36 (1.125). On a model shipped as a GGUF in those formats (the
-built-in SmolLM2 is), the float32 reference weights are these blocks dequantized, so the
-blocks carry exactly the reference values: the products below equal the float32 ones up
+bytes over the memory bandwidth. Q4_1 holds 32 weights in 20 bytes (0.625 B/weight,
+float32 holds 4), Q8_0 in 34 (1.0625): GGUF's own blocks, byte for byte. On a model
+shipped as a GGUF in those formats (the built-in SmolLM2 is), the float32 reference
+weights are these blocks dequantized, so the blocks carry exactly the reference values:
+the products below equal the float32 ones up
 to float32 summation order.
 
-Layouts (one row per output feature, rows of `K // 32` blocks, K a multiple of 32):
-  Q4_1  block = float32 d, float32 m, 16 bytes q: weight j of the block is
-        d * q_j + m, q_j = low nibble of byte j (j < 16) / high nibble of byte j - 16
-        (GGUF's order); a [N, K // 32 * 24] uint8 tensor.
-  Q8_0  block = float32 d, 32 int8 q: weight j = d * q_j; a [N, K // 32 * 36] uint8 tensor.
-(GGUF stores d and m as float16; float32 here costs 4 bytes per block and saves a
-conversion per block in the inner loop.)
+Layouts (GGUF's block_q4_1 / block_q8_0; one row per output feature, rows of `K // 32`
+blocks, K a multiple of 32):
+  Q4_1  block = float16 d, float16 m, 16 bytes q: weight j of the block is
+        d * q_j + m, q_j = low nibble of byte j (j < 16) / high nibble of byte j - 16;
+        a [N, K // 32 * 20] uint8 tensor.
+  Q8_0  block = float16 d, 32 int8 q: weight j = d * q_j; a [N, K // 32 * 34] uint8 tensor.
+(Float16 scales, converted by F16C in the kernels: at batch 1 the weight bytes are the
+step's cost, and float32 scales would stream 20 % more of them per Q4_1 block.)
 
 Contract: `q4_1_linear(x, packed, n)` / `q8_0_linear(x, packed, n)`: x [M, K] float32
 (rows contiguous) -> [M, N] float32 = x @ dequantized(packed).T. `dequantize_q4_1` and
@@ -50,15 +57,16 @@ from prefixgate.worker.kernels import cbuild
 log = logging.getLogger(__name__)
 
 BLOCK = 32
-Q4_1_BYTES = 24
-Q8_0_BYTES = 36
+Q4_1_BYTES = 20
+Q8_0_BYTES = 34
 # How long an idle pool thread spins before it sleeps. 200 us covers the gap between two
 # kernel calls of a decode step (Python and torch work of a few to ~100 us); the gap
 # between steps (sampling, scheduling, gRPC) is longer, and there the threads sleep.
 SPIN_US = int(os.environ.get("PREFIXGATE_KERNEL_SPIN_US", "200"))
 
 _lib: ctypes.CDLL | None = None
-_avx512 = False
+_path: str | None = None
+_reason = ""
 _tried = False
 _lock = threading.Lock()
 
@@ -74,26 +82,73 @@ def library() -> ctypes.CDLL | None:
     """The CPU kernel library (csrc/: this module's kernels, the decode attention of
     cpu_decode.py, the decode layers of cpu_llama.py, one thread pool), loaded or built
     on the first call (cbuild.py); None without it."""
-    global _lib, _avx512, _tried
+    global _lib, _path, _reason, _tried
     with _lock:
         if not _tried:
             _tried = True
             _lib = _build()
-            _avx512 = _lib is not None and bool(_lib.pg_has_avx512())
+            built = runs = None
+            if _lib is not None:
+                built = cbuild.quant_path_name(_lib.pg_quant_built())
+                runs = cbuild.quant_path_name(_lib.pg_quant_path())
+            _path = runs
+            _reason = explain(cbuild.cpu_features(), _lib is not None, built, runs)
+            if runs is None:
+                log.info("q4_1 kernels unavailable: %s; the float32 weights serve "
+                         "(--weights auto picks float32, --weights q4_1 refuses)", _reason)
+            else:
+                log.info("q4_1 kernels: %s path (%s)", runs, _reason)
     return _lib
 
 
 def available() -> bool:
-    """Whether the quantized kernels run here: the library builds and the CPU has
-    AVX-512 (without it the library holds only the decode attention)."""
+    """Whether the quantized kernels run here: the library loads and holds a vector path
+    this CPU runs (AVX-512 or AVX2 + FMA; without one it holds only the decode
+    attention)."""
     library()
-    return _avx512
+    return _path is not None
+
+
+def kernel_path() -> str | None:
+    """The quantized kernels' vector path here ("avx512", "avx2"), or None."""
+    library()
+    return _path
+
+
+def kernel_reason() -> str:
+    """Why `kernel_path()` is what it is (the CPU's features, the library's build)."""
+    library()
+    return _reason
+
+
+def explain(features: frozenset[str], loaded: bool, built: str | None, runs: str | None
+            ) -> str:
+    """Why a host runs the `runs` path (None: none) given the CPU's `features`, whether
+    the library `loaded`, and the path it was `built` for (cbuild.QUANT_PATHS names)."""
+    best = cbuild.expected_quant_path(features)
+    if runs == "avx512":
+        return "the CPU has AVX-512 (avx512f, f16c)"
+    if runs == "avx2":
+        if best == "avx512":
+            return ("the CPU has AVX-512, but the library was built without it (a compiler "
+                    "or prebuilt variant without x86-64-v4); AVX2 + FMA instead")
+        return "the CPU has AVX2, FMA and F16C, no AVX-512 (avx512f)"
+    if not loaded:
+        return ("the CPU kernel library is unavailable (no C compiler and no prebuilt "
+                "library, or its build failed: see the log)")
+    if best is None:
+        missing = sorted(cbuild.QUANT_PATHS["avx2"][1] - features)
+        return (f"the CPU has neither AVX-512 nor AVX2 + FMA + F16C (lacks "
+                f"{', '.join(missing)})")
+    if built is None:
+        return (f"the library was built without a quantized path (the CPU runs {best}, "
+                f"the compiler or prebuilt variant did not target it)")
+    return f"the library holds the {built} path, whose instructions this CPU lacks (cpuid)"
 
 
 def _lib_or_raise() -> ctypes.CDLL:
     if not available():
-        raise RuntimeError("the CPU quantized-weight kernels are unavailable: no C compiler "
-                           "or no AVX-512 (see the log)")
+        raise RuntimeError(f"the CPU quantized-weight kernels are unavailable: {_reason}")
     assert _lib is not None
     return _lib
 
@@ -155,7 +210,7 @@ def _f16(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack_q4_1(w: torch.Tensor) -> torch.Tensor:
-    """float32 [N, K] -> Q4_1 blocks [N, K // 32 * 24] uint8 (llama.cpp's quantizer)."""
+    """float32 [N, K] -> Q4_1 blocks [N, K // 32 * 20] uint8 (llama.cpp's quantizer)."""
     blocks = _blocks(w)
     lo, hi = blocks.amin(-1), blocks.amax(-1)
     m = _f16(lo)
@@ -163,17 +218,17 @@ def pack_q4_1(w: torch.Tensor) -> torch.Tensor:
     safe = torch.where(d == 0, torch.ones_like(d), d)
     q = torch.round((blocks - m[..., None]) / safe[..., None]).clamp(0, 15).to(torch.uint8)
     nibbles = q[..., :16] | (q[..., 16:] << 4)  # byte j: weight j (low), j + 16 (high)
-    head = torch.stack([d, m], -1).contiguous().view(torch.uint8)  # [N, nb, 8]
+    head = torch.stack([d, m], -1).to(torch.float16).contiguous().view(torch.uint8)  # [N, nb, 4]
     return torch.cat([head, nibbles], -1).reshape(w.shape[0], -1).contiguous()
 
 
 def pack_q8_0(w: torch.Tensor) -> torch.Tensor:
-    """float32 [N, K] -> Q8_0 blocks [N, K // 32 * 36] uint8 (llama.cpp's quantizer)."""
+    """float32 [N, K] -> Q8_0 blocks [N, K // 32 * 34] uint8 (llama.cpp's quantizer)."""
     blocks = _blocks(w)
     d = _f16(blocks.abs().amax(-1) / 127)
     safe = torch.where(d == 0, torch.ones_like(d), d)
     q = torch.round(blocks / safe[..., None]).clamp(-127, 127).to(torch.int8)
-    head = d[..., None].contiguous().view(torch.uint8)  # [N, nb, 4]
+    head = d[..., None].to(torch.float16).contiguous().view(torch.uint8)  # [N, nb, 2]
     return torch.cat([head, q.view(torch.uint8)], -1).reshape(w.shape[0], -1).contiguous()
 
 
@@ -183,10 +238,10 @@ def unpack_reference(packed: torch.Tensor, k: int, q8: bool) -> torch.Tensor:
     size = Q8_0_BYTES if q8 else Q4_1_BYTES
     blocks = packed.reshape(n, k // BLOCK, size)
     if q8:
-        d = blocks[..., :4].contiguous().view(torch.float32)
-        q = blocks[..., 4:].contiguous().view(torch.int8).float()
+        d = blocks[..., :2].contiguous().view(torch.float16).float()
+        q = blocks[..., 2:].contiguous().view(torch.int8).float()
         return (q * d).reshape(n, k)
-    dm = blocks[..., :8].contiguous().view(torch.float32)
-    nib = blocks[..., 8:]
+    dm = blocks[..., :4].contiguous().view(torch.float16).float()
+    nib = blocks[..., 4:]
     q = torch.cat([nib & 15, nib >> 4], -1).float()
     return (q * dm[..., :1] + dm[..., 1:]).reshape(n, k)

@@ -1,5 +1,6 @@
-/* All decoder layers of a Llama decode step in one call, Q4_1 weights (AVX-512;
-   prefixgate/worker/kernels/cpu_llama.py says why). */
+/* All decoder layers of a Llama decode step in one call, Q4_1 weights (the products on
+   quant.c's path, AVX-512 or AVX2 + FMA; prefixgate/worker/kernels/cpu_llama.py says
+   why). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -7,7 +8,6 @@
 #include "pg_internal.h"
 #include "pg_kernels.h"
 
-#ifdef __AVX512F__
 static void rmsnorm(const float *x, const float *w, float *out, int B, int n, float eps) {
     for (int b = 0; b < B; b++) {
         const float *xr = x + (int64_t)b * n; float *o = out + (int64_t)b * n;
@@ -24,6 +24,7 @@ int pg_decode_layers(int L, const int64_t *ptrs, float *x, int B, int hidden, in
                      const float *sin, const int64_t *slots, float *kpool, float *vpool,
                      int64_t layer_stride, const int32_t *bt, int64_t bt_stride,
                      const int32_t *ctx, int bs, float scale, float *scratch, int nth) {
+    if (!pg_quant_path()) return -2;
     if (hd > 256 || hidden % 32 || inter % 32 || (nh * hd) % 32) return -1;
     int qkvw = (nh + 2 * nkv) * hd;
     float *h = scratch;                          /* [B, hidden] */
@@ -66,16 +67,3 @@ int pg_decode_layers(int L, const int64_t *ptrs, float *x, int B, int hidden, in
     }
     return 0;
 }
-#else
-int pg_decode_layers(int L, const int64_t *ptrs, float *x, int B, int hidden, int nh,
-                     int nkv, int hd, int inter, float eps, const float *cos,
-                     const float *sin, const int64_t *slots, float *kpool, float *vpool,
-                     int64_t layer_stride, const int32_t *bt, int64_t bt_stride,
-                     const int32_t *ctx, int bs, float scale, float *scratch, int nth) {
-    (void)L; (void)ptrs; (void)x; (void)B; (void)hidden; (void)nh; (void)nkv; (void)hd;
-    (void)inter; (void)eps; (void)cos; (void)sin; (void)slots; (void)kpool; (void)vpool;
-    (void)layer_stride; (void)bt; (void)bt_stride; (void)ctx; (void)bs; (void)scale;
-    (void)scratch; (void)nth;
-    return -2;
-}
-#endif

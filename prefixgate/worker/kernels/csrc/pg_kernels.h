@@ -9,7 +9,7 @@
    Conventions: matrices are row-major float32 with an explicit row stride in elements;
    `nth` / `nthreads` is how many threads may work (the caller's and the library's pool:
    pool.c); functions returning int return 0 on success, -1 for a geometry outside their
-   limits, -2 when the library was built without AVX-512 (pg_has_avx512() == 0). */
+   limits, -2 when the library has no quantized path for this CPU (pg_quant_path() == 0). */
 #ifndef PG_KERNELS_H
 #define PG_KERNELS_H
 
@@ -20,11 +20,17 @@
 /* pool.c: how long an idle pool thread spins (microseconds) before it sleeps. */
 PG_API void pg_set_spin_us(int us);
 
-/* quant.c: 1 when built with AVX-512 (the quantized kernels below run), else 0. */
-PG_API int pg_has_avx512(void);
+/* quant.c: the vector path the quantized kernels below run on this CPU: 2 AVX-512,
+   1 AVX2 + FMA, 0 none (they return -2): the path the library was compiled for, 0 when
+   the CPU lacks its instructions (cpuid). */
+PG_API int pg_quant_path(void);
+/* quant.c: the path the library was compiled for (2, 1 or 0 as above), whatever this CPU
+   runs; safe to call on any x86-64 CPU. */
+PG_API int pg_quant_built(void);
 
 /* quant.c: out[m, n] = sum_k x[m, k] * W[n, k] for m < M, n < N; W given as GGUF blocks
-   of 32 weights (Q4_1: 24 bytes, Q8_0: 36 bytes per block, rows of K / 32 blocks);
+   of 32 weights as GGUF stores them (Q4_1: 20 bytes, Q8_0: 34 bytes per block, float16
+   scales; rows of K / 32 blocks);
    xs and os: row strides of x and out; K a multiple of 32. */
 PG_API int pg_q4_1_gemm(const float *x, int64_t xs, int M, int K, int N, const uint8_t *w,
                         float *out, int64_t os, int nth);

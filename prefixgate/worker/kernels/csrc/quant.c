@@ -1,5 +1,11 @@
-/* Products against GGUF's Q4_1 and Q8_0 blocks, and their dequantization (AVX-512;
-   the layouts are described in prefixgate/worker/kernels/cpu_quant.py). */
+/* Products against GGUF's Q4_1 and Q8_0 blocks, and their dequantization, on the vector
+   path the build targets (pg_internal.h: PG_QUANT_PATH): AVX-512 (16 lanes, a block's
+   16 possible weights picked by permutes) or AVX2 + FMA (8 lanes, codes converted and
+   scaled by one multiply-add). The blocks are GGUF's own (float16 scales, read with
+   F16C); the layouts are described in prefixgate/worker/kernels/cpu_quant.py. Both paths
+   dequantize exactly (d * q + m with d, m float16 values and |q| < 256 is exact before
+   the one rounding of the add) and multiply-add in float32: the products equal
+   x @ dequantized.T up to summation order. */
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -9,32 +15,56 @@
 #include "pg_internal.h"
 #include "pg_kernels.h"
 
-#ifdef __AVX512F__
-int pg_has_avx512(void) { return 1; }
-/* ---- products ---------------------------------------------------------------------- */
+int pg_quant_built(void) { return PG_QUANT_PATH; }
+
+int pg_quant_path(void) {
+    /* The library is built for one path; a CPU without its instructions (a library
+       carried to another host) gets none rather than an illegal instruction. */
+#if PG_QUANT_PATH == 2
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c") ? 2 : 0;
+#elif PG_QUANT_PATH == 1
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+        && __builtin_cpu_supports("f16c") ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+#if PG_QUANT_PATH
 #define ROWS_PER_TASK 64
-#define MB 8   /* activation rows per pass over a weight row (8 accumulators) */
+#define Q4_1_BYTES 20   /* float16 d, float16 m, 16 bytes of 4-bit codes */
+#define Q8_0_BYTES 34   /* float16 d, 32 int8 codes */
+
+/* The float16 at p (a block's scale or minimum) as a float32: exact. */
+static inline float f16_at(const uint8_t *p) {
+    uint16_t h; memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
 
 typedef struct {
     const float *x; int64_t xs; int M, K, N;
     const uint8_t *w; float *out; int64_t os;
 } gemm_t;
 
+#if PG_QUANT_PATH == 2
+/* ---- AVX-512 -------------------------------------------------------------------------- */
+#define MB 8   /* activation rows per pass over a weight row (8 accumulators) */
+
 static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 
 static inline __attribute__((always_inline))
 void q4_rows(const gemm_t *g, int n, int m0, int mb) {
     int nb = g->K / 32;
-    const uint8_t *row = g->w + (int64_t)n * nb * 24;
+    const uint8_t *row = g->w + (int64_t)n * nb * Q4_1_BYTES;
     __m512 acc[MB];
     for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
     /* The block's 16 possible weights d * q + m in one register; each code picks its
        weight with a permute (which reads only the low 4 bits of each index). */
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * 24;
-        float d, m; memcpy(&d, blk, 4); memcpy(&m, blk + 4, 4);
-        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 8)));
+        const uint8_t *blk = row + b * Q4_1_BYTES;
+        float d = f16_at(blk), m = f16_at(blk + 2);
+        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 4)));
         __m512 lut = _mm512_fmadd_ps(iota, _mm512_set1_ps(d), _mm512_set1_ps(m));
         __m512 lo = _mm512_permutexvar_ps(v, lut);
         __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
@@ -50,17 +80,16 @@ void q4_rows(const gemm_t *g, int n, int m0, int mb) {
 static inline __attribute__((always_inline))
 void q8_rows(const gemm_t *g, int n, int m0, int mb) {
     int nb = g->K / 32;
-    const uint8_t *row = g->w + (int64_t)n * nb * 36;
+    const uint8_t *row = g->w + (int64_t)n * nb * Q8_0_BYTES;
     __m512 acc[MB];
     for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * 36;
-        float d; memcpy(&d, blk, 4);
-        __m512 dv = _mm512_set1_ps(d);
+        const uint8_t *blk = row + b * Q8_0_BYTES;
+        __m512 dv = _mm512_set1_ps(f16_at(blk));
         __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128((const __m128i *)(blk + 4)))), dv);
+            _mm_loadu_si128((const __m128i *)(blk + 2)))), dv);
         __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128((const __m128i *)(blk + 20)))), dv);
+            _mm_loadu_si128((const __m128i *)(blk + 18)))), dv);
         for (int r = 0; r < mb; r++) {
             const float *xr = g->x + (int64_t)(m0 + r) * g->xs + b * 32;
             acc[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[r]);
@@ -69,6 +98,113 @@ void q8_rows(const gemm_t *g, int n, int m0, int mb) {
     }
     for (int r = 0; r < mb; r++) g->out[(int64_t)(m0 + r) * g->os + n] = hsum(acc[r]);
 }
+
+static inline void deq_q4(const uint8_t *blk, float *o) {
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 4)));
+    __m512 dv = _mm512_set1_ps(f16_at(blk)), mv = _mm512_set1_ps(f16_at(blk + 2));
+    _mm512_storeu_ps(o, _mm512_fmadd_ps(
+        _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), dv, mv));
+    _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(
+        _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), dv, mv));
+}
+
+static inline void deq_q8(const uint8_t *blk, float *o) {
+    __m512 dv = _mm512_set1_ps(f16_at(blk));
+    _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128((const __m128i *)(blk + 2)))), dv));
+    _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128((const __m128i *)(blk + 18)))), dv));
+}
+
+#else
+/* ---- AVX2 + FMA ----------------------------------------------------------------------- */
+#define MB 4   /* activation rows per pass: 16 ymm registers hold 4 rows' accumulators,
+                  a block's 4 dequantized vectors and the constants */
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* A block's 32 codes as 4 x 8 int32 lanes, weights 0-7, 8-15, 16-23, 24-31: byte j
+   holds weight j in its low nibble and weight j + 16 in its high one. */
+static inline void q4_codes(const uint8_t *nibbles, __m256i c[4]) {
+    const __m256i mask = _mm256_set1_epi32(15);
+    __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)nibbles));
+    __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(nibbles + 8)));
+    c[0] = _mm256_and_si256(b0, mask);
+    c[1] = _mm256_and_si256(b1, mask);
+    c[2] = _mm256_srli_epi32(b0, 4);
+    c[3] = _mm256_srli_epi32(b1, 4);
+}
+
+static inline void q4_weights(const uint8_t *blk, __m256 w[4]) {
+    __m256 dv = _mm256_set1_ps(f16_at(blk)), mv = _mm256_set1_ps(f16_at(blk + 2));
+    __m256i c[4];
+    q4_codes(blk + 4, c);
+    for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c[i]), dv, mv);
+}
+
+static inline void q8_weights(const uint8_t *blk, __m256 w[4]) {
+    __m256 dv = _mm256_set1_ps(f16_at(blk));
+    for (int i = 0; i < 4; i++)
+        w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * i)))), dv);
+}
+
+/* One weight row against mb activation rows. A multiply-add chain on one register is
+   bound by the FMA's latency (4 cycles) rather than its throughput (2 a cycle): a block
+   feeds its 4 products to 4 accumulators per row at 1-2 rows, 2 at 3-4 rows (more
+   rows are independent chains already). */
+#define AVX2_ROWS(NAME, BYTES, WEIGHTS)                                                  \
+static inline __attribute__((always_inline))                                             \
+void NAME(const gemm_t *g, int n, int m0, int mb) {                                      \
+    int nb = g->K / 32;                                                                  \
+    const uint8_t *row = g->w + (int64_t)n * nb * BYTES;                                 \
+    const int na = mb <= 2 ? 4 : 2;                                                      \
+    __m256 acc[MB][4];                                                                   \
+    for (int r = 0; r < mb; r++) for (int a = 0; a < na; a++) acc[r][a] = _mm256_setzero_ps(); \
+    for (int b = 0; b < nb; b++) {                                                       \
+        __m256 w[4];                                                                     \
+        WEIGHTS(row + b * BYTES, w);                                                     \
+        for (int r = 0; r < mb; r++) {                                                   \
+            const float *xr = g->x + (int64_t)(m0 + r) * g->xs + b * 32;                 \
+            for (int i = 0; i < 4; i++)                                                  \
+                acc[r][i % na] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i),      \
+                                                 acc[r][i % na]);                        \
+        }                                                                                \
+    }                                                                                    \
+    for (int r = 0; r < mb; r++) {                                                       \
+        __m256 s = acc[r][0];                                                            \
+        for (int a = 1; a < na; a++) s = _mm256_add_ps(s, acc[r][a]);                    \
+        g->out[(int64_t)(m0 + r) * g->os + n] = hsum(s);                                 \
+    }                                                                                    \
+}
+AVX2_ROWS(q4_rows, Q4_1_BYTES, q4_weights)
+AVX2_ROWS(q8_rows, Q8_0_BYTES, q8_weights)
+
+static inline void deq_q4(const uint8_t *blk, float *o) {
+    __m256 w[4];
+    q4_weights(blk, w);
+    for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + 8 * i, w[i]);
+}
+
+static inline void deq_q8(const uint8_t *blk, float *o) {
+    __m256 w[4];
+    q8_weights(blk, w);
+    for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + 8 * i, w[i]);
+}
+#endif
+
+/* ---- both paths: work items of ROWS_PER_TASK weight rows ------------------------------ */
+#if MB == 8
+#define MORE_ROWS(ROWS)                                                                  \
+    case 5: ROWS(g, n, m0, 5); break; case 6: ROWS(g, n, m0, 6); break;                 \
+    case 7: ROWS(g, n, m0, 7); break; case 8: ROWS(g, n, m0, 8); break;
+#else
+#define MORE_ROWS(ROWS)
+#endif
 
 #define GEMM_ITEM(NAME, ROWS)                                                           \
 static void NAME(void *arg, int item) {                                                \
@@ -80,8 +216,8 @@ static void NAME(void *arg, int item) {                                         
         for (int n = n0; n < n1; n++) switch (mb) {                                     \
             case 1: ROWS(g, n, m0, 1); break; case 2: ROWS(g, n, m0, 2); break;         \
             case 3: ROWS(g, n, m0, 3); break; case 4: ROWS(g, n, m0, 4); break;         \
-            case 5: ROWS(g, n, m0, 5); break; case 6: ROWS(g, n, m0, 6); break;         \
-            case 7: ROWS(g, n, m0, 7); break; default: ROWS(g, n, m0, 8); break;        \
+            MORE_ROWS(ROWS)                                                             \
+            default: break;                                                             \
         }                                                                               \
     }                                                                                   \
 }
@@ -92,6 +228,7 @@ GEMM_ITEM(q8_item, q8_rows)
 
 int pg_q4_1_gemm(const float *x, int64_t xs, int M, int K, int N, const uint8_t *w,
                  float *out, int64_t os, int nth) {
+    if (!pg_quant_path()) return -2;
     if (K % 32) return -1;
     gemm_t g = {x, xs, M, K, N, w, out, os};
     pg_pool_run(q4_item, &g, SLICES(N), nth);
@@ -100,6 +237,7 @@ int pg_q4_1_gemm(const float *x, int64_t xs, int M, int K, int N, const uint8_t 
 
 int pg_q8_0_gemm(const float *x, int64_t xs, int M, int K, int N, const uint8_t *w,
                  float *out, int64_t os, int nth) {
+    if (!pg_quant_path()) return -2;
     if (K % 32) return -1;
     gemm_t g = {x, xs, M, K, N, w, out, os};
     pg_pool_run(q8_item, &g, SLICES(N), nth);
@@ -112,41 +250,24 @@ typedef struct { const uint8_t *w; float *out; int K, N, q8; } deq_t;
 static void deq_item(void *arg, int item) {
     const deq_t *j = (const deq_t *)arg;
     int nb = j->K / 32;
-    const __m512i mask = _mm512_set1_epi32(15);
     int n0 = item * ROWS_PER_TASK;
     int n1 = n0 + ROWS_PER_TASK < j->N ? n0 + ROWS_PER_TASK : j->N;
     for (int n = n0; n < n1; n++) for (int b = 0; b < nb; b++) {
         float *o = j->out + (int64_t)n * j->K + b * 32;
-        if (j->q8) {
-            const uint8_t *blk = j->w + ((int64_t)n * nb + b) * 36;
-            float d; memcpy(&d, blk, 4);
-            __m512 dv = _mm512_set1_ps(d);
-            _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                _mm_loadu_si128((const __m128i *)(blk + 4)))), dv));
-            _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                _mm_loadu_si128((const __m128i *)(blk + 20)))), dv));
-        } else {
-            const uint8_t *blk = j->w + ((int64_t)n * nb + b) * 24;
-            float d, m; memcpy(&d, blk, 4); memcpy(&m, blk + 4, 4);
-            __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 8)));
-            __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
-            _mm512_storeu_ps(o, _mm512_fmadd_ps(
-                _mm512_cvtepi32_ps(_mm512_and_si512(v, mask)), dv, mv));
-            _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(
-                _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), dv, mv));
-        }
+        if (j->q8) deq_q8(j->w + ((int64_t)n * nb + b) * Q8_0_BYTES, o);
+        else deq_q4(j->w + ((int64_t)n * nb + b) * Q4_1_BYTES, o);
     }
 }
 
 int pg_dequantize(const uint8_t *w, float *out, int K, int N, int q8, int nth) {
+    if (!pg_quant_path()) return -2;
     if (K % 32) return -1;
     deq_t j = {w, out, K, N, q8};
     pg_pool_run(deq_item, &j, SLICES(N), nth);
     return 0;
 }
 #else
-/* Built without AVX-512: the library holds the decode attention only. */
-int pg_has_avx512(void) { return 0; }
+/* Built for neither path: the library holds the decode attention only. */
 int pg_q4_1_gemm(const float *x, int64_t xs, int M, int K, int N, const uint8_t *w,
                  float *out, int64_t os, int nth) {
     (void)x; (void)xs; (void)M; (void)K; (void)N; (void)w; (void)out; (void)os; (void)nth;
