@@ -108,6 +108,14 @@ class PrefixgateConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = self._kv_transfer_config
         self._block_size = vllm_config.cache_config.block_size
+        # Pages are mapped for vLLM's CPU backend (pages.py); elsewhere nothing is planned
+        # or kept, and vLLM computes as without the connector.
+        from vllm.platforms import current_platform
+
+        self._enabled = current_platform.is_cpu()
+        if not self._enabled:
+            log.warning("prefixgate connector: maps the KV pages of vLLM's CPU backend only; "
+                        "this server moves no blocks")
         # Scheduler side.
         self._params: dict[str, TransferParams] = {}
         self._planned: dict[str, tuple[TransferParams, int, int]] = {}  # id -> (p, from, n)
@@ -132,13 +140,12 @@ class PrefixgateConnector(KVConnectorBase_V1):
 
     def on_new_request(self, request: Request) -> None:
         params = TransferParams.from_json(request.kv_transfer_params)
-        if params is not None:
+        if params is not None and self._enabled:
             self._params[request.request_id] = params
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        params = self._params.get(request.request_id) or \
-            TransferParams.from_json(request.kv_transfer_params)
+        params = self._params.get(request.request_id)
         if params is None or params.pull is None or request.num_preemptions:
             return 0, False
         vbs = self._block_size
@@ -197,6 +204,8 @@ class PrefixgateConnector(KVConnectorBase_V1):
         from vllm.model_executor.models.utils import extract_layer_index
 
         self._layers = sorted(kv_caches.items(), key=lambda kv: extract_layer_index(kv[0]))
+        if not self._enabled or not self._layers:
+            return
         name, first = self._layers[0]
         try:
             self._layout = PagedLayout.of(first, self._isa(name, first))
