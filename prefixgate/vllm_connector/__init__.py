@@ -6,7 +6,8 @@ vLLM loads it through its public KV connector API (`KVConnectorBase_V1`), never 
 
   vllm serve MODEL ... --kv-transfer-config '{"kv_connector": "PrefixgateConnector",
       "kv_connector_module_path": "prefixgate.vllm_connector.connector",
-      "kv_role": "kv_both", "kv_connector_extra_config": {"export_port": 7100}}'
+      "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+      "kv_connector_extra_config": {"export_port": 7100}}'
 
 Modules, one job each:
   params.py     what a request tells the connector (`kv_transfer_params["prefixgate"]`) and

@@ -24,7 +24,8 @@ Worker side
   them meanwhile). `get_finished` reports the loads done; `get_block_ids_with_load_errors`
   the blocks a load could not fill (holder gone, blocks evicted there, format mismatch, a
   refused chunk): vLLM recomputes from the first of them (kv_load_failure_policy
-  "recompute", its default), so a failed pull never fails a request.
+  "recompute", which params.connector_config sets: vLLM's default fails the request), so a
+  failed pull never fails a request.
 - `wait_for_save`: after each step, the pages of the prompt blocks the step completed go to
   the bounded host store (store.py) under their prefixgate hashes, skipping those held: a
   copy of the step's new blocks (the step's own compute dwarfs it), after which exports

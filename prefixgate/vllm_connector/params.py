@@ -86,5 +86,8 @@ def connector_config(export_port: int, export_host: str = "127.0.0.1",
     `export_host:export_port` (loopback unless asked), a host store of `store_mib` MiB."""
     return json.dumps({
         "kv_connector": CLASS, "kv_connector_module_path": MODULE, "kv_role": "kv_both",
+        # A load that fails (holder gone, blocks evicted there) is computed instead; vLLM's
+        # default, "fail", would fail the request.
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"export_host": export_host, "export_port": export_port,
                                       "store_mib": store_mib}})
