@@ -149,9 +149,17 @@ class VLLMConfig:
 
     @classmethod
     def parse(cls, text: str, **kw) -> VLLMConfig:
-        """`URL,EVENTS[,REPLAY][,grpc://HOST:PORT]` (the --vllm-worker form; the last: its
-        prefixgate KV connector's ExportBlocks); ValueError saying what is wrong."""
+        """`URL,EVENTS[,REPLAY][,grpc://HOST:PORT][,key-file:PATH]` (the --vllm-worker
+        form: its prefixgate KV connector's ExportBlocks; a file holding its --api-key,
+        read now); ValueError saying what is wrong."""
         parts = [p.strip() for p in text.split(",")]
+        if len(parts) > 2 and parts[-1].startswith("key-file:"):
+            path = parts.pop().removeprefix("key-file:")
+            try:
+                kw["api_key"] = Path(path).read_text().strip()
+            except OSError as exc:
+                raise ValueError(f"{text!r}: cannot read the API key file {path}: "
+                                 f"{exc.strerror}") from None
         export = ""
         if len(parts) > 2 and parts[-1].startswith("grpc://"):
             export = parts.pop().removeprefix("grpc://")

@@ -104,6 +104,7 @@ class VLLMServer:
     # A private (0700) directory for the KV event sockets (ipc://); "": TCP on `host`
     # (vLLM binds its publisher only on '*' or ipc://: TCP is for a reachable host only).
     ipc_dir: str = ""
+    api_key_file: str = ""  # a 0600 file holding its --api-key ("": none)
 
     @property
     def url(self) -> str:
@@ -135,8 +136,9 @@ class VLLMServer:
 
     @property
     def worker_spec(self) -> str:
-        """The gateway's `--vllm-worker URL,EVENTS,REPLAY[,EXPORT]` form."""
-        return ",".join(p for p in (self.url, self.events, self.replay, self.export) if p)
+        """The gateway's `--vllm-worker URL,EVENTS,REPLAY[,EXPORT][,key-file:PATH]` form."""
+        key = f"key-file:{self.api_key_file}" if self.api_key_file else ""
+        return ",".join(p for p in (self.url, self.events, self.replay, self.export, key) if p)
 
 
 def vllm_argv(launch: VLLMLaunch, server: VLLMServer) -> list[str]:
@@ -214,9 +216,16 @@ class VLLMFleet:
         path_dir = (self.group.logdir or Path(tempfile.mkdtemp(prefix="prefixgate-vllm-"))) \
             / "pythonpath"
         ipc_dir = tempfile.mkdtemp(prefix="pg-vllm-")  # 0700: this user's processes only
+        key_file = ""
+        if self.launch.api_key:  # for the gateway's adapter: off every command line
+            key_file = os.path.join(ipc_dir, "api-key")
+            fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self.launch.api_key)
         for i in range(n):
             server = VLLMServer(f"{name_prefix}{i}", self.launch.host, free_port(),
-                                0, 0, free_port() if self.launch.connector else 0, ipc_dir)
+                                0, 0, free_port() if self.launch.connector else 0, ipc_dir,
+                                key_file)
             self.group.start(server.name, vllm_argv(self.launch, server),
                              env={"VLLM_CPU_OMP_THREADS_BIND": cpu_binding(i, n),
                                   **vllm_env(self.launch, path_dir)})

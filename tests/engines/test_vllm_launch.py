@@ -92,3 +92,28 @@ def test_up_without_a_vllm_environment_says_how_to_name_one(tmp_path, monkeypatc
         main(["up", "--engine", "vllm", "--model", "tiny-random", "--cache-dir",
               str(tmp_path), "--port", "0", "--http-port", "-1",
               "--vllm-python", str(tmp_path / "nothing")])
+
+
+def test_up_secure_gives_vllm_an_api_key_the_gateway_reads_from_a_private_file(tmp_path) -> None:
+    """`up --secure`: vLLM gets --api-key through VLLM_API_KEY (never on a command line),
+    and the gateway's --vllm-worker form names a 0600 file holding it, which the adapter
+    reads and sends."""
+    import os
+
+    from prefixgate.engines.vllm import VLLMConfig
+    from prefixgate.launch.processes import ProcessGroup
+    from prefixgate.launch.vllm import VLLMFleet
+
+    fleet = VLLMFleet(VLLMLaunch("/venv/bin/python", tmp_path, "m", api_key="s3cret"),
+                      ProcessGroup(tmp_path))
+    started = []
+    fleet.group.start = lambda name, argv, env=None: started.append((argv, env))
+    (server,) = fleet.start(1)
+    argv, env = started[0]
+    assert env["VLLM_API_KEY"] == "s3cret" and not [a for a in argv if "s3cret" in a]
+    assert os.stat(server.api_key_file).st_mode & 0o777 == 0o600
+    assert "s3cret" not in server.worker_spec
+    cfg = VLLMConfig.parse(server.worker_spec)
+    assert cfg.api_key == "s3cret" and cfg.export == f"127.0.0.1:{server.export_port}"
+    with pytest.raises(ValueError, match="API key file"):
+        VLLMConfig.parse(f"{server.url},{server.events},key-file:{tmp_path}/missing")
