@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -122,6 +123,9 @@ class PrefixgateConnector(KVConnectorBase_V1):
         self._planned: dict[str, tuple[TransferParams, int, int]] = {}  # id -> (p, from, n)
         self._loads: list[LoadSpec] = []
         self._saved_blocks: dict[str, int] = {}  # prefixgate blocks named for keeping
+        # Requests whose load was handed to the worker side: never planned again (a failed
+        # load sends the request back to vLLM's queue, which asks again).
+        self._attempted: set[str] = set()
         # Worker side.
         self._store = HostStore(int(cfg.get_from_extra_config("store_mib", DEFAULT_STORE_MIB))
                                 << 20)
@@ -147,7 +151,8 @@ class PrefixgateConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         params = self._params.get(request.request_id)
-        if params is None or params.pull is None or request.num_preemptions:
+        if params is None or params.pull is None or request.num_preemptions \
+                or request.request_id in self._attempted:
             return 0, False
         vbs = self._block_size
         # Tokens the holder has, never the prompt's last one, in whole vLLM blocks.
@@ -166,6 +171,7 @@ class PrefixgateConnector(KVConnectorBase_V1):
             return
         params, start, _ = planned
         assert params.pull is not None
+        self._attempted.add(request.request_id)
         self._loads.append(LoadSpec(
             request.request_id, params.pull.peer, list(params.block_hashes),
             params.pull.ticket, params.block_size, params.fingerprint, start,
@@ -197,6 +203,7 @@ class PrefixgateConnector(KVConnectorBase_V1):
                          ) -> tuple[bool, dict[str, Any] | None]:
         for table in (self._params, self._planned, self._saved_blocks):
             table.pop(request.request_id, None)
+        self._attempted.discard(request.request_id)
         return False, None
 
     # ================================================================ worker side
@@ -237,11 +244,10 @@ class PrefixgateConnector(KVConnectorBase_V1):
         layers, heads, dim, dtype = self._dims()
         return KVFormat(fingerprint, block_size, dtype, layers, heads, dim)
 
-    def _slots(self, block_ids: list[int], start: int, stop: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.arange(start, stop)
-        ids = torch.tensor(block_ids, dtype=torch.long)
-        return ids[tokens // self._block_size], tokens % self._block_size
+    def _block_ids(self, block_ids: list[int], start: int, stop: int) -> torch.Tensor:
+        """The vLLM blocks holding tokens [start, stop) (start a multiple of the block size)."""
+        vbs = self._block_size
+        return torch.tensor(block_ids[start // vbs: -(-stop // vbs)], dtype=torch.long)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -271,21 +277,37 @@ class PrefixgateConnector(KVConnectorBase_V1):
             first_block = spec.from_token // B
             last_block = -(-spec.to_token // B)
 
+            vbs = self._block_size
+            # Tokens received past `written` that do not fill a vLLM block yet (a chunk
+            # ends wherever prefixgate's blocks do): written with the next chunk's.
+            carry: list[tuple[torch.Tensor, torch.Tensor]] = []
+
             def on_chunk(first: int, n: int, k: bytes, v: bytes) -> None:
                 nonlocal written, num_bytes
                 lo = max(first * B, spec.from_token)
                 hi = min((first + n) * B, spec.to_token)
+                num_bytes += len(k) + len(v)
                 if hi <= lo:
                     return
                 dtype = self._layout.dtype
-                kt = torch.frombuffer(bytearray(k), dtype=dtype).view(layers, n * B, heads, dim)
-                vt = torch.frombuffer(bytearray(v), dtype=dtype).view(layers, n * B, heads, dim)
-                blocks, offsets = self._slots(spec.block_ids, lo, hi)
+                # Views of the received bytes (read-only: only read, copied into the cache).
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)
+                    kt = torch.frombuffer(k, dtype=dtype).view(layers, n * B, heads, dim)
+                    vt = torch.frombuffer(v, dtype=dtype).view(layers, n * B, heads, dim)
                 rows = slice(lo - first * B, hi - first * B)
+                carry.append((kt[:, rows], vt[:, rows]))
+                have = sum(c[0].shape[1] for c in carry)
+                whole = have if written + have == spec.to_token else have // vbs * vbs
+                if not whole:
+                    return
+                ks = torch.cat([c[0] for c in carry], dim=1) if len(carry) > 1 else carry[0][0]
+                vs = torch.cat([c[1] for c in carry], dim=1) if len(carry) > 1 else carry[0][1]
+                carry[:] = [(ks[:, whole:], vs[:, whole:])] if whole < have else []
+                ids = self._block_ids(spec.block_ids, written, written + whole)
                 for i, (_, cache) in enumerate(self._layers):
-                    self._layout.write(cache, blocks, offsets, kt[i, rows], vt[i, rows])
-                written = hi
-                num_bytes += len(k) + len(v)
+                    self._layout.write(cache, ids, ks[i, :whole], vs[i, :whole])
+                written += whole
 
             pull_chain(spec.peer, spec.chain[:last_block], first_block, spec.ticket, fmt,
                        on_chunk, PULL_TIMEOUT_S)
@@ -326,12 +348,13 @@ class PrefixgateConnector(KVConnectorBase_V1):
         if not todo:
             return
         lo, hi = (spec.first_block + todo[0]) * B, (spec.first_block + todo[-1] + 1) * B
-        blocks, offsets = self._slots(spec.block_ids, lo, hi)
-        ks, vs = zip(*(self._layout.read(cache, blocks, offsets) for _, cache in self._layers),
-                     strict=True)
-        k, v = torch.stack(ks), torch.stack(vs)  # [layers, tokens, heads, dim]
+        vbs = self._block_size
+        start = lo // vbs * vbs  # the first vLLM block's first token
+        ids = self._block_ids(spec.block_ids, start, hi)
+        ks, vs = zip(*(self._layout.read(cache, ids) for _, cache in self._layers), strict=True)
+        k, v = torch.stack(ks), torch.stack(vs)  # [layers, tokens from `start`, heads, dim]
         for i in todo:
-            rows = slice((spec.first_block + i) * B - lo, (spec.first_block + i + 1) * B - lo)
+            rows = slice((spec.first_block + i) * B - start, (spec.first_block + i + 1) * B - start)
             self._store.put(spec.hashes[i], Page(spec.fingerprint, B,
                                                  k[:, rows].contiguous(), v[:, rows].contiguous()))
 

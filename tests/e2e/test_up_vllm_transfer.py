@@ -116,3 +116,21 @@ def test_next_turn_on_the_idle_server_pulls_the_history(up) -> None:
     assert reply["choices"][0]["message"]["content"] == \
         reference["choices"][0]["message"]["content"]
     assert json.dumps(reply)  # a whole reply, not an error document
+
+
+def test_a_pull_from_a_holder_that_is_gone_is_computed(up) -> None:
+    """A load that fails (nothing listens at the holder's address) costs the computing
+    only: the request is answered, greedy-identical to a server that never tried."""
+    from prefixgate.vllm_connector.params import PullParams, TransferParams
+
+    _, _, servers = up
+    first, second = sorted(servers)
+    prompt = "Write a short note about rivers. " + _text(3, 150)
+    params = TransferParams(16, "fp", tuple(range(1, 11)),
+                            PullParams(f"127.0.0.1:{free_port()}", "gone", 10))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    pulled, _ = _post(f"http://127.0.0.1:{first}/v1/completions",
+                      {**body, "kv_transfer_params": params.to_json()}, timeout_s=300)
+    computed, _ = _post(f"http://127.0.0.1:{second}/v1/completions",
+                        {**body, "cache_salt": "never-pulled"}, timeout_s=300)
+    assert pulled["choices"][0]["text"] == computed["choices"][0]["text"]

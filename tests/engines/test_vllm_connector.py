@@ -137,18 +137,28 @@ def test_pages_are_where_vllms_cache_writer_puts_them(tmp_path: Path) -> None:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
         from prefixgate.vllm_connector.pages import PagedLayout
         nb, H, bs, hd = 6, 3, 32, 64
+        ids = torch.tensor([4, 1, 3])
+        slots = (ids.view(-1, 1) * bs + torch.arange(bs)).view(-1)
         for dtype in (torch.float32, torch.bfloat16):
             isa = _get_attn_isa(dtype, bs, hd)
             cache = torch.zeros(nb, H, bs, 2 * hd, dtype=dtype)
             kc, vc = cache.view(nb, H, 2 * bs, hd).chunk(2, dim=2)
-            key, value = torch.randn(100, H, hd).to(dtype), torch.randn(100, H, hd).to(dtype)
-            slots = torch.arange(100) + 40
+            key = torch.randn(3 * bs, H, hd).to(dtype)
+            value = torch.randn(3 * bs, H, hd).to(dtype)
             ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, isa)
             layout = PagedLayout.of(cache, isa)
-            k, v = layout.read(cache, slots // bs, slots % bs)
+            k, v = layout.read(cache, ids)
             assert torch.equal(k, key) and torch.equal(v, value), (dtype, isa)
             again = torch.zeros_like(cache)
-            layout.write(again, slots // bs, slots % bs, key, value)
+            layout.write(again, ids, key, value)
+            assert torch.equal(again, cache), (dtype, isa)
+            # Any other placement is read through its gather, with the same result.
+            generic = layout.__class__(**{**layout.__dict__, "key_order": "gather",
+                                          "value_order": "gather"})
+            k, v = generic.read(cache, ids)
+            assert torch.equal(k, key) and torch.equal(v, value), (dtype, isa)
+            again = torch.zeros_like(cache)
+            generic.write(again, ids, key, value)
             assert torch.equal(again, cache), (dtype, isa)
         print("pages ok")
     """)
