@@ -166,3 +166,47 @@ def test_pages_are_where_vllms_cache_writer_puts_them(tmp_path: Path) -> None:
                          env={"PYTHONPATH": str(connector_path(tmp_path / "path")),
                               "PATH": "/usr/bin:/bin"})
     assert "pages ok" in out.stdout, out.stderr[-2000:]
+
+
+def test_the_adapter_relays_its_connectors_export(smollm2_spec) -> None:
+    """ExportBlocks on the adapter (what a prefixgate worker calls on the sidecar) is the
+    connector's stream, page for page; without a connector it is UNIMPLEMENTED."""
+    import asyncio
+
+    async def main() -> None:
+        from prefixgate.engines.local import LocalWorker
+        from prefixgate.engines.vllm import VLLMWorker
+        from prefixgate.model.tokenizer import ChatTokenizer
+        from prefixgate.v1 import worker_pb2
+        from prefixgate.worker.server import WorkerConfig
+
+        store = HostStore(64 << 20)
+        for i, h in enumerate((7, 8, 9)):
+            store.put(h, _page(i))
+        port = free_port()
+        server = ExportServer(store, "holder", "127.0.0.1", port, (LAYERS, HEADS, DIM, "float32"))
+        server.start()
+        tokenizer = ChatTokenizer(smollm2_spec)
+        with_connector = VLLMWorker(smollm2_spec, tokenizer, WorkerConfig("w", block_size=16),
+                                    VLLMConfig("http://127.0.0.1:1", "tcp://127.0.0.1:2",
+                                               export=f"127.0.0.1:{port}"))
+        without = VLLMWorker(smollm2_spec, tokenizer, WorkerConfig("w", block_size=16),
+                             VLLMConfig("http://127.0.0.1:1", "tcp://127.0.0.1:2"))
+        try:
+            request = worker_pb2.ExportBlocksRequest(block_hashes=[7, 8, 9], from_block=1)
+            events = [e async for e in LocalWorker(with_connector).ExportBlocks(request)]
+            assert events[0].header.num_blocks == 2 and events[0].header.worker_id == "holder"
+            chunks = [e.chunk for e in events[1:]]
+            assert [c.first_block for c in chunks][0] == 1
+            k = b"".join(c.k for c in chunks)
+            expected = torch.cat([_page(1).k, _page(2).k], dim=1).numpy().tobytes()
+            assert k == expected
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                [e async for e in LocalWorker(without).ExportBlocks(request)]
+            assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        finally:
+            await with_connector.close()
+            await without.close()
+            server.stop()
+
+    asyncio.run(main())
