@@ -210,3 +210,33 @@ def test_the_adapter_relays_its_connectors_export(smollm2_spec) -> None:
             server.stop()
 
     asyncio.run(main())
+
+
+def test_status_prices_transfers_declared_then_measured(smollm2_spec) -> None:
+    """With a connector the adapter's status says what the router prices a pull into it
+    with: KV bytes per token, and a rate declared until a pulled turn measures it (its time
+    to first token less its computed tokens at the measured prefill rate). Without one:
+    zeros (never planned)."""
+    from prefixgate.engines.vllm import VLLMWorker
+    from prefixgate.model.tokenizer import ChatTokenizer
+    from prefixgate.worker.server import WorkerConfig
+
+    tokenizer = ChatTokenizer(smollm2_spec)
+    w = VLLMWorker(smollm2_spec, tokenizer, WorkerConfig("w", block_size=16),
+                   VLLMConfig("http://127.0.0.1:1", "tcp://127.0.0.1:2", export="127.0.0.1:3",
+                              transfer_bytes_per_s=5e8))
+    status = w._status()
+    assert status.kv_bytes_per_token == 46080
+    assert (status.transfer_bytes_per_s, status.transfer_rate_source) == (5e8, "declared")
+    w._observe_pull(100, 4000, 2000.0)  # no prefill rate measured yet: nothing learnt
+    assert w._status().transfer_rate_source == "declared"
+    w.rates.prefill_tokens_per_s = 200.0
+    w._observe_pull(100, 4000, 1500.0)  # 1.5 s - 100 / 200 s = 1 s for 4,000 tokens
+    status = w._status()
+    assert status.transfer_rate_source == "measured"
+    assert status.transfer_bytes_per_s == pytest.approx(4000 * 46080 / 1.0)
+    plain = VLLMWorker(smollm2_spec, tokenizer, WorkerConfig("w", block_size=16),
+                       VLLMConfig("http://127.0.0.1:1", "tcp://127.0.0.1:2"))
+    status = plain._status()
+    assert (status.kv_bytes_per_token, status.transfer_bytes_per_s,
+            status.transfer_rate_source) == (0, 0, "")
