@@ -12,10 +12,7 @@ count of externally loaded tokens), and the greedy reply equal to an uninterrupt
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import signal
 import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -23,9 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from prefixgate.wire.rpc import free_port
-from tests.e2e.test_up_vllm import _metric, _post, _servers, _session_alive
-from tests.engines.vllm_server import vllm_python
-from tests.helpers import cli_env, start_up
+from tests.e2e.test_up_vllm import _metric, _post, running_up
 
 MODEL = "smollm2-135m"
 _WORDS = ("river mountain library engine garden signal harbor lantern copper meadow "
@@ -51,24 +46,8 @@ def _total(base: str, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def up(smollm2_spec, tmp_path_factory):
-    env = cli_env(PREFIXGATE_VLLM_PYTHON=vllm_python(), PREFIXGATE_LOG_LEVEL="INFO")
-    http_port = free_port()
-    proc = start_up(["--engine", "vllm", "--workers", "2", "--model", MODEL, "--port", "0",
-                     "--http-port", str(http_port), "--vllm-kv-cache-mib", "1024"],
-                    env, timeout_s=900)
-    log = tmp_path_factory.mktemp("up") / "up.log"
-    threading.Thread(target=shutil.copyfileobj, args=(proc.stdout, log.open("w")),
-                     daemon=True).start()
-    servers = _servers(proc.pid)
-    yield proc, f"http://127.0.0.1:{http_port}", servers
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(90)
-    except Exception:
-        proc.kill()
-    for sid in servers.values():
-        if _session_alive(sid):
-            os.killpg(sid, signal.SIGKILL)
+    with running_up(tmp_path_factory, 1024) as running:
+        yield running
 
 
 def test_next_turn_on_the_idle_server_pulls_the_history(up) -> None:
