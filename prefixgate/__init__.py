@@ -12,6 +12,7 @@ Packages, one job each (the README's layout section draws them and their imports
   gateway/    Chat gRPC service and OpenAI HTTP front, routing; never imports torch
   worker/     model runner and Worker gRPC service (torch)
   engines/    other serving engines behind the Worker API (vLLM)
+  vllm_connector/  prefixgate's KV connector, loaded by vLLM (block transfer in vLLM; torch)
   emulate/    a worker with no model (LRU blocks + a service-time model) for fleet tests
   launch/     starting and stopping processes: the one launcher, a private redis-server
   replay/     traces, load generation, the routing simulator, reports

@@ -46,21 +46,27 @@ wait_http() { for _ in $(seq 900); do curl -sf "$1" > /dev/null && return; sleep
 load() { cut -d' ' -f1-3 /proc/loadavg; }
 
 # Two vLLM servers with the settings of `prefixgate up --engine vllm` (launch/vllm.py), one
-# CPU each.
+# CPU each: KV events on ipc:// sockets in a private directory (never on every interface),
+# prefixgate's KV connector with its ExportBlocks on loopback.
 MODEL_DIR=$($PY -m prefixgate.worker.model_loader "$MODEL" 2>/dev/null | tail -1)
+IPC=$(mktemp -d -t pg-vllm-XXXXXX)  # 0700
 SERVERS=()
 for i in 0 1; do
-  p=$(port); e=$(port); r=$(port)
-  argv=$($PY -c "
+  p=$(port); x=$(port)
+  spec=$($PY -c "
 import shlex, sys
 from pathlib import Path
-from prefixgate.launch.vllm import VLLMLaunch, VLLMServer, vllm_argv
-print(shlex.join(vllm_argv(VLLMLaunch(sys.argv[1], Path(sys.argv[2]), sys.argv[3], block_size=$VLLM_BLOCK),
-                           VLLMServer('vllm-$i', '127.0.0.1', $p, $e, $r))))" "$VLLM_PYTHON" "$MODEL_DIR" "$MODEL")
+from prefixgate.launch.vllm import VLLMLaunch, VLLMServer, vllm_argv, vllm_env
+launch = VLLMLaunch(sys.argv[1], Path(sys.argv[2]), sys.argv[3], block_size=$VLLM_BLOCK)
+server = VLLMServer('vllm-$i', '127.0.0.1', $p, 0, 0, $x, '$IPC')
+env = vllm_env(launch, Path('$OUT').resolve() / 'pythonpath')
+print(shlex.join([f'{k}={v}' for k, v in env.items()] + vllm_argv(launch, server)))
+print(server.worker_spec)" "$VLLM_PYTHON" "$MODEL_DIR" "$MODEL")
+  argv=$(head -1 <<< "$spec")
   env -u PREFIXGATE_VLLM_PYTHON VLLM_CPU_OMP_THREADS_BIND=$i VLLM_SERVER_DEV_MODE=1 \
-    setsid bash -c "exec $argv" > "$OUT/vllm-$i.log" 2>&1 &
+    setsid bash -c "exec env $argv" > "$OUT/vllm-$i.log" 2>&1 &
   PIDS+=($!)
-  SERVERS+=("http://127.0.0.1:$p,tcp://127.0.0.1:$e,tcp://127.0.0.1:$r")
+  SERVERS+=("$(tail -1 <<< "$spec")")
 done
 URLS=()
 for s in "${SERVERS[@]}"; do URLS+=("${s%%,*}"); done

@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, str] = {
     "gpu": "prefixgate.bench.gpu",
     "transfer": "prefixgate.bench.transfer",
     "engines": "prefixgate.bench.engines",
+    "vllm-transfer": "prefixgate.bench.vllm_transfer",
 }
 
 

@@ -367,6 +367,7 @@ async def _start_vllm(args: argparse.Namespace, sidecars, addresses: list[str]):
     """N local vLLM servers (launch/vllm.py) as the workers: followed from the gateway's
     process (args.vllm_worker), or, with --redis-url, through one `prefixgate worker
     --engine vllm` each (started in `sidecars`, their addresses appended to `addresses`)."""
+    import secrets
     import shlex
 
     from prefixgate.launch.processes import ProcessExited
@@ -379,7 +380,8 @@ async def _start_vllm(args: argparse.Namespace, sidecars, addresses: list[str]):
                         served_model_name=spec.name, block_size=args.vllm_block_size,
                         dtype=args.vllm_dtype, kv_cache_bytes=args.vllm_kv_cache_mib << 20,
                         enforce_eager=not args.vllm_compile,
-                        extra_args=tuple(shlex.split(args.vllm_args)))
+                        extra_args=tuple(shlex.split(args.vllm_args)),
+                        api_key=secrets.token_urlsafe(32) if args.secure else "")
     try:
         fleet = await start_fleet(launch, args.workers, args.model, cache_dir(args),
                                   args.startup_timeout)

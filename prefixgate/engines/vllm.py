@@ -52,9 +52,24 @@ Contract
   mapping says vLLM holds of their prompts; service rates measured on finished turns.
 - Log probabilities (`sampling.top_logprobs`) come from vLLM's `logprobs` (its raw mode:
   the model's distribution before sampling parameters), tokens named by id.
-- Block transfer (ExportBlocks, PullBlocks) is UNIMPLEMENTED and the status says
-  `kv_bytes_per_token` 0 (cannot transfer): routing never plans a transfer with it; a
-  Generate's pull spec is ignored (vLLM computes what it does not hold).
+- Block transfer goes through prefixgate's KV connector inside vLLM
+  (prefixgate/vllm_connector/), when the server runs it (`VLLMConfig.export`: its
+  ExportBlocks address). Every turn then carries its prompt's prefixgate block hashes in
+  vLLM's per-request `kv_transfer_params`, under which the connector keeps the blocks vLLM
+  computes (so peers can pull them); a Generate's pull spec becomes the pull the connector
+  makes before vLLM prefills the rest: the holder's ExportBlocks address (`peers` maps the
+  registry address of a vLLM peer to its connector's; a prefixgate worker's address is its
+  own), the chain, the leading blocks to load, the ticket unchanged. Usage splits vLLM's
+  cached tokens (it counts loaded ones as cached) into cached and transferred: those past
+  what vLLM held here (its events say), up to what the pull offered. The status reports
+  `kv_bytes_per_token` (the model's layers, KV heads and head dim at `kv_dtype`) and the
+  transfer rate: declared (`transfer_bytes_per_s`) until pulls measure it (a pulled turn's
+  time to first token less its computed tokens at the measured prefill rate). ExportBlocks
+  relays the connector's stream (a prefixgate worker may pull from vLLM through this
+  adapter's gRPC server, the sidecar form). PullBlocks (drain hand-off, prefetch) is
+  UNIMPLEMENTED: vLLM loads KV only for a request. Without a connector, ExportBlocks is
+  UNIMPLEMENTED, `kv_bytes_per_token` 0 (routing never plans a transfer with it) and a
+  pull spec is ignored (vLLM computes what it does not hold).
 - FlushCache: vLLM's /reset_prefix_cache (offered by vLLM only in its dev mode:
   UNIMPLEMENTED otherwise, saying so).
 - Events: a turn that must have cached new blocks starts the event stream's stall clock
@@ -86,7 +101,8 @@ from prefixgate.model.catalog import ModelSpec, _fingerprint
 from prefixgate.model.tokenizer import ChatTokenizer
 from prefixgate.radix import Hashers, HashMemo
 from prefixgate.telemetry.tracing import trace_context
-from prefixgate.v1 import common_pb2, worker_pb2
+from prefixgate.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from prefixgate.vllm_connector.params import PullParams, TransferParams
 from prefixgate.wire.protocol import (
     REQUEST_SCOPED,
     InvalidRequest,
@@ -98,8 +114,9 @@ from prefixgate.wire.protocol import (
 )
 from prefixgate.wire.token_ids import prompt_token_ids
 from prefixgate.worker.api import FinalEvent, FinishReason
-from prefixgate.worker.rates import ServiceRates
+from prefixgate.worker.rates import ServiceRates, TransferRate
 from prefixgate.worker.server import FINISH_TO_PROTO, WorkerConfig, WorkerServiceBase
+from prefixgate.worker.transfer import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +147,9 @@ class VLLMConfig:
     metrics_interval_s: float = 0.05  # /metrics polls (the gateway's status interval)
     stall_s: float = 5.0  # no event this long after a turn that cached blocks: stale
     max_mapped_blocks: int = 1 << 20  # vLLM blocks remembered (until its count is known)
+    export: str = ""  # host:port of its prefixgate KV connector's ExportBlocks ("": none)
+    kv_dtype: str = "float32"  # its KV cache's element type (its --dtype)
+    transfer_bytes_per_s: float = 1e9  # the link rate declared until pulls measure it
     # The key of the namespaces' cache salts (`cache_salt`), the same at every gateway
     # sending to this server (`cache_salt_key` of the gateways' shared key); b"": a random
     # key of this adapter's own (salts then differ per process: no cache shared across
@@ -138,14 +158,28 @@ class VLLMConfig:
 
     @classmethod
     def parse(cls, text: str, **kw) -> VLLMConfig:
-        """`URL,EVENTS[,REPLAY]` (the --vllm-worker form); ValueError saying what is wrong."""
+        """`URL,EVENTS[,REPLAY][,grpc://HOST:PORT][,key-file:PATH]` (the --vllm-worker
+        form: its prefixgate KV connector's ExportBlocks; a file holding its --api-key,
+        read now); ValueError saying what is wrong."""
         parts = [p.strip() for p in text.split(",")]
+        if len(parts) > 2 and parts[-1].startswith("key-file:"):
+            path = parts.pop().removeprefix("key-file:")
+            try:
+                kw["api_key"] = Path(path).read_text().strip()
+            except OSError as exc:
+                raise ValueError(f"{text!r}: cannot read the API key file {path}: "
+                                 f"{exc.strerror}") from None
+        export = ""
+        if len(parts) > 2 and parts[-1].startswith("grpc://"):
+            export = parts.pop().removeprefix("grpc://")
         if not 2 <= len(parts) <= 3 or not parts[0].startswith(("http://", "https://")) \
-                or not all(p.startswith(("tcp://", "ipc://")) for p in parts[1:]):
-            raise ValueError(f"{text!r}: give a vLLM server as URL,EVENTS[,REPLAY], e.g. "
-                             "http://127.0.0.1:8000,tcp://127.0.0.1:5557 (its HTTP API and its "
-                             "--kv-events-config endpoint, and replay_endpoint if set)")
-        return cls(parts[0], parts[1], parts[2] if len(parts) == 3 else "", **kw)
+                or not all(p.startswith(("tcp://", "ipc://")) for p in parts[1:]) \
+                or (export and ":" not in export):
+            raise ValueError(f"{text!r}: give a vLLM server as URL,EVENTS[,REPLAY][,EXPORT], "
+                             "e.g. http://127.0.0.1:8000,tcp://127.0.0.1:5557 (its HTTP API and "
+                             "its --kv-events-config endpoint, replay_endpoint if set, and "
+                             "grpc://HOST:PORT of its prefixgate KV connector if it runs one)")
+        return cls(parts[0], parts[1], parts[2] if len(parts) == 3 else "", export=export, **kw)
 
     @property
     def address(self) -> str:
@@ -182,6 +216,14 @@ class VLLMWorker(WorkerServiceBase):
         self._in_flight = 0
         self._queued_prefill_tokens = 0  # of turns sent here not yet at their first token
         self._tasks: list[asyncio.Task] = []
+        # Registry address (or worker id) of each vLLM peer -> its connector's ExportBlocks.
+        self.peers: dict[str, str] = {}
+        self.kv_bytes_per_token = kv_bytes_per_token(spec.model_dir, vllm.kv_dtype) \
+            if vllm.export else 0
+        self.transfer_rate = TransferRate()
+        if vllm.export and vllm.transfer_bytes_per_s > 0:
+            self.transfer_rate.assume(vllm.transfer_bytes_per_s, 0.0, "declared")
+        self._export_channel: grpc.aio.Channel | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -200,6 +242,8 @@ class VLLMWorker(WorkerServiceBase):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.client.close()
+        if self._export_channel is not None:
+            await self._export_channel.close()
 
     async def shutdown(self) -> None:
         await self.close()
@@ -335,7 +379,11 @@ class VLLMWorker(WorkerServiceBase):
             kv_used_tokens=int(m.kv_usage * m.kv_capacity_tokens),
             kv_capacity_tokens=m.kv_capacity_tokens,
             prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
-            decode_step_s=self.rates.decode_step_s)
+            decode_step_s=self.rates.decode_step_s,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            transfer_bytes_per_s=self.transfer_rate.bytes_per_s if self.kv_bytes_per_token else 0,
+            transfer_setup_s=self.transfer_rate.setup_s if self.kv_bytes_per_token else 0,
+            transfer_rate_source=self.transfer_rate.source if self.kv_bytes_per_token else "")
 
     async def FlushCache(self, request, context) -> worker_pb2.FlushCacheResponse:
         held = self.mapper.num_held_blocks * self.config.block_size
@@ -350,15 +398,57 @@ class VLLMWorker(WorkerServiceBase):
         return worker_pb2.FlushCacheResponse(num_flushed_tokens=held)
 
     async def ExportBlocks(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "a vLLM worker cannot export KV blocks (vLLM offers no page export "
-                            "to prefixgate); the caller computes them")
-        yield worker_pb2.ExportBlocksEvent()  # never reached: makes this a stream
+        """The connector's export stream, relayed as it comes."""
+        if not self.vllm.export:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                f"vLLM at {self.vllm.url} runs no prefixgate KV connector, so it "
+                                "cannot export KV blocks; the caller computes them")
+        if self._export_channel is None:
+            self._export_channel = grpc.aio.insecure_channel(self.vllm.export, options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        stub = worker_pb2_grpc.WorkerServiceStub(self._export_channel)
+        call = stub.ExportBlocks(request, timeout=context.time_remaining())
+        try:
+            async for event in call:
+                yield event
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(exc.code(), f"{self.config.worker_id}: {exc.details()}")
 
     async def PullBlocks(self, request, context) -> worker_pb2.PullBlocksResponse:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "a vLLM worker cannot import KV blocks from peers")
+                            "a vLLM worker loads KV blocks from peers only for a request "
+                            "(GenerateRequest.pull), not ahead of one")
         return worker_pb2.PullBlocksResponse()
+
+    def _pull_params(self, request: worker_pb2.GenerateRequest, hashes: Sequence[int]
+                     ) -> TransferParams | None:
+        """What the connector gets for this turn (None: the server runs no connector)."""
+        if not self.vllm.export:
+            return None
+        pull = None
+        spec = request.pull if request.HasField("pull") else None
+        if spec is not None and spec.num_blocks:
+            peer = self.peers.get(spec.peer_address) or self.peers.get(spec.peer_worker_id) \
+                or ("" if spec.peer_address.startswith("vllm+") else spec.peer_address)
+            if peer:
+                pull = PullParams(peer, spec.peer_worker_id, spec.num_blocks, spec.ticket)
+            else:
+                log.info("vLLM worker %s: no ExportBlocks address for %s; computing instead",
+                         self.config.worker_id, spec.peer_worker_id)
+        return TransferParams(self.config.block_size, self.spec.fingerprint, tuple(hashes), pull)
+
+    def _split_cached(self, prompt_tokens: int, cached: int, held_tokens: int,
+                      params: TransferParams | None) -> tuple[int, int]:
+        """vLLM's cached tokens (local hits and loaded ones together) as (cached here,
+        transferred): transferred are those past what vLLM held here (`held_tokens`, its
+        events say; in whole vLLM blocks) up to what the pull offered."""
+        if params is None or params.pull is None:
+            return cached, 0
+        vbs = self.reuse_block_tokens or 1
+        local = min(held_tokens, prompt_tokens - 1) // vbs * vbs
+        offered = min(params.pull.num_blocks * params.block_size, prompt_tokens - 1) // vbs * vbs
+        transferred = max(0, min(cached - local, offered - local))
+        return cached - transferred, transferred
 
     def _namespace_of(self, first_block: Sequence[int]) -> str | None:
         seen = self._namespaces.get(tuple(first_block[:_NAMESPACE_PREFIX_TOKENS]))
@@ -375,7 +465,8 @@ class VLLMWorker(WorkerServiceBase):
         if len(self._namespaces) > 65536:
             self._namespaces.popitem(last=False)
 
-    def _body(self, prompt: list[int], sampling, namespace: str) -> dict:
+    def _body(self, prompt: list[int], sampling, namespace: str,
+              params: TransferParams | None = None) -> dict:
         body: dict = {
             "model": self.served_model, "prompt": prompt, "max_tokens": sampling.max_tokens,
             "temperature": sampling.temperature, "top_p": sampling.top_p,
@@ -397,6 +488,8 @@ class VLLMWorker(WorkerServiceBase):
             body["return_tokens_as_token_ids"] = True
         if namespace:
             body["cache_salt"] = self._salt(namespace)
+        if params is not None:
+            body["kv_transfer_params"] = params.to_json()
         return body
 
     def _salt(self, namespace: str) -> str:
@@ -431,7 +524,9 @@ class VLLMWorker(WorkerServiceBase):
         namespace = request.namespace
         self._remember_namespace(prompt, namespace)
         hashes = self._memo.hash_blocks(self.hashers.get(namespace), packed)
-        pending = len(prompt) - self.mapper.held_prefix_blocks(hashes) * self.config.block_size
+        held_tokens = self.mapper.held_prefix_blocks(hashes) * self.config.block_size
+        pending = len(prompt) - held_tokens
+        params = self._pull_params(request, hashes)
         started = time.monotonic()
         ttft_ms = 0.0
         finish: dict[int, str] = {}
@@ -441,7 +536,7 @@ class VLLMWorker(WorkerServiceBase):
         try:
             # aclosing: a client that went away closes the HTTP stream at once (vLLM aborts).
             async with contextlib.aclosing(self.client.completions(
-                    self._body(prompt, sampling, namespace), context.time_remaining(),
+                    self._body(prompt, sampling, namespace, params), context.time_remaining(),
                     trace_context(context.invocation_metadata()))) as chunks:
                 async for chunk in chunks:
                     for choice in chunk.get("choices") or ():
@@ -476,15 +571,32 @@ class VLLMWorker(WorkerServiceBase):
         completion = int(usage.get("completion_tokens") or 0)
         reasons = [_FINISH.get(finish.get(i, ""), FinishReason.CANCELLED)
                    for i in range(sampling.n)]
-        self.rates.observe(FinalEvent(reasons[0], prompt_tokens, cached, completion // max(
-            1, sampling.n), 0.0, ttft_ms or total_ms, total_ms))
+        here, transferred = self._split_cached(prompt_tokens, cached, held_tokens, params)
+        if transferred:
+            self._observe_pull(prompt_tokens - cached, transferred, ttft_ms or total_ms)
+        else:
+            self.rates.observe(FinalEvent(reasons[0], prompt_tokens, cached, completion // max(
+                1, sampling.n), 0.0, ttft_ms or total_ms, total_ms))
         self._expect_events(prompt_tokens, cached, started)
         yield worker_pb2.GenerateEvent(final=worker_pb2.GenerateFinal(
-            usage=common_pb2.Usage(prompt_tokens=prompt_tokens, cached_tokens=cached,
-                                   completion_tokens=completion),
+            usage=common_pb2.Usage(prompt_tokens=prompt_tokens, cached_tokens=here,
+                                   completion_tokens=completion,
+                                   transferred_tokens=transferred),
             finish_reason=FINISH_TO_PROTO[reasons[0]],
             sample_finish_reasons=[FINISH_TO_PROTO[r] for r in reasons],
             timings=common_pb2.Timings(ttft_ms=ttft_ms or total_ms, total_ms=total_ms)))
+
+    def _observe_pull(self, computed_tokens: int, transferred_tokens: int, ttft_ms: float
+                      ) -> None:
+        """A pulled turn's time to first token, less its computed tokens at the measured
+        prefill rate, is the pull's (with vLLM's bookkeeping of the load): a measurement
+        of the link for routing. Unmeasurable before a prefill rate is known."""
+        rate = self.rates.prefill_tokens_per_s
+        if rate <= 0:
+            return
+        pull_s = ttft_ms / 1e3 - computed_tokens / rate
+        if pull_s > 0:
+            self.transfer_rate.observe(transferred_tokens * self.kv_bytes_per_token, pull_s)
 
     def _expect_events(self, prompt_tokens: int, cached_tokens: int, since: float) -> None:
         """A turn that filled new vLLM blocks makes vLLM publish: start the stall clock
@@ -547,5 +659,25 @@ async def start_local_workers(spec: ModelSpec, tokenizer: ChatTokenizer,
     seconds for its server): registry address -> worker."""
     workers = {cfg.address: VLLMWorker(spec, tokenizer, WorkerConfig(
         worker_id_of(cfg.url), block_size=block_size), cfg) for cfg in configs}
+    exports = {address: w.vllm.export for address, w in workers.items() if w.vllm.export}
+    exports.update({w.config.worker_id: w.vllm.export for w in workers.values() if w.vllm.export})
+    for w in workers.values():  # each one's pulls reach its peers' connectors
+        w.peers = exports
     await asyncio.gather(*(w.start() for w in workers.values()))
     return workers
+
+
+def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
+    """KV bytes one token takes in vLLM: 2 x layers x KV heads x head dim x element size
+    (the model's config.json; 0 when it cannot say)."""
+    import json
+
+    from prefixgate.worker.transfer import DTYPE_BYTES
+
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        heads = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+        dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+        return 2 * int(cfg["num_hidden_layers"]) * heads * dim * DTYPE_BYTES[dtype]
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0

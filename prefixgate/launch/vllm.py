@@ -8,12 +8,23 @@ model folder (the one the gateway resolves, weights materialised), the served mo
 vLLM's block size, dtype, KV cache size and extra arguments. `VLLMFleet(launch, group)`
 starts `n` servers through a `launch.processes.ProcessGroup` (`start(n)`), each on free
 ports with what the gateway needs switched on (prefix caching, cached-token usage, KV
-events over ZMQ with a replay endpoint), waits until every one answers `/health`
+events over ZMQ with a replay endpoint, prefixgate's KV connector), waits until every one answers `/health`
 (`await wait_ready(timeout_s)`, a progress bar on stderr showing each server's latest
 start-up step; a server that exits fails at once with its log's tail), and gives the
 gateway's `--vllm-worker` forms (`worker_specs`). Stopping is the group's.
 
 Why each setting:
+  - KV events and their replay go over ipc:// sockets in a private (0700) directory, never
+    TCP on every interface (vLLM binds its ZMQ publisher only on '*' or ipc://): their
+    batches carry every block's token ids (tenants' prompts);
+  - `--kv-transfer-config` loads prefixgate's connector (prefixgate/vllm_connector/), its
+    ExportBlocks on the server's host at `export_port`: the server pulls prefixes from its
+    peers and serves what it computed. vLLM imports it from this very prefixgate: the child
+    gets PYTHONPATH naming a private directory that holds only a link to this `prefixgate`
+    package (`connector_path`), so the connector always speaks the gateway's wire and
+    nothing else of this environment (its torch) reaches vLLM's. `connector=False`: none;
+  - `api_key`: vLLM's --api-key (from a variable, never on the command line), for
+    `up --secure`; the gateway's adapter sends it;
   - the group scrubs PREFIXGATE_* variables: they are prefixgate's flags, not vLLM's;
   - `VLLM_CPU_OMP_THREADS_BIND` splits this host's CPUs between the servers (vLLM's CPU
     backend otherwise binds every server to the same first core); GPU builds ignore it;
@@ -41,8 +52,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefixgate.launch.processes import ProcessExited, ProcessGroup
+from prefixgate.vllm_connector.params import DEFAULT_STORE_MIB, connector_config
 
-__all__ = ["VLLMFleet", "VLLMLaunch", "VLLMServer", "cpu_binding", "start_fleet", "vllm_argv"]
+__all__ = ["VLLMFleet", "VLLMLaunch", "VLLMServer", "connector_path", "cpu_binding",
+           "start_fleet", "vllm_argv", "vllm_env"]
 
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_KV_CACHE_MIB = 1024
@@ -64,6 +77,9 @@ class VLLMLaunch:
     enforce_eager: bool = True
     extra_args: tuple[str, ...] = ()
     host: str = "127.0.0.1"
+    connector: bool = True  # prefixgate's KV connector (block transfer)
+    connector_store_mib: int = DEFAULT_STORE_MIB  # its host store of computed blocks
+    api_key: str = ""  # vLLM's --api-key ("": none)
 
     def check(self) -> None:
         """ValueError saying what to give when the vLLM environment is missing."""
@@ -84,6 +100,11 @@ class VLLMServer:
     port: int
     events_port: int
     replay_port: int
+    export_port: int = 0  # the connector's ExportBlocks (0: no connector)
+    # A private (0700) directory for the KV event sockets (ipc://); "": TCP on `host`
+    # (vLLM binds its publisher only on '*' or ipc://: TCP is for a reachable host only).
+    ipc_dir: str = ""
+    api_key_file: str = ""  # a 0600 file holding its --api-key ("": none)
 
     @property
     def url(self) -> str:
@@ -91,24 +112,41 @@ class VLLMServer:
 
     @property
     def events(self) -> str:
+        if self.ipc_dir:
+            return f"ipc://{self.ipc_dir}/{self.name}-events"
         return f"tcp://{self.host}:{self.events_port}"
 
     @property
     def replay(self) -> str:
+        if self.ipc_dir:
+            return f"ipc://{self.ipc_dir}/{self.name}-replay"
         return f"tcp://{self.host}:{self.replay_port}"
+
+    def bind_events(self) -> tuple[str, str]:
+        """The event and replay endpoints vLLM binds: the ipc sockets, else TCP on every
+        interface (vLLM binds its publisher only there): only for hosts others reach."""
+        if self.ipc_dir:
+            return self.events, self.replay
+        return f"tcp://*:{self.events_port}", f"tcp://*:{self.replay_port}"
+
+    @property
+    def export(self) -> str:
+        """The connector's ExportBlocks as `grpc://HOST:PORT` ("": none)."""
+        return f"grpc://{self.host}:{self.export_port}" if self.export_port else ""
 
     @property
     def worker_spec(self) -> str:
-        """The gateway's `--vllm-worker URL,EVENTS,REPLAY` form."""
-        return f"{self.url},{self.events},{self.replay}"
+        """The gateway's `--vllm-worker URL,EVENTS,REPLAY[,EXPORT][,key-file:PATH]` form."""
+        key = f"key-file:{self.api_key_file}" if self.api_key_file else ""
+        return ",".join(p for p in (self.url, self.events, self.replay, self.export, key) if p)
 
 
 def vllm_argv(launch: VLLMLaunch, server: VLLMServer) -> list[str]:
     """The command line of one server (vLLM's OpenAI API server module: the `vllm`
     console script of some builds fails on its package metadata)."""
+    endpoint, replay = server.bind_events()
     events = {"enable_kv_cache_events": True, "publisher": "zmq",
-              "endpoint": f"tcp://*:{server.events_port}",
-              "replay_endpoint": f"tcp://*:{server.replay_port}"}
+              "endpoint": endpoint, "replay_endpoint": replay}
     argv = [launch.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(launch.model_dir), "--served-model-name", launch.served_model_name,
             "--host", launch.host, "--port", str(server.port),
@@ -120,7 +158,33 @@ def vllm_argv(launch: VLLMLaunch, server: VLLMServer) -> list[str]:
         argv += ["--max-model-len", str(launch.max_model_len)]
     if launch.enforce_eager:
         argv.append("--enforce-eager")
+    if launch.connector and server.export_port:
+        argv += ["--kv-transfer-config", connector_config(
+            server.export_port, server.host, launch.connector_store_mib)]
     return argv + list(launch.extra_args)
+
+
+def vllm_env(launch: VLLMLaunch, path_dir: Path) -> dict[str, str]:
+    """Variables a server needs beyond the group's: where its python finds the connector
+    (`connector_path(path_dir)`), and its API key (VLLM_API_KEY: off the command line)."""
+    env = {"PYTHONPATH": str(connector_path(path_dir))} if launch.connector else {}
+    if launch.api_key:
+        env["VLLM_API_KEY"] = launch.api_key
+    return env
+
+
+def connector_path(path_dir: Path) -> Path:
+    """A directory holding only a link to this `prefixgate` package (for vLLM's PYTHONPATH:
+    its connector, and no other package of this environment)."""
+    import prefixgate
+
+    path_dir.mkdir(parents=True, exist_ok=True)
+    link = path_dir / "prefixgate"
+    target = Path(prefixgate.__file__).resolve().parent
+    if not link.is_symlink() or link.resolve() != target:
+        link.unlink(missing_ok=True)
+        link.symlink_to(target, target_is_directory=True)
+    return path_dir
 
 
 def cpu_binding(index: int, count: int, cpus: list[int] | None = None) -> str:
@@ -145,13 +209,26 @@ class VLLMFleet:
 
     def start(self, n: int, name_prefix: str = "vllm-") -> list[VLLMServer]:
         """Start `n` servers on free ports (they start loading at once, in parallel)."""
+        import tempfile
+
         from prefixgate.wire.rpc import free_port
 
+        path_dir = (self.group.logdir or Path(tempfile.mkdtemp(prefix="prefixgate-vllm-"))) \
+            / "pythonpath"
+        ipc_dir = tempfile.mkdtemp(prefix="pg-vllm-")  # 0700: this user's processes only
+        key_file = ""
+        if self.launch.api_key:  # for the gateway's adapter: off every command line
+            key_file = os.path.join(ipc_dir, "api-key")
+            fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self.launch.api_key)
         for i in range(n):
             server = VLLMServer(f"{name_prefix}{i}", self.launch.host, free_port(),
-                                free_port(), free_port())
+                                0, 0, free_port() if self.launch.connector else 0, ipc_dir,
+                                key_file)
             self.group.start(server.name, vllm_argv(self.launch, server),
-                             env={"VLLM_CPU_OMP_THREADS_BIND": cpu_binding(i, n)})
+                             env={"VLLM_CPU_OMP_THREADS_BIND": cpu_binding(i, n),
+                                  **vllm_env(self.launch, path_dir)})
             self.servers.append(server)
         return self.servers
 

@@ -10,6 +10,7 @@ leave the index, the conversation going on elsewhere; Ctrl-C stops every process
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -67,12 +68,14 @@ def _session_alive(sid: int) -> bool:
     return False
 
 
-@pytest.fixture(scope="module")
-def up(smollm2_spec, tmp_path_factory):
+@contextlib.contextmanager
+def running_up(tmp_path_factory, kv_cache_mib: int):
+    """`prefixgate up --engine vllm --workers 2` with its HTTP front: (process, base URL,
+    vLLM servers' HTTP port -> pid); everything stopped after."""
     env = cli_env(PREFIXGATE_VLLM_PYTHON=vllm_python(), PREFIXGATE_LOG_LEVEL="INFO")
     http_port = free_port()
     proc = start_up(["--engine", "vllm", "--workers", "2", "--model", MODEL, "--port", "0",
-                     "--http-port", str(http_port), "--vllm-kv-cache-mib", "512"],
+                     "--http-port", str(http_port), "--vllm-kv-cache-mib", str(kv_cache_mib)],
                     env, timeout_s=900)
     # Nothing reads its output after start-up: keep the pipe from filling.
     drain = tmp_path_factory.mktemp("up") / "up.log"
@@ -82,16 +85,24 @@ def up(smollm2_spec, tmp_path_factory):
     threading.Thread(target=shutil.copyfileobj, args=(proc.stdout, drain.open("w")),
                      daemon=True).start()
     servers = _servers(proc.pid)
-    yield proc, f"http://127.0.0.1:{http_port}", servers
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(90)
-        except Exception:
-            proc.kill()
-    for sid in servers.values():
-        if _session_alive(sid):
-            os.killpg(sid, signal.SIGKILL)
+    try:
+        yield proc, f"http://127.0.0.1:{http_port}", servers
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(90)
+            except Exception:
+                proc.kill()
+        for sid in servers.values():
+            if _session_alive(sid):
+                os.killpg(sid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def up(smollm2_spec, tmp_path_factory):
+    with running_up(tmp_path_factory, 512) as running:
+        yield running
 
 
 def test_vllm_replies_equal_transformers(up, smollm2_spec) -> None:

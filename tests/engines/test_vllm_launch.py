@@ -40,12 +40,47 @@ def test_the_command_line_switches_on_what_the_gateway_needs(tmp_path: Path) -> 
             "--enforce-eager"} <= set(argv)
     assert options["--block-size"] == "32" and options["--dtype"] == "float32"
     events = json.loads(options["--kv-events-config"])
-    # vLLM binds only endpoints written with '*'.
+    # vLLM binds its publisher only on '*' or ipc://.
     assert events == {"enable_kv_cache_events": True, "publisher": "zmq",
                       "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}
     assert argv[-2:] == ["--max-num-seqs", "4"]
     server = VLLMServer("vllm-0", "127.0.0.1", 8001, 5557, 5558)
     assert server.worker_spec == "http://127.0.0.1:8001,tcp://127.0.0.1:5557,tcp://127.0.0.1:5558"
+
+
+def test_up_binds_events_to_a_private_directory_and_loads_the_connector(tmp_path) -> None:
+    """`up`'s servers: KV events on ipc:// sockets in a 0700 directory (never on every
+    interface), prefixgate's KV connector with its ExportBlocks on loopback, and the
+    gateway's --vllm-worker form naming it."""
+    from prefixgate.launch.processes import ProcessGroup
+    from prefixgate.launch.vllm import VLLMFleet, vllm_env
+    from prefixgate.vllm_connector.params import CLASS, MODULE
+
+    fleet = VLLMFleet(VLLMLaunch("/venv/bin/python", tmp_path, "m"), ProcessGroup(tmp_path))
+    started = []
+    fleet.group.start = lambda name, argv, env=None: started.append((name, argv, env))
+    (server,) = fleet.start(1)
+    name, argv, env = started[0]
+    options = dict(zip(argv[3::1], argv[4::1], strict=False))
+    events = json.loads(options["--kv-events-config"])
+    ipc_dir = Path(server.ipc_dir)
+    assert events["endpoint"] == f"ipc://{ipc_dir}/vllm-0-events"
+    assert events["replay_endpoint"] == f"ipc://{ipc_dir}/vllm-0-replay"
+    assert ipc_dir.stat().st_mode & 0o077 == 0
+    assert "*" not in options["--kv-events-config"]
+    kv = json.loads(options["--kv-transfer-config"])
+    assert (kv["kv_connector"], kv["kv_connector_module_path"], kv["kv_role"]) == \
+        (CLASS, MODULE, "kv_both")
+    extra = kv["kv_connector_extra_config"]
+    assert extra["export_host"] == "127.0.0.1" and extra["export_port"] == server.export_port
+    assert server.worker_spec.endswith(f",grpc://127.0.0.1:{server.export_port}")
+    # vLLM's python finds this prefixgate, and nothing else of this environment.
+    path = Path(env["PYTHONPATH"])
+    assert [p.name for p in path.iterdir()] == ["prefixgate"]
+    assert (path / "prefixgate" / "vllm_connector" / "connector.py").is_file()
+    assert "VLLM_API_KEY" not in env
+    secured = vllm_env(VLLMLaunch("/venv/bin/python", tmp_path, "m", api_key="k"), tmp_path / "p")
+    assert secured["VLLM_API_KEY"] == "k"
 
 
 def test_up_without_a_vllm_environment_says_how_to_name_one(tmp_path, monkeypatch) -> None:
@@ -57,3 +92,28 @@ def test_up_without_a_vllm_environment_says_how_to_name_one(tmp_path, monkeypatc
         main(["up", "--engine", "vllm", "--model", "tiny-random", "--cache-dir",
               str(tmp_path), "--port", "0", "--http-port", "-1",
               "--vllm-python", str(tmp_path / "nothing")])
+
+
+def test_up_secure_gives_vllm_an_api_key_the_gateway_reads_from_a_private_file(tmp_path) -> None:
+    """`up --secure`: vLLM gets --api-key through VLLM_API_KEY (never on a command line),
+    and the gateway's --vllm-worker form names a 0600 file holding it, which the adapter
+    reads and sends."""
+    import os
+
+    from prefixgate.engines.vllm import VLLMConfig
+    from prefixgate.launch.processes import ProcessGroup
+    from prefixgate.launch.vllm import VLLMFleet
+
+    fleet = VLLMFleet(VLLMLaunch("/venv/bin/python", tmp_path, "m", api_key="s3cret"),
+                      ProcessGroup(tmp_path))
+    started = []
+    fleet.group.start = lambda name, argv, env=None: started.append((argv, env))
+    (server,) = fleet.start(1)
+    argv, env = started[0]
+    assert env["VLLM_API_KEY"] == "s3cret" and not [a for a in argv if "s3cret" in a]
+    assert os.stat(server.api_key_file).st_mode & 0o777 == 0o600
+    assert "s3cret" not in server.worker_spec
+    cfg = VLLMConfig.parse(server.worker_spec)
+    assert cfg.api_key == "s3cret" and cfg.export == f"127.0.0.1:{server.export_port}"
+    with pytest.raises(ValueError, match="API key file"):
+        VLLMConfig.parse(f"{server.url},{server.events},key-file:{tmp_path}/missing")

@@ -1,0 +1,163 @@
+"""prefixgate's block transfer from inside vLLM: the ExportBlocks server over the connector's
+host store, and the client that pulls a chain from any holder (a vLLM server with this
+connector, or a prefixgate worker).
+
+Contract
+--------
+`ExportServer(store, worker_id, host, port, dims).start()` serves WorkerService.ExportBlocks
+(the rest of the Worker API is UNIMPLEMENTED there) on its own gRPC threads, so an export
+never waits for vLLM's engine steps: header, then chunks of whole blocks of about
+`CHUNK_BYTES`, as prefixgate's workers send them (worker/transfer.py `export_events`: the
+same `KVFormat` header and `encode_chunk` wire form). NOT_FOUND when the store holds none
+of the chain past `from_block`. The request's ticket is not checked here (see
+docs/vllm.md: bind the server to loopback, or to a network only workers reach).
+
+`pull_chain(peer, chain, from_block, ticket, format, on_chunk, timeout_s)` asks `peer` for
+`chain[from_block:]`, checks its header against `format` (any difference: TransferError
+FAILED_PRECONDITION), passes each chunk through `accept_chunk` (the one place a received
+chunk is accepted) and hands its pages to `on_chunk(first_block, num_blocks, k, v)` (raw
+bytes in the wire layout) in chain order; returns the blocks handed over. A broken stream
+raises TransferError after the chunks that arrived whole.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from prefixgate.v1 import worker_pb2, worker_pb2_grpc
+from prefixgate.vllm_connector.store import HostStore, Page
+from prefixgate.worker.transfer import (
+    CHUNK_BYTES,
+    MAX_MESSAGE_BYTES,
+    KVFormat,
+    TransferError,
+    encode_chunk,
+)
+
+log = logging.getLogger("vllm.prefixgate_connector.export")
+
+_SERVICE = "prefixgate.v1.WorkerService"
+_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+
+
+def page_bytes(t) -> memoryview:
+    """A contiguous CPU tensor's bytes, without a copy (any dtype, bfloat16 included)."""
+    import torch
+
+    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
+
+
+class ExportServer:
+    """`dims`: (num_layers, num_kv_heads, head_dim, dtype name) of this server's pages."""
+
+    def __init__(self, store: HostStore, worker_id: str, host: str, port: int,
+                 dims: tuple[int, int, int, str], chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.store, self.worker_id, self.dims = store, worker_id, dims
+        self.address = f"{host}:{port}"
+        self.chunk_bytes = chunk_bytes
+        self._server: grpc.Server | None = None
+
+    def start(self) -> None:
+        server = grpc.server(ThreadPoolExecutor(max_workers=4, thread_name_prefix="pg-export"),
+                             options=_OPTIONS)
+        handler = grpc.unary_stream_rpc_method_handler(
+            self._export, request_deserializer=worker_pb2.ExportBlocksRequest.FromString,
+            response_serializer=lambda m: m if isinstance(m, bytes) else m.SerializeToString())
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            _SERVICE, {"ExportBlocks": handler}),))
+        if not server.add_insecure_port(self.address):
+            raise OSError(f"cannot listen on {self.address}")
+        server.start()
+        self._server = server
+        log.info("prefixgate connector: ExportBlocks on %s", self.address)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop(grace=1)
+            self._server = None
+
+    def format_of(self, page: Page) -> KVFormat:
+        layers, heads, dim, dtype = self.dims
+        return KVFormat(page.fingerprint, page.block_size, dtype, layers, heads, dim)
+
+    def _export(self, request: worker_pb2.ExportBlocksRequest, context: grpc.ServicerContext
+                ) -> Iterator[worker_pb2.ExportBlocksEvent | bytes]:
+        chain, start = list(request.block_hashes), request.from_block
+        if start >= len(chain):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"from_block {start} is past the chain's {len(chain)} blocks")
+        pages = self.store.run(chain, start)  # held by reference: evictions cannot touch them
+        if not pages:
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"{self.worker_id} holds none of blocks {start}.. of the chain "
+                          "(evicted or never computed here): compute them")
+        import torch
+
+        fmt = self.format_of(pages[0])
+        yield worker_pb2.ExportBlocksEvent(header=fmt.header(self.worker_id, len(pages)))
+        per_chunk = max(1, self.chunk_bytes // fmt.bytes_per_block)
+        for first in range(0, len(pages), per_chunk):
+            run = pages[first:first + per_chunk]
+            k = torch.cat([p.k for p in run], dim=1)
+            v = torch.cat([p.v for p in run], dim=1)
+            yield encode_chunk(start + first, len(run), page_bytes(k), page_bytes(v))
+
+
+def accept_chunk(header: worker_pb2.KVBlocksHeader, chunk: worker_pb2.KVBlocksChunk) -> None:
+    """Whether a received chunk may be written into vLLM's cache: its blocks' pages are
+    whole for the header's format (TransferError DATA_LOSS otherwise). The one place a
+    pulled chunk is accepted: a check of the holder's per-block digests
+    (`chunk.block_digests`) belongs here."""
+    half = header.bytes_per_token * header.block_size // 2
+    if not chunk.num_blocks or len(chunk.k) != chunk.num_blocks * half \
+            or len(chunk.v) != len(chunk.k):
+        raise TransferError(grpc.StatusCode.DATA_LOSS,
+                            f"a malformed chunk (blocks {chunk.first_block}+{chunk.num_blocks}, "
+                            f"{len(chunk.k)} bytes of keys)")
+
+
+def pull_chain(peer: str, chain: Sequence[int], from_block: int, ticket: bytes,
+               format: KVFormat, on_chunk: Callable[[int, int, bytes, bytes], None],
+               timeout_s: float) -> int:
+    with grpc.insecure_channel(peer, options=_OPTIONS) as channel:
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        call = stub.ExportBlocks(worker_pb2.ExportBlocksRequest(
+            block_hashes=list(chain), from_block=from_block, ticket=ticket), timeout=timeout_s)
+        received = 0
+        try:
+            events = iter(call)
+            first = next(events, None)
+            if first is None or first.WhichOneof("event") != "header":
+                raise TransferError(grpc.StatusCode.DATA_LOSS,
+                                    f"{peer}: the export stream did not start with a header")
+            header = first.header
+            why = format.mismatch(header)
+            if why:
+                raise TransferError(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"{peer}'s KV pages do not fit this server: {why}")
+            want = min(header.num_blocks, len(chain) - from_block)
+            while received < want:
+                ev = next(events, None)
+                if ev is None:
+                    raise TransferError(grpc.StatusCode.DATA_LOSS,
+                                        f"{peer}: the export stream ended after {received} of "
+                                        f"{want} blocks")
+                chunk = ev.chunk
+                if chunk.first_block != from_block + received:
+                    raise TransferError(grpc.StatusCode.DATA_LOSS,
+                                        f"{peer}: chunk at block {chunk.first_block}, expected "
+                                        f"{from_block + received}")
+                accept_chunk(header, chunk)
+                n = min(chunk.num_blocks, want - received)
+                on_chunk(chunk.first_block, n, chunk.k, chunk.v)
+                received += n
+        except grpc.RpcError as exc:
+            raise TransferError(exc.code(), f"{peer}: {exc.details()}") from None
+        finally:
+            call.cancel()
+        return received
