@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from prefixgate.security.kv_pages import verify_chunk
 from prefixgate.v1 import worker_pb2, worker_pb2_grpc
 from prefixgate.vllm_connector.store import HostStore, Page
 from prefixgate.worker.transfer import (
@@ -109,16 +110,24 @@ class ExportServer:
 
 
 def accept_chunk(header: worker_pb2.KVBlocksHeader, chunk: worker_pb2.KVBlocksChunk) -> None:
-    """Whether a received chunk may be written into vLLM's cache: its blocks' pages are
-    whole for the header's format (TransferError DATA_LOSS otherwise). The one place a
-    pulled chunk is accepted: a check of the holder's per-block digests
-    (`chunk.block_digests`) belongs here."""
+    """Whether a received chunk may be written into vLLM's cache (TransferError DATA_LOSS
+    otherwise, and nothing of it is written): its blocks' pages are whole for the header's
+    format, and, where the holder sent per-block digests (`chunk.block_digests`: what a
+    prefixgate worker recorded when it computed the pages, security/kv_pages.py), every
+    block's pages match its digest. The one place a pulled chunk is accepted."""
     half = header.bytes_per_token * header.block_size // 2
     if not chunk.num_blocks or len(chunk.k) != chunk.num_blocks * half \
             or len(chunk.v) != len(chunk.k):
         raise TransferError(grpc.StatusCode.DATA_LOSS,
                             f"a malformed chunk (blocks {chunk.first_block}+{chunk.num_blocks}, "
                             f"{len(chunk.k)} bytes of keys)")
+    # A whole chunk or none: the cache writer takes whole chunks, and the blocks that are
+    # refused here are computed by vLLM (the connector reports them as not loaded).
+    matched, why = verify_chunk(chunk.k, chunk.v, chunk.block_digests, chunk.num_blocks,
+                                header.num_layers, required=False)
+    if matched < chunk.num_blocks:
+        raise TransferError(grpc.StatusCode.DATA_LOSS,
+                            f"blocks {chunk.first_block}+{chunk.num_blocks}: {why}")
 
 
 def pull_chain(peer: str, chain: Sequence[int], from_block: int, ticket: bytes,

@@ -240,3 +240,30 @@ def test_status_prices_transfers_declared_then_measured(smollm2_spec) -> None:
     status = plain._status()
     assert (status.kv_bytes_per_token, status.transfer_bytes_per_s,
             status.transfer_rate_source) == (0, 0, "")
+
+
+def test_a_chunk_whose_pages_miss_their_holders_digests_is_refused() -> None:
+    """Pages from a prefixgate holder come with the digests it recorded when it computed
+    them: the connector writes a chunk only when every block matches (else DATA_LOSS, and
+    vLLM computes those blocks); pages with no digests (a vLLM holder) pass on size."""
+    from prefixgate.security.kv_pages import chunk_digests
+    from prefixgate.v1 import worker_pb2
+    from prefixgate.vllm_connector.export import accept_chunk
+
+    pages = [_page(i) for i in range(3)]
+    k = torch.cat([p.k for p in pages], dim=1).contiguous().numpy().tobytes()
+    v = torch.cat([p.v for p in pages], dim=1).contiguous().numpy().tobytes()
+    header = worker_pb2.KVBlocksHeader(block_size=B, num_layers=LAYERS, num_kv_heads=HEADS,
+                                       head_dim=DIM, dtype="float32", num_blocks=3,
+                                       bytes_per_token=2 * LAYERS * HEADS * DIM * 4)
+    digests = chunk_digests(k, v, 3, LAYERS)
+    accept_chunk(header, worker_pb2.KVBlocksChunk(first_block=0, num_blocks=3, k=k, v=v,
+                                                  block_digests=digests))
+    accept_chunk(header, worker_pb2.KVBlocksChunk(first_block=0, num_blocks=3, k=k, v=v))
+    poisoned = bytearray(v)
+    poisoned[-1] ^= 0x40  # one bit of the last block's values
+    with pytest.raises(TransferError) as refused:
+        accept_chunk(header, worker_pb2.KVBlocksChunk(first_block=0, num_blocks=3, k=k,
+                                                      v=bytes(poisoned), block_digests=digests))
+    assert refused.value.code == grpc.StatusCode.DATA_LOSS
+    assert "digest" in str(refused.value)
