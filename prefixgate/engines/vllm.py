@@ -476,7 +476,7 @@ class VLLMWorker(WorkerServiceBase):
         if sampling.top_k:
             body["top_k"] = sampling.top_k
         if sampling.seed is not None:
-            body["seed"] = sampling.seed
+            body["seed"] = continuation_seed(sampling.seed, sampling.seed_offset_tokens)
         if sampling.stop:
             body["stop"] = list(sampling.stop)
         if sampling.stop_token_ids:
@@ -681,3 +681,16 @@ def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
         return 2 * int(cfg["num_hidden_layers"]) * heads * dim * DTYPE_BYTES[dtype]
     except (OSError, ValueError, KeyError, TypeError):
         return 0
+
+
+def continuation_seed(seed: int, offset_tokens: int) -> int:
+    """The seed vLLM gets for a reply that continues after `offset_tokens` tokens another
+    worker already sent (a resume). vLLM seeds a request's generator once and offers no way
+    to skip draws, so the continuation cannot take up the interrupted stream where it
+    stopped (prefixgate workers do: worker/sampling.py). Sending the same seed would replay
+    the draws already spent on the sent tokens; a seed derived from (seed, offset) starts a
+    stream of its own instead. Without an offset the seed is the caller's."""
+    if not offset_tokens:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{offset_tokens}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)

@@ -155,3 +155,15 @@ def test_completions_pass_the_callers_trace_context_on() -> None:
     assert seen[0]["tracestate"] == "pg=1"
     assert "Authorization" not in seen[0]  # only the trace headers go on
     assert "traceparent" not in seen[1]
+
+
+def test_a_resumed_seeded_reply_does_not_replay_the_spent_draws_on_vllm() -> None:
+    """vLLM cannot skip draws: a continuation after tokens already sent gets a seed of its
+    own (deterministic in the caller's seed and the offset), never the caller's again."""
+    from prefixgate.engines.vllm import continuation_seed
+
+    assert continuation_seed(1234, 0) == 1234
+    seeds = {continuation_seed(1234, n) for n in range(1, 50)}
+    assert 1234 not in seeds and len(seeds) == 49
+    assert continuation_seed(1234, 7) == continuation_seed(1234, 7)
+    assert all(0 <= s < 1 << 63 for s in seeds)
