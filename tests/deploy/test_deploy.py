@@ -932,11 +932,17 @@ def test_vllm_overlay(rendered, containers) -> None:
         == ("127.0.0.1", ports["vllm-http"])
     events = json.loads(options["kv-events-config"])
     assert events["enable_kv_cache_events"] is True and events["publisher"] == "zmq"
-    for flag, key, port in (("vllm_events", "endpoint", "kv-events"),
-                            ("vllm_replay", "replay_endpoint", "kv-replay")):
-        # vLLM binds endpoints written with '*' (others it connects to).
-        assert events[key] == f"tcp://*:{ports[port]}"
-        assert getattr(args, flag) == f"tcp://127.0.0.1:{ports[port]}"
+    # The event and replay sockets carry every prompt's token ids: ipc:// sockets in a
+    # volume only vLLM and the sidecar mount, never a port (vLLM binds tcp:// only on '*').
+    pod_volumes = {v["name"]: v for v in _one(objs, "StatefulSet", "prefixgate-worker")[
+        "spec"]["template"]["spec"]["volumes"]}
+    for flag, key in (("vllm_events", "endpoint"), ("vllm_replay", "replay_endpoint")):
+        assert events[key].startswith("ipc:///") and getattr(args, flag) == events[key]
+        folder = str(Path(events[key][len("ipc://"):]).parent)
+        for container in (vllm, sidecar.spec):
+            (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == folder]
+            assert "emptyDir" in pod_volumes[mount["name"]]
+    assert not {"kv-events", "kv-replay"} & set(ports)
     assert {"enable-prefix-caching", "enable-prompt-tokens-details"} <= set(options)
     assert options["model"] == args.model == containers["vllm"]["gateway"].args.model
     # The sidecar runs no model: the torch-free image, no model-sized resources.
@@ -953,7 +959,7 @@ def test_vllm_overlay(rendered, containers) -> None:
     policies = _of_kind(objs, "NetworkPolicy")
     pods = {"gateway": _one(objs, "Deployment", "prefixgate-gateway")["spec"]["template"],
             "worker": sidecar.pod}
-    for port in ("vllm-http", "kv-events", "kv-replay"):
+    for port in ("vllm-http",):
         for source in [*(p["metadata"]["labels"] for p in pods.values()), None]:
             assert not _allowed(policies, source, sidecar.pod, port), port
 
