@@ -72,8 +72,9 @@ VARIANTS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
 }
 
 # The AVX-512 path's code on SIMDe for a CPU without AVX-512 (module docstring; a test
-# build: csrc/pg_internal.h, PG_SIMDE_AVX512).
-EMULATED_AVX512 = ("-march=x86-64-v3", "-DPG_SIMDE_AVX512")
+# build: csrc/pg_internal.h, PG_SIMDE_AVX512). -Wno-psabi: GCC notes that passing SIMDe's
+# 64-byte vectors by value to its inline functions has another ABI than GCC 4.5's.
+EMULATED_AVX512 = ("-march=x86-64-v3", "-DPG_SIMDE_AVX512", "-Wno-psabi")
 
 # The q4_1 kernels' vector paths, best first: the code the library reports for each
 # (pg_quant_path) and the CPU features (/proc/cpuinfo names) its instructions need (both
