@@ -1,6 +1,8 @@
 """The q4_1 weight format: the quantized kernels against their torch reference (every
 vector path the CPU runs: AVX-512 and AVX2 + FMA where it has AVX-512, AVX2 + FMA on an
-AVX2-only CPU; dequantization exact, products to float32 rounding), packing
+AVX2-only CPU, and there the AVX-512 path's code too, built on SIMDe's portable AVX-512
+intrinsics: kernels, the Llama step's one-call decode layers, SmolLM2's chat;
+dequantization exact, products to float32 rounding), packing
 that recovers GGUF blocks exactly, the worker's own Llama step (`LlamaStep`) on q4_1
 weights against transformers' forward of the same weights, greedy tokens with and
 without the prefix cache, and on SmolLM2: lossless against float32 (its GGUF's blocks),
@@ -50,6 +52,61 @@ def test_every_path_this_cpu_runs_matches_the_reference(variant, tmp_path, monke
     for kind in ("q4_1", "q8_0"):
         for threads in (1, 2):
             _check_against_reference(kind, threads)
+
+
+@pytest.fixture(scope="module")
+def emulated_avx512(tmp_path_factory):
+    """The AVX-512 path's code built on SIMDe for this CPU without AVX-512
+    (cbuild.EMULATED_AVX512), once per module."""
+    cc, features = cbuild._compiler(), cbuild.cpu_features()
+    if cc is None:
+        pytest.skip("no C compiler")
+    if "avx512f" in features:
+        pytest.skip("the CPU has AVX-512: its x86-64-v4 build runs the AVX-512 path natively")
+    if not cbuild.VARIANTS["x86-64-v3"][0] <= features:
+        pytest.skip("the emulated AVX-512 build targets x86-64-v3, which this CPU lacks")
+    if not cbuild.has_simde(cc):
+        pytest.skip("SIMDe's headers are missing (Debian: apt-get install libsimde-dev), so "
+                    "the AVX-512 path is untested on this CPU without AVX-512")
+    path = tmp_path_factory.mktemp("simde") / "lib.so"
+    cbuild.compile_library(path, cbuild.EMULATED_AVX512, cc)
+    lib = cbuild._bind(path)
+    lib.pg_set_spin_us(cpu_quant.SPIN_US)
+    # It holds the AVX-512 path's code, and runs it here.
+    assert cbuild.quant_path_name(lib.pg_quant_built()) == "avx512"
+    assert cbuild.quant_path_name(lib.pg_quant_path()) == "avx512"
+    return lib
+
+
+@pytest.fixture
+def on_emulated_avx512(emulated_avx512, monkeypatch):
+    """cpu_quant (and so QuantLinear and the decode layers) on the emulated library."""
+    cpu_quant.library()  # the host's library is loaded first, then stood in for
+    monkeypatch.setattr(cpu_quant, "_lib", emulated_avx512)
+    monkeypatch.setattr(cpu_quant, "_path", "avx512")
+    assert cpu_quant.library() is emulated_avx512 and cpu_quant.kernel_path() == "avx512"
+    return emulated_avx512
+
+
+def test_the_avx512_path_on_simde_matches_the_reference(on_emulated_avx512) -> None:
+    """The AVX-512 code (block offsets, the permute table, the 16-lane tails, F16C
+    scales) where the CPU cannot run it natively."""
+    for kind in ("q4_1", "q8_0"):
+        for threads in (1, 2):
+            _check_against_reference(kind, threads)
+
+
+def test_the_avx512_path_on_simde_runs_the_llama_step(tiny_spec, on_emulated_avx512) -> None:
+    """The one-call decode layers and the q4_1 modules on the AVX-512 code."""
+    test_llama_step_on_q4_1_matches_transformers(tiny_spec)
+
+
+def test_the_avx512_path_on_simde_chats_like_float32(smollm2_spec, smollm2_model,
+                                                     on_emulated_avx512) -> None:
+    """SmolLM2 under q4_1 on the AVX-512 code: a short chat's greedy replies are
+    float32's."""
+    _chat_equals_float32(smollm2_spec, smollm2_model,
+                         load_model(smollm2_spec, weights=WeightsConfig("q4_1")))
 
 
 def _check_against_reference(kind: str, threads: int) -> None:
@@ -187,9 +244,14 @@ def test_smollm2_q4_1_is_lossless_and_matches_float32(smollm2_spec, smollm2_mode
         outs.append(torch.cat(rows))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-3, rtol=0)
 
-    # A short chat's greedy replies (the worker's engine: prefill through the dequantized
-    # GEMM, decode steps through the one-call decode layers on this CPU's path) are
-    # float32's, token for token.
+    _chat_equals_float32(smollm2_spec, smollm2_model, model)
+
+
+def _chat_equals_float32(smollm2_spec, smollm2_model, model) -> None:
+    """A short chat's greedy replies (the worker's engine: prefill through the dequantized
+    GEMM, decode steps through the one-call decode layers on the kernels' path) under
+    q4_1 are float32's, token for token."""
+    from prefixgate.model.tokenizer import ChatTokenizer
     from tests.helpers import make_engine
     from tests.worker.test_engine import run
 

@@ -23,6 +23,12 @@ path if this CPU's cpuid has its instructions); `QUANT_PATHS` names them, and
 `expected_quant_path(features)` is the one a CPU with those features should get (with a
 compiler that knows its instructions). cpu_quant.py logs the outcome and its reason.
 
+`EMULATED_AVX512` is a test build, never loaded by `load()`: the AVX-512 path's code
+compiled for x86-64-v3 with SIMDe's portable AVX-512 intrinsics (Debian's libsimde-dev;
+`has_simde`) in place of the CPU's, so a CPU without AVX-512 runs and checks that code
+(tests/worker/test_quant.py); it reports the AVX-512 path (pg_quant_built and
+pg_quant_path 2 where the CPU has x86-64-v3's AVX2, FMA and F16C).
+
 Every build treats warnings as errors (-Wall -Wextra -Werror) and exports the ABI alone
 (-fvisibility=hidden). Concurrent builders agree: a library is written under a temporary
 name and renamed into place.
@@ -64,6 +70,11 @@ VARIANTS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
                   ("-march=x86-64-v3",)),
     "baseline": (frozenset(), ()),
 }
+
+# The AVX-512 path's code on SIMDe for a CPU without AVX-512 (module docstring; a test
+# build: csrc/pg_internal.h, PG_SIMDE_AVX512). -Wno-psabi: GCC notes that passing SIMDe's
+# 64-byte vectors by value to its inline functions has another ABI than GCC 4.5's.
+EMULATED_AVX512 = ("-march=x86-64-v3", "-DPG_SIMDE_AVX512", "-Wno-psabi")
 
 # The q4_1 kernels' vector paths, best first: the code the library reports for each
 # (pg_quant_path) and the CPU features (/proc/cpuinfo names) its instructions need (both
@@ -127,6 +138,14 @@ def cpu_features() -> frozenset[str]:
 
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def has_simde(cc: str) -> bool:
+    """Whether the compiler finds SIMDe's AVX-512 header (what EMULATED_AVX512 needs)."""
+    proc = subprocess.run([cc, "-E", "-x", "c", "-", "-o", os.devnull],
+                          input="#include <simde/x86/avx512.h>\n", capture_output=True,
+                          text=True, timeout=120)
+    return proc.returncode == 0
 
 
 def compile_library(target: Path, arch_flags: Sequence[str], cc: str) -> None:

@@ -6,13 +6,10 @@
    dequantize exactly (d * q + m with d, m float16 values and |q| < 256 is exact before
    the one rounding of the add) and multiply-add in float32: the products equal
    x @ dequantized.T up to summation order. */
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 #include <stdint.h>
 #include <string.h>
 
-#include "pg_internal.h"
+#include "pg_internal.h"   /* the intrinsics (<immintrin.h>, or SIMDe's for AVX-512) */
 #include "pg_kernels.h"
 
 int pg_quant_built(void) { return PG_QUANT_PATH; }
@@ -20,11 +17,11 @@ int pg_quant_built(void) { return PG_QUANT_PATH; }
 int pg_quant_path(void) {
     /* The library is built for one path; a CPU without its instructions (a library
        carried to another host) gets none rather than an illegal instruction. */
-#if PG_QUANT_PATH == 2
+#if PG_QUANT_PATH == 2 && !defined(PG_SIMDE_AVX512)
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c") ? 2 : 0;
-#elif PG_QUANT_PATH == 1
+#elif PG_QUANT_PATH  /* AVX2 + FMA, or the AVX-512 code on SIMDe built for x86-64-v3 */
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
-        && __builtin_cpu_supports("f16c") ? 1 : 0;
+        && __builtin_cpu_supports("f16c") ? PG_QUANT_PATH : 0;
 #else
     return 0;
 #endif
