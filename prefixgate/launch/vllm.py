@@ -26,8 +26,9 @@ Why each setting:
     the server's worker id in the gateway (`VLLMServer.worker_id`, the adapter's
     `worker_id_of(url)`): the holder a gateway's pull ticket names. `keyring`: a keyring
     file whose `@tickets` line (the gateways' public ticket key) the connector checks pull
-    tickets with, named by path (`up --secure`); "": tickets are not checked (loopback
-    only). `connector=False`: none;
+    tickets with, named by path, never a key on the command line; "": tickets are not
+    checked (loopback only; `up --secure` gives none yet: its gateway signs no tickets for
+    the servers it follows in its own process). `connector=False`: none;
   - `api_key`: vLLM's --api-key (from a variable, never on the command line), for
     `up --secure`; the gateway's adapter sends it;
   - the group scrubs PREFIXGATE_* variables: they are prefixgate's flags, not vLLM's;

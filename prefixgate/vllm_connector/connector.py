@@ -20,17 +20,17 @@ Worker side
   the ExportBlocks server (export.py) when `export_port` is configured, as worker
   `worker_id` (the id the gateway knows this server by: export.py says which), checking
   pull tickets when `keyring` names a keyring file with the gateways' `@tickets` line
-  (a path in `kv_connector_extra_config`, never the key itself: `up --secure` passes it;
-  a keyring that cannot be read stops the server at start, never serves unchecked).
+  (a path in `kv_connector_extra_config`, never the key itself; a keyring that cannot be
+  read, or has no `@tickets` line, stops the server at start: never an unchecked export).
 - `start_load_kv`: each new load runs on a thread of its own: it pulls the chain from the
-  holder (with the gateway's ticket, the whole ticketed chain and `max_blocks`, as
-  prefixgate's workers ask) and writes each chunk's tokens into the request's blocks as it arrives (those
-  blocks belong to the request alone until vLLM hears the load is done, so no step reads
-  them meanwhile). `get_finished` reports the loads done; `get_block_ids_with_load_errors`
-  the blocks a load could not fill (holder gone, blocks evicted there, format mismatch, a
-  refused chunk): vLLM recomputes from the first of them (kv_load_failure_policy
-  "recompute", which params.connector_config sets: vLLM's default fails the request), so a
-  failed pull never fails a request.
+  holder (with the gateway's ticket: the whole ticketed chain and `max_blocks`, as
+  prefixgate's workers ask) and writes each chunk's tokens into the request's blocks as
+  it arrives (those blocks belong to the request alone until vLLM hears the load is done,
+  so no step reads them meanwhile). `get_finished` reports the loads done;
+  `get_block_ids_with_load_errors` the blocks a load could not fill (holder gone, blocks
+  evicted there, format mismatch, a refused chunk or ticket): vLLM recomputes from the
+  first of them (kv_load_failure_policy "recompute", which params.connector_config sets:
+  vLLM's default fails the request), so a failed pull never fails a request.
 - `wait_for_save`: after each step, the pages of the prompt blocks the step completed go to
   the bounded host store (store.py) under their prefixgate hashes, skipping those held: a
   copy of the step's new blocks (the step's own compute dwarfs it), after which exports
@@ -181,8 +181,8 @@ class PrefixgateConnector(KVConnectorBase_V1):
         self._attempted.add(request.request_id)
         self._loads.append(LoadSpec(
             request.request_id, params.pull.peer, list(params.block_hashes),
-            params.pull.ticket, params.pull.num_blocks, params.block_size, params.fingerprint, start,
-            start + num_external_tokens, list(blocks.get_block_ids()[0])))
+            params.pull.ticket, params.pull.num_blocks, params.block_size, params.fingerprint,
+            start, start + num_external_tokens, list(blocks.get_block_ids()[0])))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = PrefixgateMetadata(loads=self._loads)
