@@ -164,6 +164,48 @@ def test_the_export_serves_only_with_a_ticket_naming_it(tmp_path: Path) -> None:
         server.stop()
 
 
+def test_the_connector_pulls_a_ticketed_run_from_a_prefixgate_holder(
+        loop_thread, tiny_spec, tiny_model, tmp_path: Path) -> None:
+    """The connector's pull from a prefixgate worker that checks tickets: it sends the
+    whole ticketed chain with max_blocks (the holder checks the ticket against the whole
+    chain), so a load shorter than the gateway planned is served, with the holder's
+    digests checked on the way in; asking for the cut chain is PERMISSION_DENIED."""
+    from prefixgate.security.auth import AuthConfig
+    from prefixgate.security.identity import new_gateway_key, new_worker_key
+    from prefixgate.security.tickets import TicketSigner, ticket_key, ticket_public_line
+    from prefixgate.v1 import worker_pb2_grpc
+    from tests.helpers import start_worker
+    from tests.worker.test_transfer import _generate, _service_engine
+
+    gateways = bytes.fromhex(new_gateway_key().split(":", 1)[1])
+    private, _ = new_worker_key("holder")
+    ring = tmp_path / "holder.keyring"
+    ring.write_text(f"{private}\n{ticket_public_line(gateways)}\n")
+    address, stop = start_worker(loop_thread, tiny_spec, tiny_model, "holder", worker_config=dict(
+        auth=AuthConfig(worker_keyring_file=str(ring))))
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            prompt = [(i * 11) % 250 + 3 for i in range(130)]
+            _generate(stub, prompt)
+            transfer = _service_engine(stub).transfer
+            chain = transfer.chain(prompt[:128], "")
+            assert len(chain) == 8
+            ticket = TicketSigner(ticket_key(gateways)).sign("vllm-127.0.0.1:8002", "holder",
+                                                             "", chain)
+            got: list[tuple[int, int]] = []
+            n = pull_chain(address, chain, 1, ticket, transfer.format,
+                           lambda first, num, k, v: got.append((first, num)), 30,
+                           max_blocks=5)
+            assert n == 4 and sum(num for _, num in got) == 4 and got[0][0] == 1
+            with pytest.raises(TransferError) as exc:
+                pull_chain(address, chain[:5], 1, ticket, transfer.format,
+                           lambda *a: None, 30)
+            assert exc.value.code == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        loop_thread.loop.call_soon_threadsafe(stop.set)
+
+
 def test_pull_from_nobody_is_unavailable() -> None:
     fmt = KVFormat("fp", B, "float32", LAYERS, HEADS, DIM)
     with pytest.raises(TransferError) as exc:
