@@ -22,7 +22,13 @@ Why each setting:
     peers and serves what it computed. vLLM imports it from this very prefixgate: the child
     gets PYTHONPATH naming a private directory that holds only a link to this `prefixgate`
     package (`connector_path`), so the connector always speaks the gateway's wire and
-    nothing else of this environment (its torch) reaches vLLM's. `connector=False`: none;
+    nothing else of this environment (its torch) reaches vLLM's. The connector exports as
+    the server's worker id in the gateway (`VLLMServer.worker_id`, the adapter's
+    `worker_id_of(url)`): the holder a gateway's pull ticket names. `keyring`: a keyring
+    file whose `@tickets` line (the gateways' public ticket key) the connector checks pull
+    tickets with, named by path, never a key on the command line; "": tickets are not
+    checked (loopback only; `up --secure` gives none yet: its gateway signs no tickets for
+    the servers it follows in its own process). `connector=False`: none;
   - `api_key`: vLLM's --api-key (from a variable, never on the command line), for
     `up --secure`; the gateway's adapter sends it;
   - the group scrubs PREFIXGATE_* variables: they are prefixgate's flags, not vLLM's;
@@ -80,6 +86,7 @@ class VLLMLaunch:
     connector: bool = True  # prefixgate's KV connector (block transfer)
     connector_store_mib: int = DEFAULT_STORE_MIB  # its host store of computed blocks
     api_key: str = ""  # vLLM's --api-key ("": none)
+    keyring: str = ""  # a keyring file with the '@tickets' line: exports need a ticket
 
     def check(self) -> None:
         """ValueError saying what to give when the vLLM environment is missing."""
@@ -130,6 +137,13 @@ class VLLMServer:
         return f"tcp://*:{self.events_port}", f"tcp://*:{self.replay_port}"
 
     @property
+    def worker_id(self) -> str:
+        """The id the gateway knows this server by when it follows it (engines/vllm.py)."""
+        from prefixgate.engines.vllm import worker_id_of
+
+        return worker_id_of(self.url)
+
+    @property
     def export(self) -> str:
         """The connector's ExportBlocks as `grpc://HOST:PORT` ("": none)."""
         return f"grpc://{self.host}:{self.export_port}" if self.export_port else ""
@@ -160,7 +174,8 @@ def vllm_argv(launch: VLLMLaunch, server: VLLMServer) -> list[str]:
         argv.append("--enforce-eager")
     if launch.connector and server.export_port:
         argv += ["--kv-transfer-config", connector_config(
-            server.export_port, server.host, launch.connector_store_mib)]
+            server.export_port, server.host, launch.connector_store_mib, server.worker_id,
+            launch.keyring)]
     return argv + list(launch.extra_args)
 
 

@@ -17,15 +17,20 @@ Scheduler side
 Worker side
 -----------
 - `register_kv_caches`: the layers' cache tensors, their layout probed (pages.py); starts
-  the ExportBlocks server (export.py) when `export_port` is configured.
+  the ExportBlocks server (export.py) when `export_port` is configured, as worker
+  `worker_id` (the id the gateway knows this server by: export.py says which), checking
+  pull tickets when `keyring` names a keyring file with the gateways' `@tickets` line
+  (a path in `kv_connector_extra_config`, never the key itself; a keyring that cannot be
+  read, or has no `@tickets` line, stops the server at start: never an unchecked export).
 - `start_load_kv`: each new load runs on a thread of its own: it pulls the chain from the
-  holder and writes each chunk's tokens into the request's blocks as it arrives (those
-  blocks belong to the request alone until vLLM hears the load is done, so no step reads
-  them meanwhile). `get_finished` reports the loads done; `get_block_ids_with_load_errors`
-  the blocks a load could not fill (holder gone, blocks evicted there, format mismatch, a
-  refused chunk): vLLM recomputes from the first of them (kv_load_failure_policy
-  "recompute", which params.connector_config sets: vLLM's default fails the request), so a
-  failed pull never fails a request.
+  holder (with the gateway's ticket: the whole ticketed chain and `max_blocks`, as
+  prefixgate's workers ask) and writes each chunk's tokens into the request's blocks as
+  it arrives (those blocks belong to the request alone until vLLM hears the load is done,
+  so no step reads them meanwhile). `get_finished` reports the loads done;
+  `get_block_ids_with_load_errors` the blocks a load could not fill (holder gone, blocks
+  evicted there, format mismatch, a refused chunk or ticket): vLLM recomputes from the
+  first of them (kv_load_failure_policy "recompute", which params.connector_config sets:
+  vLLM's default fails the request), so a failed pull never fails a request.
 - `wait_for_save`: after each step, the pages of the prompt blocks the step completed go to
   the bounded host store (store.py) under their prefixgate hashes, skipping those held: a
   copy of the step's new blocks (the step's own compute dwarfs it), after which exports
@@ -52,7 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from prefixgate.vllm_connector.export import ExportServer, pull_chain
+from prefixgate.vllm_connector.export import ExportServer, pull_chain, ticket_keys_of
 from prefixgate.vllm_connector.pages import PagedLayout
 from prefixgate.vllm_connector.params import DEFAULT_STORE_MIB, TransferParams
 from prefixgate.vllm_connector.store import HostStore, Page
@@ -80,6 +85,7 @@ class LoadSpec:
     peer: str
     chain: list[int]  # prefixgate block hashes from the prompt's first block
     ticket: bytes
+    ticket_blocks: int  # the ticket covers chain[:ticket_blocks] (the pull's num_blocks)
     block_size: int  # prefixgate's
     fingerprint: str
     from_token: int
@@ -133,6 +139,7 @@ class PrefixgateConnector(KVConnectorBase_V1):
         self._export_port = int(cfg.get_from_extra_config("export_port", 0) or 0)
         self._worker_id = str(cfg.get_from_extra_config("worker_id", "") or
                               f"vllm-{self._export_host}:{self._export_port}")
+        self._keyring = str(cfg.get_from_extra_config("keyring", "") or "")
         self._layers: list[tuple[str, torch.Tensor]] = []
         self._layout: PagedLayout | None = None
         self._server: ExportServer | None = None
@@ -174,8 +181,8 @@ class PrefixgateConnector(KVConnectorBase_V1):
         self._attempted.add(request.request_id)
         self._loads.append(LoadSpec(
             request.request_id, params.pull.peer, list(params.block_hashes),
-            params.pull.ticket, params.block_size, params.fingerprint, start,
-            start + num_external_tokens, list(blocks.get_block_ids()[0])))
+            params.pull.ticket, params.pull.num_blocks, params.block_size, params.fingerprint,
+            start, start + num_external_tokens, list(blocks.get_block_ids()[0])))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = PrefixgateMetadata(loads=self._loads)
@@ -222,8 +229,9 @@ class PrefixgateConnector(KVConnectorBase_V1):
             self._layout = None
             return
         if self._export_port:
+            keys = ticket_keys_of(self._keyring, self._worker_id) if self._keyring else ()
             self._server = ExportServer(self._store, self._worker_id, self._export_host,
-                                        self._export_port, self._dims())
+                                        self._export_port, self._dims(), ticket_keys=keys)
             self._server.start()
 
     def _isa(self, layer_name: str, cache: torch.Tensor) -> str:
@@ -309,8 +317,12 @@ class PrefixgateConnector(KVConnectorBase_V1):
                     self._layout.write(cache, ids, ks[i, :whole], vs[i, :whole])
                 written += whole
 
-            pull_chain(spec.peer, spec.chain[:last_block], first_block, spec.ticket, fmt,
-                       on_chunk, PULL_TIMEOUT_S)
+            if spec.ticket:  # the holder checks the whole ticketed chain; max_blocks limits it
+                pull_chain(spec.peer, spec.chain[:spec.ticket_blocks], first_block, spec.ticket,
+                           fmt, on_chunk, PULL_TIMEOUT_S, max_blocks=last_block)
+            else:
+                pull_chain(spec.peer, spec.chain[:last_block], first_block, b"", fmt, on_chunk,
+                           PULL_TIMEOUT_S)
         except TransferError as exc:
             error = str(exc)
         except Exception as exc:  # never let a load take vLLM's step loop down

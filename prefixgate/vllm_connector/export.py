@@ -4,16 +4,34 @@ connector, or a prefixgate worker).
 
 Contract
 --------
-`ExportServer(store, worker_id, host, port, dims).start()` serves WorkerService.ExportBlocks
-(the rest of the Worker API is UNIMPLEMENTED there) on its own gRPC threads, so an export
-never waits for vLLM's engine steps: header, then chunks of whole blocks of about
-`CHUNK_BYTES`, as prefixgate's workers send them (worker/transfer.py `export_events`: the
-same `KVFormat` header and `encode_chunk` wire form). NOT_FOUND when the store holds none
-of the chain past `from_block`. The request's ticket is not checked here (see
-docs/vllm.md: bind the server to loopback, or to a network only workers reach).
+`ExportServer(store, worker_id, host, port, dims, ticket_keys).start()` serves
+WorkerService.ExportBlocks (the rest of the Worker API is UNIMPLEMENTED there) on its own
+gRPC threads, so an export never waits for vLLM's engine steps: header, then chunks of
+whole blocks of about `CHUNK_BYTES`, as prefixgate's workers send them
+(worker/transfer.py `export_events`: the same `KVFormat` header and `encode_chunk` wire
+form), of blocks [from_block, max_blocks) of the chain (max_blocks 0: to its end).
+NOT_FOUND when the store holds none of them.
 
-`pull_chain(peer, chain, from_block, ticket, format, on_chunk, timeout_s)` asks `peer` for
-`chain[from_block:]`, checks its header against `format` (any difference: TransferError
+Pull tickets: with `ticket_keys` (the gateways' `@tickets` key, and this server's own
+worker key when its keyring has one: `ticket_keys_of`), a request is served only when its
+ticket passes security/tickets.py `check_ticket` (the check a prefixgate worker's
+ExportBlocks makes), PERMISSION_DENIED saying which check failed otherwise, before any
+page is read. The ticket must name `worker_id` as its holder: the id the gateway knows
+this server by, i.e. its adapter's (engines/vllm.py: `worker_id_of(url)`, `vllm-HOST:PORT`
+of its HTTP API, when the gateway follows the server itself; the sidecar's --worker-id in
+the `prefixgate worker --engine vllm` form); launch/vllm.py passes that id. The export is
+plain gRPC (no TLS), so the caller's certificate is not known and the ticket's receiver is
+not checked: a ticket copied off a request admits its chain, from this holder, until it
+expires. Without keys nothing is checked (bind the server to loopback, as `up` does, or
+to a network only workers reach).
+
+`ticket_keys_of(keyring_path, worker_id)` -> the keys above, read from a keyring file
+(security/identity.py; ValueError when it has no `@tickets` line).
+
+`pull_chain(peer, chain, from_block, ticket, format, on_chunk, timeout_s, max_blocks)`
+asks `peer` for `chain[from_block:max_blocks or None]` (with a ticket, `chain` is the
+whole ticketed chain: the holder checks its digest), checks its header against `format`
+(any difference: TransferError
 FAILED_PRECONDITION), passes each chunk through `accept_chunk` (the one place a received
 chunk is accepted) and hands its pages to `on_chunk(first_block, num_blocks, k, v)` (raw
 bytes in the wire layout) in chain order; returns the blocks handed over. A broken stream
@@ -28,7 +46,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from prefixgate.security.auth import PermissionDenied
 from prefixgate.security.kv_pages import verify_chunk
+from prefixgate.security.tickets import check_ticket
 from prefixgate.v1 import worker_pb2, worker_pb2_grpc
 from prefixgate.vllm_connector.store import HostStore, Page
 from prefixgate.worker.transfer import (
@@ -53,12 +73,30 @@ def page_bytes(t) -> memoryview:
     return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
 
 
+def ticket_keys_of(keyring_path: str, worker_id: str) -> tuple:
+    """The keys a pull ticket must verify with at `worker_id`: the gateways' ticket key
+    (the keyring's `@tickets` line) and `worker_id`'s own public key when the keyring holds
+    its private line (as a prefixgate worker's do: worker/server.py `PeerTrust.of`).
+    ValueError (saying what is missing) when the file does not parse or has no `@tickets`."""
+    from prefixgate.security.identity import Keyring
+
+    ring = Keyring.from_file(keyring_path)
+    if ring.ticket_key is None:
+        raise ValueError(f"{keyring_path} has no '@tickets' line: the connector cannot check "
+                         "pull tickets without the gateways' ticket key")
+    own = ring.private_key(worker_id)
+    return (ring.ticket_key,) + ((own.public_key(),) if own is not None else ())
+
+
 class ExportServer:
-    """`dims`: (num_layers, num_kv_heads, head_dim, dtype name) of this server's pages."""
+    """`dims`: (num_layers, num_kv_heads, head_dim, dtype name) of this server's pages;
+    `ticket_keys`: the keys pull tickets must verify with (empty: tickets not checked)."""
 
     def __init__(self, store: HostStore, worker_id: str, host: str, port: int,
-                 dims: tuple[int, int, int, str], chunk_bytes: int = CHUNK_BYTES) -> None:
+                 dims: tuple[int, int, int, str], chunk_bytes: int = CHUNK_BYTES,
+                 ticket_keys: tuple = ()) -> None:
         self.store, self.worker_id, self.dims = store, worker_id, dims
+        self.ticket_keys = tuple(ticket_keys)
         self.address = f"{host}:{port}"
         self.chunk_bytes = chunk_bytes
         self._server: grpc.Server | None = None
@@ -88,7 +126,16 @@ class ExportServer:
 
     def _export(self, request: worker_pb2.ExportBlocksRequest, context: grpc.ServicerContext
                 ) -> Iterator[worker_pb2.ExportBlocksEvent | bytes]:
+        if self.ticket_keys:  # before any page is touched
+            try:
+                check_ticket(request.ticket, self.ticket_keys, self.worker_id,
+                             request.block_hashes)
+            except PermissionDenied as exc:
+                log.warning("prefixgate connector %s: export refused: %s", self.worker_id, exc)
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         chain, start = list(request.block_hashes), request.from_block
+        if request.max_blocks:
+            chain = chain[:request.max_blocks]
         if start >= len(chain):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"from_block {start} is past the chain's {len(chain)} blocks")
@@ -132,11 +179,13 @@ def accept_chunk(header: worker_pb2.KVBlocksHeader, chunk: worker_pb2.KVBlocksCh
 
 def pull_chain(peer: str, chain: Sequence[int], from_block: int, ticket: bytes,
                format: KVFormat, on_chunk: Callable[[int, int, bytes, bytes], None],
-               timeout_s: float) -> int:
+               timeout_s: float, max_blocks: int = 0) -> int:
+    end = min(max_blocks, len(chain)) if max_blocks else len(chain)
     with grpc.insecure_channel(peer, options=_OPTIONS) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
         call = stub.ExportBlocks(worker_pb2.ExportBlocksRequest(
-            block_hashes=list(chain), from_block=from_block, ticket=ticket), timeout=timeout_s)
+            block_hashes=list(chain), from_block=from_block, ticket=ticket,
+            max_blocks=max_blocks), timeout=timeout_s)
         received = 0
         try:
             events = iter(call)
@@ -149,7 +198,7 @@ def pull_chain(peer: str, chain: Sequence[int], from_block: int, ticket: bytes,
             if why:
                 raise TransferError(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"{peer}'s KV pages do not fit this server: {why}")
-            want = min(header.num_blocks, len(chain) - from_block)
+            want = min(header.num_blocks, end - from_block)
             while received < want:
                 ev = next(events, None)
                 if ev is None:

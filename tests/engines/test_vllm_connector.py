@@ -89,6 +89,123 @@ def test_pull_gets_the_holders_pages_bit_for_bit_and_refuses_another_format() ->
         server.stop()
 
 
+def test_the_export_serves_only_with_a_ticket_naming_it(tmp_path: Path) -> None:
+    """With the gateways' ticket key (a keyring's `@tickets` line), the connector's
+    ExportBlocks serves a chain only with a ticket that names this server, that chain and
+    has not expired (the check a prefixgate worker makes): a missing, foreign-signed,
+    expired or other holder's or chain's ticket is PERMISSION_DENIED and no page leaves.
+    A valid one is served as asked: the whole ticketed chain, cut at max_blocks."""
+    import time
+
+    from prefixgate.security.identity import Keyring, new_gateway_key, new_worker_key
+    from prefixgate.security.tickets import TicketSigner, ticket_key, ticket_public_line
+    from prefixgate.vllm_connector.export import ticket_keys_of
+
+    holder = "vllm-127.0.0.1:8001"  # the adapter's id for the server (worker_id_of)
+    gateways = bytes.fromhex(new_gateway_key().split(":", 1)[1])
+    private, _ = new_worker_key(holder)
+    keyring = tmp_path / "vllm.keyring"
+    keyring.write_text(f"{private}\n{ticket_public_line(gateways)}\n")
+    no_tickets = tmp_path / "plain.keyring"
+    no_tickets.write_text(f"{private}\n")
+    with pytest.raises(ValueError, match="@tickets"):
+        ticket_keys_of(str(no_tickets), holder)
+    keys = ticket_keys_of(str(keyring), holder)
+    assert len(keys) == 2  # the gateways' key and this server's own
+
+    store = HostStore(64 << 20)
+    chain = list(range(200, 210))
+    for i, h in enumerate(chain[:7]):
+        store.put(h, _page(i))
+    port = free_port()
+    server = ExportServer(store, holder, "127.0.0.1", port, (LAYERS, HEADS, DIM, "float32"),
+                          chunk_bytes=2 * _page(0).num_bytes, ticket_keys=keys)
+    server.start()
+    gateway = TicketSigner(ticket_key(gateways))
+    fmt = KVFormat("fp", B, "float32", LAYERS, HEADS, DIM)
+    ticketed = chain[:8]  # the gateway planned a pull of 8 blocks
+    try:
+        got: list[int] = []
+
+        def on_chunk(first: int, n: int, k: bytes, v: bytes) -> None:
+            kt = torch.frombuffer(bytearray(k), dtype=torch.float32).view(LAYERS, n * B,
+                                                                          HEADS, DIM)
+            for j in range(n):
+                assert torch.equal(kt[:, j * B:(j + 1) * B], _page(first + j).k)
+                got.append(first + j)
+
+        ok = gateway.sign("vllm-127.0.0.1:8002", holder, "ns", ticketed)
+        assert pull_chain(f"127.0.0.1:{port}", ticketed, 2, ok, fmt, on_chunk, 10,
+                          max_blocks=6) == 4
+        assert got == [2, 3, 4, 5]
+        # Tickets this server signed itself with its own worker key pass too.
+        own = TicketSigner(Keyring.parse(private).private_key(holder)).sign(
+            "r", holder, "", ticketed)
+        assert pull_chain(f"127.0.0.1:{port}", ticketed, 0, own, fmt, on_chunk, 10) == 7
+        stranger = TicketSigner(ticket_key(b"s" * 32))
+        refused = {  # what the refusal says -> (chain asked for, ticket)
+            "signed by a gateway": (ticketed, b""),
+            "signature does not verify": (ticketed, stranger.sign("r", holder, "ns",
+                                                                  ticketed)),
+            "for holder": (ticketed, gateway.sign("r", "vllm-127.0.0.1:9", "ns", ticketed)),
+            "another chain": (chain[:7], ok),
+            "expired": (ticketed, gateway.sign("r", holder, "ns", ticketed,
+                                               now=time.time() - 600)),
+            "does not parse": (ticketed, b"pgt1garbage"),
+        }
+        got.clear()
+        for why, (asked, ticket) in refused.items():
+            with pytest.raises(TransferError) as exc:
+                pull_chain(f"127.0.0.1:{port}", asked, 0, ticket, fmt, on_chunk, 10)
+            assert exc.value.code == grpc.StatusCode.PERMISSION_DENIED, why
+            assert why in str(exc.value)
+        assert got == []  # not a page of any
+    finally:
+        server.stop()
+
+
+def test_the_connector_pulls_a_ticketed_run_from_a_prefixgate_holder(
+        loop_thread, tiny_spec, tiny_model, tmp_path: Path) -> None:
+    """The connector's pull from a prefixgate worker that checks tickets: it sends the
+    whole ticketed chain with max_blocks (the holder checks the ticket against the whole
+    chain), so a load shorter than the gateway planned is served, with the holder's
+    digests checked on the way in; asking for the cut chain is PERMISSION_DENIED."""
+    from prefixgate.security.auth import AuthConfig
+    from prefixgate.security.identity import new_gateway_key, new_worker_key
+    from prefixgate.security.tickets import TicketSigner, ticket_key, ticket_public_line
+    from prefixgate.v1 import worker_pb2_grpc
+    from tests.helpers import start_worker
+    from tests.worker.test_transfer import _generate, _service_engine
+
+    gateways = bytes.fromhex(new_gateway_key().split(":", 1)[1])
+    private, _ = new_worker_key("holder")
+    ring = tmp_path / "holder.keyring"
+    ring.write_text(f"{private}\n{ticket_public_line(gateways)}\n")
+    address, stop = start_worker(loop_thread, tiny_spec, tiny_model, "holder", worker_config=dict(
+        auth=AuthConfig(worker_keyring_file=str(ring))))
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            prompt = [(i * 11) % 250 + 3 for i in range(130)]
+            _generate(stub, prompt)
+            transfer = _service_engine(stub).transfer
+            chain = transfer.chain(prompt[:128], "")
+            assert len(chain) == 8
+            ticket = TicketSigner(ticket_key(gateways)).sign("vllm-127.0.0.1:8002", "holder",
+                                                             "", chain)
+            got: list[tuple[int, int]] = []
+            n = pull_chain(address, chain, 1, ticket, transfer.format,
+                           lambda first, num, k, v: got.append((first, num)), 30,
+                           max_blocks=5)
+            assert n == 4 and sum(num for _, num in got) == 4 and got[0][0] == 1
+            with pytest.raises(TransferError) as exc:
+                pull_chain(address, chain[:5], 1, ticket, transfer.format,
+                           lambda *a: None, 30)
+            assert exc.value.code == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        loop_thread.loop.call_soon_threadsafe(stop.set)
+
+
 def test_pull_from_nobody_is_unavailable() -> None:
     fmt = KVFormat("fp", B, "float32", LAYERS, HEADS, DIM)
     with pytest.raises(TransferError) as exc:

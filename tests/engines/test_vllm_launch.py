@@ -117,3 +117,39 @@ def test_up_secure_gives_vllm_an_api_key_the_gateway_reads_from_a_private_file(t
     assert cfg.api_key == "s3cret" and cfg.export == f"127.0.0.1:{server.export_port}"
     with pytest.raises(ValueError, match="API key file"):
         VLLMConfig.parse(f"{server.url},{server.events},key-file:{tmp_path}/missing")
+
+
+def test_a_keyring_makes_the_connector_check_tickets_as_the_gateways_worker(tmp_path) -> None:
+    """With a keyring (`up --secure`'s), the connector gets its path (never a key on a
+    command line) and exports as the worker id the gateway's adapter gives the server, the
+    holder its pull tickets name; without one, neither a keyring nor a check."""
+    from prefixgate.engines.vllm import VLLMConfig, worker_id_of
+    from prefixgate.launch.processes import ProcessGroup
+    from prefixgate.launch.vllm import VLLMFleet
+    from prefixgate.security.identity import new_gateway_key, new_worker_key
+    from prefixgate.security.tickets import ticket_public_line
+
+    gateways = bytes.fromhex(new_gateway_key().split(":", 1)[1])
+    private, _ = new_worker_key("vllm")
+    tickets = ticket_public_line(gateways)
+    keyring = tmp_path / "vllm.keyring"
+    keyring.write_text(f"{private}\n{tickets}\n")
+
+    def extra_of(launch: VLLMLaunch) -> tuple[VLLMServer, list[str], dict]:
+        fleet = VLLMFleet(launch, ProcessGroup(tmp_path))
+        started = []
+        fleet.group.start = lambda name, argv, env=None: started.append(argv)
+        (server,) = fleet.start(1)
+        options = dict(zip(started[0][3::1], started[0][4::1], strict=False))
+        return server, started[0], \
+            json.loads(options["--kv-transfer-config"])["kv_connector_extra_config"]
+
+    server, argv, extra = extra_of(VLLMLaunch("/venv/bin/python", tmp_path, "m",
+                                              keyring=str(keyring)))
+    assert extra["keyring"] == str(keyring)
+    assert not [a for a in argv if tickets.split(":")[1] in a or private.split(":")[1] in a]
+    # The holder a gateway names in a ticket for this server: its adapter's worker id.
+    assert extra["worker_id"] == worker_id_of(VLLMConfig.parse(server.worker_spec).url) \
+        == server.worker_id == f"vllm-127.0.0.1:{server.port}"
+    _, _, plain = extra_of(VLLMLaunch("/venv/bin/python", tmp_path, "m"))
+    assert "keyring" not in plain and plain["worker_id"].startswith("vllm-127.0.0.1:")
