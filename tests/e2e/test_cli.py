@@ -31,8 +31,9 @@ def test_bench_help_lines_are_whole_sentences() -> None:
                          env=cli_env()).stdout
     from prefixgate.bench import BENCHMARKS
 
-    helps = re.findall(r"^    (\w+) +(.*(?:\n {10,}.*)*)", out.split("positional arguments:")[1],
-                       re.MULTILINE)
+    # A long name ("vllm-transfer") has its help on the next line, indented.
+    helps = re.findall(r"^    ([\w-]+)(?: +|\n {10,})(.*(?:\n {10,}.*)*)",
+                       out.split("positional arguments:")[1], re.MULTILINE)
     assert [name for name, _ in helps] == list(BENCHMARKS), out
     cut = [name for name, text in helps if not text.rstrip().endswith((".", ")"))]
     assert not cut, out
