@@ -90,7 +90,7 @@ def test_validation_accepts_overflow_only_when_asked() -> None:
     assert sampling_from_proto(unset, 5000, 300).max_tokens == 150
     assert sampling_from_proto(common_pb2.SamplingParams(), 5000, 1024,
                                default_overflow="keep-system-drop-oldest").max_tokens == 256
-    with pytest.raises(InvalidRequest, match="at most 1023"):
+    with pytest.raises(InvalidRequest, match="between 1 and 1023"):
         sampling_from_proto(common_pb2.SamplingParams(
             max_tokens=1024, context_overflow=msg.context_overflow), 10, 1024)
 
