@@ -48,7 +48,7 @@ def add_arguments(w: argparse.ArgumentParser) -> None:
          help="bytes of KV pool (ignored when --num-blocks is given)")
     flag(w, "--num-blocks", type=int, default=0, help="KV pool size in blocks (0: from --kv-cache-memory)")
     flag(w, "--max-num-seqs", type=int, default=32, help="most requests in the running batch")
-    flag(w, "--max-waiting-requests", type=int, default=1024,
+    flag(w, "--max-waiting-requests", type=int, default=4096,
          help="most requests waiting for their first token (queued, pulling or prefilling); "
               "more are refused with RESOURCE_EXHAUSTED naming this flag (0: no bound)")
     flag(w, "--max-num-batched-tokens", type=int, default=512,
