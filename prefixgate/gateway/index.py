@@ -17,7 +17,10 @@ Updates, one per worker event, fenced by the worker's epoch (an incarnation numb
 grows on every registration of the same worker id):
   reset_worker(w, epoch)               a new incarnation: forget w's blocks
   stored(w, epoch, parent_hash, hs)    w now holds the chain hs; hs[0] extends the block
-                                       `parent_hash` (None: a chain from the root)
+                                       `parent_hash` (None: a chain from the root), and
+                                       with it the path to that parent: an engine extends
+                                       only a prefix it holds, so an ancestor an earlier
+                                       `removed` named is held by w again
   removed(w, epoch, hs) / cleared(w, epoch) / remove_worker(w)
 An event carrying an epoch older than the one the index knows for `w` is ignored (a late
 event of a dead incarnation never resurrects its blocks); a newer epoch resets `w` first.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from prefixgate.gateway.index import PrefixIndex
@@ -181,6 +181,9 @@ _events = st.lists(st.tuples(st.sampled_from(["store", "remove", "clear", "resta
 
 @settings(max_examples=150, deadline=None)
 @given(_events, st.lists(_paths, min_size=1, max_size=5))
+# A chain stored on a parent whose own parent an earlier removal named.
+@example([("store", "a", (0,), 0), ("store", "b", (0, 0), 0), ("remove", "b", (0,), 0),
+          ("store", "b", (0, 0, 0), 2)], [(0,), (1,)])
 def test_index_matches_a_set_model(events, queries) -> None:
     ids: dict[tuple, int] = {}
 
@@ -199,7 +202,9 @@ def test_index_matches_a_set_model(events, queries) -> None:
             parent = h(path[:k]) if k else None
             hs = [h(path[: i + 1]) for i in range(k, len(path))]
             index.stored(w, epoch[w], parent, hs)
-            held[w].update(hs)
+            # Extending a prefix means holding it: its ancestors too, even one an earlier
+            # removal named (the index's contract for `stored`).
+            held[w].update(hs, (h(path[:i]) for i in range(1, k + 1)))
         elif kind == "remove":
             hs = [h(path[: i + 1]) for i in range(min(k, len(path) - 1), len(path))]
             index.removed(w, epoch[w], hs)
