@@ -112,6 +112,9 @@ class VLLMServer:
     # (vLLM binds its publisher only on '*' or ipc://: TCP is for a reachable host only).
     ipc_dir: str = ""
     api_key_file: str = ""  # a 0600 file holding its --api-key ("": none)
+    # Without an ipc_dir, publish the events on TCP on every interface: only when asked,
+    # since they carry every prompt's token ids (a host other machines must reach).
+    events_on_all_interfaces: bool = False
 
     @property
     def url(self) -> str:
@@ -134,6 +137,9 @@ class VLLMServer:
         interface (vLLM binds its publisher only there): only for hosts others reach."""
         if self.ipc_dir:
             return self.events, self.replay
+        if not self.events_on_all_interfaces:
+            raise ValueError(f"{self.name}: vLLM's KV events need an ipc_dir, or "
+                             "events_on_all_interfaces to publish on TCP on every interface")
         return f"tcp://*:{self.events_port}", f"tcp://*:{self.replay_port}"
 
     @property

@@ -62,5 +62,6 @@ def serve(port: int, model_name: str, host: str = "") -> None:
     metrics on loopback too."""
     if not port:
         return
-    start_http_server(port, addr=host or "0.0.0.0", registry=registry_for(model_name))
-    logging.getLogger("prefixgate").info("Prometheus metrics on %s:%d/metrics", host, port)
+    addr = host or "127.0.0.1"  # every interface only when the server's --host says so
+    start_http_server(port, addr=addr, registry=registry_for(model_name))
+    logging.getLogger("prefixgate").info("Prometheus metrics on %s:%d/metrics", addr, port)

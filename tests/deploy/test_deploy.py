@@ -973,7 +973,8 @@ def test_vllm_arguments_parse_with_vllm(rendered, tmp_path: Path) -> None:
     python = vllm_python()
     up = vllm_argv(VLLMLaunch(python, tmp_path, "m", max_model_len=4096,
                               extra_args=("--max-num-seqs", "8")),
-                   VLLMServer("vllm-0", "127.0.0.1", 8000, 5557, 5558))[3:]
+                   VLLMServer("vllm-0", "127.0.0.1", 8000, 5557, 5558,
+                              events_on_all_interfaces=True))[3:]
     code = ("import json, sys\n"
             "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
             "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"

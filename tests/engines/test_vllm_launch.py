@@ -32,7 +32,8 @@ def test_every_cpu_goes_to_exactly_one_server() -> None:
 def test_the_command_line_switches_on_what_the_gateway_needs(tmp_path: Path) -> None:
     argv = vllm_argv(VLLMLaunch("/venv/bin/python", tmp_path, "smollm2-135m",
                                 extra_args=("--max-num-seqs", "4")),
-                     VLLMServer("vllm-0", "127.0.0.1", 8001, 5557, 5558))
+                     VLLMServer("vllm-0", "127.0.0.1", 8001, 5557, 5558,
+                                events_on_all_interfaces=True))
     assert argv[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     options = dict(zip(argv[3::1], argv[4::1], strict=False))
     assert options["--model"] == str(tmp_path) and options["--port"] == "8001"
@@ -153,3 +154,10 @@ def test_a_keyring_makes_the_connector_check_tickets_as_the_gateways_worker(tmp_
         == server.worker_id == f"vllm-127.0.0.1:{server.port}"
     _, _, plain = extra_of(VLLMLaunch("/venv/bin/python", tmp_path, "m"))
     assert "keyring" not in plain and plain["worker_id"].startswith("vllm-127.0.0.1:")
+
+
+def test_events_go_on_every_interface_only_when_asked() -> None:
+    """vLLM binds a tcp:// publisher only on '*': without an ipc directory a server's
+    events are refused unless the caller asks for every interface."""
+    with pytest.raises(ValueError, match="events_on_all_interfaces"):
+        VLLMServer("vllm-0", "127.0.0.1", 8001, 5557, 5558).bind_events()
