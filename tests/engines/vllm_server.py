@@ -1,6 +1,6 @@
 """A real vLLM OpenAI server for tests, started from the vLLM installation named by
 $PREFIXGATE_VLLM_PYTHON (vLLM pins its own torch, so it lives in its own environment; the
-tests that need it fail without it, or skip when PREFIXGATE_ALLOW_NO_VLLM=1). KV events on (ZMQ, with replay), prefix caching and
+tests that need it fail without it, or skip when PREFIXGATE_ALLOW_NO_VLLM=1). KV events on (ZMQ over ipc:// in a private directory, with replay), prefix caching and
 cached-token usage on, eager mode (no compile: starts in about a minute on a CPU)."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import os
 import subprocess
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -51,17 +52,19 @@ class VLLMServer:
     def __init__(self, model_dir: Path, served_name: str, log_path: Path,
                  block_size: int = 32, max_model_len: int = 4096,
                  kv_cache_bytes: int = 256 << 20) -> None:
-        self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.events = f"tcp://127.0.0.1:{self.events_port}"
-        self.replay = f"tcp://127.0.0.1:{self.replay_port}"
+        # The event sockets as `up` makes them: ipc:// in a private (0700) directory.
+        ipc_dir = tempfile.mkdtemp(prefix="vllm-events-")
+        launched = LaunchedServer("vllm", "127.0.0.1", self.port, 0, 0, ipc_dir=ipc_dir)
+        self.events, self.replay = launched.events, launched.replay
         self.served_name = served_name
         self.log_path = log_path
         # The command line `prefixgate up --engine vllm` runs (prefixgate/launch/vllm.py).
         self.cmd = vllm_argv(
             VLLMLaunch(vllm_python(), Path(model_dir), served_name, block_size=block_size,
                        kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len),
-            LaunchedServer("vllm", "127.0.0.1", self.port, self.events_port, self.replay_port))
+            launched)
         self.proc: subprocess.Popen | None = None
         self.group: ProcessGroup | None = None
 
