@@ -400,6 +400,7 @@ async def _start_vllm(args: argparse.Namespace, sidecars, addresses: list[str]):
             "--worker-id", name, "--block-size", str(args.block_size),
             "--redis-url", args.redis_url, "--vllm-url", server.url,
             "--vllm-events", server.events, "--vllm-replay", server.replay,
+            *(["--vllm-export", server.export.removeprefix("grpc://")] if server.export else []),
             "--log-level", args.log_level, "--log-format", args.log_format,
             *(["--cache-dir", args.cache_dir] if args.cache_dir else []))
     return fleet

@@ -81,6 +81,9 @@ def add_arguments(w: argparse.ArgumentParser) -> None:
               "e.g. tcp://127.0.0.1:5557")
     flag(w, "--vllm-replay", default="",
          help="--engine vllm: its kv-events replay_endpoint, if set (lost events are replayed)")
+    flag(w, "--vllm-export", default="",
+         help="--engine vllm: HOST:PORT of its prefixgate KV connector's ExportBlocks, if it "
+              "runs one (block pulls, and the drain hand-off of its cached conversations)")
     emulation_flags(w)  # --emulate: no model (prefixgate/emulate)
 
 
@@ -149,8 +152,9 @@ async def _serve_vllm(args: argparse.Namespace) -> None:
     from prefixgate.worker.startup import serve_worker
 
     try:
-        vllm = VLLMConfig.parse(",".join(p for p in (args.vllm_url, args.vllm_events,
-                                                      args.vllm_replay) if p))
+        vllm = VLLMConfig.parse(",".join(p for p in (
+            args.vllm_url, args.vllm_events, args.vllm_replay,
+            "grpc://" + args.vllm_export if args.vllm_export else "") if p))
     except ValueError as exc:
         raise SystemExit(f"prefixgate worker --engine vllm: --vllm-url and --vllm-events "
                          f"are needed: {exc}") from None

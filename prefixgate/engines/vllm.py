@@ -66,10 +66,20 @@ Contract
   transfer rate: declared (`transfer_bytes_per_s`) until pulls measure it (a pulled turn's
   time to first token less its computed tokens at the measured prefill rate). ExportBlocks
   relays the connector's stream (a prefixgate worker may pull from vLLM through this
-  adapter's gRPC server, the sidecar form). PullBlocks (drain hand-off, prefetch) is
-  UNIMPLEMENTED: vLLM loads KV only for a request. Without a connector, ExportBlocks is
-  UNIMPLEMENTED, `kv_bytes_per_token` 0 (routing never plans a transfer with it) and a
-  pull spec is ignored (vLLM computes what it does not hold).
+  adapter's gRPC server, the sidecar form).
+- Drain hand-off (worker/handoff.py; the sidecar form, which drains on SIGTERM): as a
+  holder, this worker offers the prompts it served whose blocks vLLM still holds (its
+  events say), the most recent first, each as its chain with its token ids and
+  namespace (remembered for up to `HANDOFF_MEMORY_TOKENS` prompt tokens); peers pull
+  them through ExportBlocks. As a receiver, PullBlocks needs the chain's token ids
+  (PullBlocksRequest.token_ids, FAILED_PRECONDITION without them): vLLM loads KV only
+  for a request, so the pull is a one-token request over those tokens with the pull in
+  its `kv_transfer_params` (the connector loads the chain from the holder before vLLM
+  prefills; what it cannot load is computed), answered once vLLM has them cached.
+  Without a connector, ExportBlocks is
+  UNIMPLEMENTED, `kv_bytes_per_token` 0 (routing never plans a transfer with it), a
+  pull spec is ignored (vLLM computes what it does not hold), PullBlocks is UNIMPLEMENTED
+  and the drain hands nothing off.
 - FlushCache: vLLM's /reset_prefix_cache (offered by vLLM only in its dev mode:
   UNIMPLEMENTED otherwise, saying so).
 - Events: a turn that must have cached new blocks starts the event stream's stall clock
@@ -100,6 +110,7 @@ from prefixgate.engines.vllm_stream import VLLMEventStream
 from prefixgate.model.catalog import ModelSpec, _fingerprint
 from prefixgate.model.tokenizer import ChatTokenizer
 from prefixgate.radix import Hashers, HashMemo
+from prefixgate.radix import packed as packed_ids
 from prefixgate.telemetry.tracing import trace_context
 from prefixgate.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from prefixgate.vllm_connector.params import PullParams, TransferParams
@@ -112,8 +123,9 @@ from prefixgate.wire.protocol import (
     sampling_from_proto,
     with_generation_defaults,
 )
-from prefixgate.wire.token_ids import prompt_token_ids
+from prefixgate.wire.token_ids import prompt_token_ids, repeated_token_ids
 from prefixgate.worker.api import FinalEvent, FinishReason
+from prefixgate.worker.handoff import HandoffChain
 from prefixgate.worker.rates import ServiceRates, TransferRate
 from prefixgate.worker.server import FINISH_TO_PROTO, WorkerConfig, WorkerServiceBase
 from prefixgate.worker.transfer import MAX_MESSAGE_BYTES
@@ -133,6 +145,8 @@ _PROBE_TEXTS = ("Hello, world! The quick brown fox jumps over 13 lazy dogs.",
 _NAMESPACE_PREFIX_TOKENS = 16  # tokens of a prompt remembered with its namespace
 METRICS_BUDGET = 0.01  # most share of the time spent polling one server's /metrics
 MAX_POLL_GAP_S = 1.0  # longest wait between two /metrics polls (seconds)
+# Prompt tokens of the turns served here remembered for the drain hand-off (4 bytes each).
+HANDOFF_MEMORY_TOKENS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -224,6 +238,10 @@ class VLLMWorker(WorkerServiceBase):
         if vllm.export and vllm.transfer_bytes_per_s > 0:
             self.transfer_rate.assume(vllm.transfer_bytes_per_s, 0.0, "declared")
         self._export_channel: grpc.aio.Channel | None = None
+        # Prompts served here, for the drain hand-off: last full block's hash -> (the
+        # prompt's block hashes, its full blocks' token ids packed, namespace).
+        self._served: OrderedDict[int, tuple[tuple[int, ...], bytes, str]] = OrderedDict()
+        self._served_tokens = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -242,6 +260,7 @@ class VLLMWorker(WorkerServiceBase):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.client.close()
+        await self.close_peers()
         if self._export_channel is not None:
             await self._export_channel.close()
 
@@ -414,11 +433,118 @@ class VLLMWorker(WorkerServiceBase):
         except grpc.aio.AioRpcError as exc:
             await context.abort(exc.code(), f"{self.config.worker_id}: {exc.details()}")
 
-    async def PullBlocks(self, request, context) -> worker_pb2.PullBlocksResponse:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "a vLLM worker loads KV blocks from peers only for a request "
-                            "(GenerateRequest.pull), not ahead of one")
-        return worker_pb2.PullBlocksResponse()
+    # ------------------------------------------------------------------ drain hand-off
+
+    @property
+    def hands_off(self) -> bool:
+        return bool(self.vllm.export)
+
+    def _remember_served(self, hashes: Sequence[int], prompt: memoryview, namespace: str
+                         ) -> None:
+        """Keep a served prompt's chain and tokens for the drain hand-off (bounded: the
+        oldest are forgotten past HANDOFF_MEMORY_TOKENS)."""
+        if not self.vllm.export or not hashes:
+            return
+        num_tokens = len(hashes) * self.config.block_size
+        old = self._served.pop(hashes[-1], None)
+        if old is not None:
+            self._served_tokens -= len(old[1]) // 4
+        self._served[hashes[-1]] = (tuple(hashes), prompt[:num_tokens].tobytes(), namespace)
+        self._served_tokens += num_tokens
+        while self._served_tokens > HANDOFF_MEMORY_TOKENS and len(self._served) > 1:
+            _, (_, data, _) = self._served.popitem(last=False)
+            self._served_tokens -= len(data) // 4
+
+    async def handoff_chains(self) -> list[HandoffChain]:
+        """The prompts served here whose leading blocks vLLM still holds, the most recent
+        first, each cut to what it holds; a chain inside one already offered is left out
+        (a conversation's earlier turns are prefixes of its latest)."""
+        bs = self.config.block_size
+        offered: set[int] = set()
+        chains = []
+        for hashes, data, namespace in reversed(self._served.values()):
+            held = self.mapper.held_prefix_blocks(hashes)
+            if not held or hashes[held - 1] in offered:
+                continue
+            offered.update(hashes[:held])
+            chains.append(HandoffChain(hashes[:held], tuple(packed_ids(data[:4 * held * bs])),
+                                       namespace))
+        return chains
+
+    async def PullBlocks(self, request: worker_pb2.PullBlocksRequest, context
+                         ) -> worker_pb2.PullBlocksResponse:
+        """Load a peer's chain into vLLM's cache: vLLM loads KV only for a request, so
+        this is a one-token request over the chain's tokens with the pull attached (the
+        connector loads what the holder exports; vLLM computes the rest)."""
+        if not self.vllm.export:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                f"vLLM at {self.vllm.url} runs no prefixgate KV connector, so it "
+                                "cannot load KV blocks from peers")
+        if not request.peer_address or not request.block_hashes:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "PullBlocks needs peer_address and block_hashes")
+        bs = self.config.block_size
+        num_blocks = len(request.block_hashes)
+        if len(request.token_ids) < num_blocks * bs:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"a vLLM worker loads KV only for a request: PullBlocks needs the chain's "
+                f"token ids (token_ids: {bs} per block hash, {num_blocks * bs} here; "
+                f"{len(request.token_ids)} sent)")
+        if not self.reachable or self.refusal:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"vLLM worker {self.config.worker_id} at {self.vllm.url} is not "
+                                "serving")
+        try:
+            tokens = repeated_token_ids(request.token_ids[:num_blocks * bs],
+                                        self.tokenizer.vocab_size, "token_ids")
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        namespace = request.namespace
+        hashes = self._memo.hash_blocks(self.hashers.get(namespace), tokens)
+        if list(request.block_hashes) != hashes:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "the token ids do not hash to the chain's block hashes (another "
+                                "namespace, block size or model?)")
+        held = self.mapper.held_prefix_blocks(hashes)
+        if held >= num_blocks:
+            return worker_pb2.PullBlocksResponse(num_cached_blocks=num_blocks)
+        peer = self.peers.get(request.peer_address) or self.peers.get(request.peer_worker_id) \
+            or ("" if request.peer_address.startswith("vllm+") else request.peer_address)
+        if not peer:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"no ExportBlocks address for {request.peer_worker_id}")
+        prompt = tokens.tolist()
+        self._remember_namespace(prompt, namespace)
+        params = TransferParams(bs, self.spec.fingerprint, tuple(hashes), PullParams(
+            peer, request.peer_worker_id, num_blocks, request.ticket))
+        body = {"model": self.served_model, "prompt": prompt, "max_tokens": 1,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+                "kv_transfer_params": params.to_json()}
+        if namespace:
+            body["cache_salt"] = self._salt(namespace)
+        started = time.monotonic()
+        usage: dict = {}
+        self._in_flight += 1
+        try:
+            async with contextlib.aclosing(self.client.completions(
+                    body, context.time_remaining(),
+                    trace_context(context.invocation_metadata() or ()))) as chunks:
+                async for chunk in chunks:
+                    usage = chunk.get("usage") or usage
+        except VLLMError as exc:
+            await context.abort(exc.code, exc.message)
+        finally:
+            self._in_flight -= 1
+        seconds = time.monotonic() - started
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        _, transferred = self._split_cached(len(prompt), cached, held * bs, params)
+        if transferred:
+            self._observe_pull(len(prompt) - cached, transferred, seconds * 1e3)
+        self._expect_events(len(prompt), cached, started)
+        return worker_pb2.PullBlocksResponse(
+            num_cached_blocks=num_blocks, num_pulled_blocks=transferred // bs,
+            num_bytes=transferred * self.kv_bytes_per_token, seconds=seconds)
 
     def _pull_params(self, request: worker_pb2.GenerateRequest, hashes: Sequence[int]
                      ) -> TransferParams | None:
@@ -525,6 +651,7 @@ class VLLMWorker(WorkerServiceBase):
         self._remember_namespace(prompt, namespace)
         hashes = self._memo.hash_blocks(self.hashers.get(namespace), packed)
         held_tokens = self.mapper.held_prefix_blocks(hashes) * self.config.block_size
+        self._remember_served(hashes, packed, namespace)
         pending = len(prompt) - held_tokens
         params = self._pull_params(request, hashes)
         started = time.monotonic()

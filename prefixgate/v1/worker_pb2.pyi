@@ -86,16 +86,20 @@ class ExportBlocksEvent(_message.Message):
     def __init__(self, header: _Optional[_Union[KVBlocksHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVBlocksChunk, _Mapping]] = ...) -> None: ...
 
 class PullBlocksRequest(_message.Message):
-    __slots__ = ("peer_address", "peer_worker_id", "block_hashes", "ticket")
+    __slots__ = ("peer_address", "peer_worker_id", "block_hashes", "ticket", "token_ids", "namespace")
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PEER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     peer_address: str
     peer_worker_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     ticket: bytes
-    def __init__(self, peer_address: _Optional[str] = ..., peer_worker_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    namespace: str
+    def __init__(self, peer_address: _Optional[str] = ..., peer_worker_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., ticket: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class PullBlocksResponse(_message.Message):
     __slots__ = ("num_cached_blocks", "num_pulled_blocks", "num_bytes", "seconds")

@@ -7,17 +7,22 @@ serves (NOT_SERVING, in-flight streams finishing, ExportBlocks answered). It
 
 1. asks each peer (`peers`: (worker id, address) of the same model, self excluded) for
    its status and keeps those with room: free KV tokens = capacity - used;
-2. walks the worker's cached chains, the most reused first (`BlockTransfer.hot_chains`),
-   giving each to the peer with the most room left that can take it whole (room is
-   debited as chains are assigned, so a peer is never offered more than it had free);
+2. walks the worker's cached chains, the most reused first (`service.handoff_chains()`:
+   a prefixgate worker's `BlockTransfer.hot_chains`; a vLLM server's, engines/vllm.py,
+   the prompts it served whose blocks it still holds, each with its token ids), giving
+   each to the peer with the most room left that can take it whole (room is debited as
+   chains are assigned, so a peer is never offered more than it had free);
 3. has each peer pull its chains from this worker (`PullBlocks`, which stores and
-   publishes them there like computed blocks), one at a time per peer, peers in
+   publishes them there like computed blocks; the chain's token ids and namespace go
+   with it when known, which a vLLM peer needs: it loads KV only for a request, so it
+   prefills those tokens with the pull attached), one at a time per peer, peers in
    parallel, until `budget_s` runs out (calls in flight are cancelled then).
 
-Peers are called as in block pulls (`service._peer`: TLS with each peer's certificate
-checked against its worker id, the peer credential), and each PullBlocks carries a pull
-ticket this worker signs for its own chain (`service.own_ticket`), which its
-ExportBlocks then accepts.
+Either side may be a vLLM server with prefixgate's KV connector: a draining vLLM worker's
+ExportBlocks relays its connector's. Peers are called as in block pulls (`service._peer`:
+TLS with each peer's certificate checked against its worker id, the peer credential), and
+each PullBlocks carries a pull ticket this worker signs for its own chain
+(`service.own_ticket`), which its ExportBlocks then accepts.
 A peer that fails is skipped (logged); the hand-off never delays the drain past its
 budget and never raises. Returns what was handed off, per peer.
 """
@@ -37,9 +42,20 @@ from prefixgate.v1 import worker_pb2
 from prefixgate.worker.transfer import TransferError
 
 if TYPE_CHECKING:
-    from prefixgate.worker.server import WorkerService
+    from prefixgate.worker.server import WorkerServiceBase
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HandoffChain:
+    """One cached chain to offer: its block hashes from the first block, and (when the
+    worker knows them) its token ids, block_size per hash, and the namespace it was
+    hashed in."""
+
+    block_hashes: tuple[int, ...]
+    token_ids: tuple[int, ...] = ()
+    namespace: str = ""
 
 
 @dataclass
@@ -49,11 +65,10 @@ class HandoffReport:
     seconds: float = 0.0
 
 
-async def hand_off(service: WorkerService, peers: Sequence[tuple[str, str]],
+async def hand_off(service: WorkerServiceBase, peers: Sequence[tuple[str, str]],
                    own_address: str, budget_s: float) -> HandoffReport:
     report = HandoffReport()
-    transfer = service.engine.transfer
-    if transfer is None or not peers or budget_s <= 0:
+    if not service.hands_off or not peers or budget_s <= 0:
         return report
     began = time.monotonic()
     try:
@@ -69,11 +84,9 @@ async def hand_off(service: WorkerService, peers: Sequence[tuple[str, str]],
     return report
 
 
-async def _hand_off(service: WorkerService, peers: Sequence[tuple[str, str]],
+async def _hand_off(service: WorkerServiceBase, peers: Sequence[tuple[str, str]],
                     own_address: str, report: HandoffReport) -> None:
-    transfer = service.engine.transfer
-    assert transfer is not None
-    bs = transfer.format.block_size
+    bs = service.config.block_size
 
     async def room(peer_id: str, address: str) -> int:
         try:
@@ -89,23 +102,25 @@ async def _hand_off(service: WorkerService, peers: Sequence[tuple[str, str]],
     if not free:
         log.info("worker %s: no peer has room for a hand-off", service.config.worker_id)
         return
-    chains = await asyncio.to_thread(transfer.hot_chains)
-    plan: dict[tuple[str, str], list[list[int]]] = {p: [] for p in free}
+    chains = await service.handoff_chains()
+    plan: dict[tuple[str, str], list[HandoffChain]] = {p: [] for p in free}
     for chain in chains:
         peer = max(free, key=free.__getitem__)
-        if free[peer] < len(chain):
+        if free[peer] < len(chain.block_hashes):
             continue  # too long for any peer: a shorter one may still fit
-        free[peer] -= len(chain)
+        free[peer] -= len(chain.block_hashes)
         plan[peer].append(chain)
 
-    async def give(peer: tuple[str, str], todo: list[list[int]]) -> None:
+    async def give(peer: tuple[str, str], todo: list[HandoffChain]) -> None:
         peer_id, address = peer
         for chain in todo:
+            hashes = list(chain.block_hashes)
             try:
                 got = await service._peer(address, peer_id).PullBlocks(
                     worker_pb2.PullBlocksRequest(
                         peer_address=own_address, peer_worker_id=service.config.worker_id,
-                        block_hashes=chain, ticket=service.own_ticket(peer_id, chain).ticket))
+                        block_hashes=hashes, ticket=service.own_ticket(peer_id, hashes).ticket,
+                        token_ids=chain.token_ids, namespace=chain.namespace))
             except TransferError as exc:
                 log.warning("worker %s: hand-off to %s: %s", service.config.worker_id,
                             peer_id, exc)

@@ -63,7 +63,7 @@ from prefixgate.wire.status import watch_status
 from prefixgate.wire.token_ids import prompt_token_ids
 from prefixgate.worker.api import Engine, FinalEvent, FinishReason, Request, TokenEvent
 from prefixgate.worker.events import EventLog
-from prefixgate.worker.handoff import hand_off
+from prefixgate.worker.handoff import HandoffChain, hand_off
 from prefixgate.worker.rates import ServiceRates, TransferRate
 from prefixgate.worker.transfer import (
     MAX_MESSAGE_BYTES,
@@ -220,9 +220,46 @@ class WorkerServiceBase:
         self.events = events if events is not None else EventLog()
         self._closing = False
         self._watchers: set[asyncio.Event] = set()
+        self._peers: dict[tuple[str, str],
+                          tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerServiceStub]] = {}
+        self._credential: auth.InternalCredential | None = None  # set by serve()
+        self._trust = PeerTrust()  # set by serve(): how peers are called and checked
 
     async def shutdown(self) -> None:
         """Stop serving requests (the server has drained)."""
+
+    @property
+    def hands_off(self) -> bool:
+        """Whether this worker can offer its cached chains to peers when it drains
+        (worker/handoff.py): peers then pull them from its ExportBlocks."""
+        return False
+
+    async def handoff_chains(self) -> list[HandoffChain]:
+        """The cached chains to offer peers on the drain, the most reused first."""
+        return []
+
+    def own_ticket(self, receiver: str, chain) -> PullAuth:
+        """What a pull of this worker's own blocks `chain` by `receiver` shows: a ticket
+        this worker signs itself (the drain hand-off, the copy-path probe), when it
+        checks tickets."""
+        signer = self._trust.own_signer
+        ticket = (signer.sign(receiver, self.config.worker_id, "", list(chain))
+                  if signer is not None and self._trust.ticket_keys else b"")
+        return PullAuth(ticket, list(chain), self._trust.require_digests)
+
+    def _peer(self, address: str, peer_id: str) -> worker_pb2_grpc.WorkerServiceStub:
+        """A stub for the peer `peer_id` at `address` (PeerTrust.channel); TransferError
+        when this worker may not call it."""
+        key = (address, peer_id)
+        if key not in self._peers:
+            channel = self._trust.channel(address, peer_id, self.config.peer_tls)
+            self._peers[key] = (channel, worker_pb2_grpc.WorkerServiceStub(channel))
+        return self._peers[key][1]
+
+    async def close_peers(self) -> None:
+        for channel, _ in self._peers.values():
+            await channel.close()
+        self._peers.clear()
 
     def _status(self) -> worker_pb2.WorkerStatus:
         """The load now (what GetStatus and WatchStatus send)."""
@@ -300,10 +337,6 @@ class WorkerService(WorkerServiceBase):
         self.transfer_rate = TransferRate()  # measured on pulls, reported in the status
         if config.transfer_bytes_per_s > 0:
             self.transfer_rate.assume(config.transfer_bytes_per_s, 0.0, "declared")
-        self._peers: dict[tuple[str, str],
-                          tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerServiceStub]] = {}
-        self._credential: auth.InternalCredential | None = None  # set by serve()
-        self._trust = PeerTrust()  # set by serve(): how peers are called and checked
         self._waiting = 0  # requests admitted, before their first token
         self._own_address = ""  # how this worker reaches its own server; set by serve()
         self._probing: asyncio.Task | None = None  # the transfer probe, once started
@@ -316,6 +349,18 @@ class WorkerService(WorkerServiceBase):
                 await asyncio.gather(self._probing, return_exceptions=True)
         await self.close_peers()
         self.engine.shutdown()
+
+    @property
+    def hands_off(self) -> bool:
+        return self.engine.transfer is not None
+
+    async def handoff_chains(self) -> list[HandoffChain]:
+        """Its prefix cache's chains, the most reused first (`BlockTransfer.hot_chains`);
+        peers store pulled pages by hash: no token ids needed."""
+        if self.engine.transfer is None:
+            return []
+        chains = await asyncio.to_thread(self.engine.transfer.hot_chains)
+        return [HandoffChain(tuple(c)) for c in chains]
 
     async def Generate(self, request: worker_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext):
@@ -665,29 +710,6 @@ class WorkerService(WorkerServiceBase):
                           max(0, cached_tokens - pulled.num_cached_before * bs))
         return transferred, pulled.seconds * 1e3
 
-    def own_ticket(self, receiver: str, chain) -> PullAuth:
-        """What a pull of this worker's own blocks `chain` by `receiver` shows: a ticket
-        this worker signs itself (the drain hand-off, the copy-path probe), when it
-        checks tickets."""
-        signer = self._trust.own_signer
-        ticket = (signer.sign(receiver, self.config.worker_id, "", list(chain))
-                  if signer is not None and self._trust.ticket_keys else b"")
-        return PullAuth(ticket, list(chain), self._trust.require_digests)
-
-    def _peer(self, address: str, peer_id: str) -> worker_pb2_grpc.WorkerServiceStub:
-        """A stub for the peer `peer_id` at `address` (PeerTrust.channel); TransferError
-        when this worker may not call it."""
-        key = (address, peer_id)
-        if key not in self._peers:
-            channel = self._trust.channel(address, peer_id, self.config.peer_tls)
-            self._peers[key] = (channel, worker_pb2_grpc.WorkerServiceStub(channel))
-        return self._peers[key][1]
-
-    async def close_peers(self) -> None:
-        for channel, _ in self._peers.values():
-            await channel.close()
-        self._peers.clear()
-
     async def FlushCache(self, request, context) -> worker_pb2.FlushCacheResponse:
         return worker_pb2.FlushCacheResponse(num_flushed_tokens=self.engine.flush_cache())
 
@@ -735,8 +757,7 @@ async def serve(service: WorkerServiceBase, stop: asyncio.Event,
                     f"worker {cfg.worker_id or 'on port ' + str(cfg.port)}")
     if not cfg.worker_id:
         cfg = service.config = replace(cfg, worker_id=f"worker-{port}")
-    if isinstance(service, WorkerService):
-        service._trust = PeerTrust.of(cfg, internal, peer, guard)
+    service._trust = PeerTrust.of(cfg, internal, peer, guard)
     await server.start()
     health_server = await rpc.start_health_port(health, cfg.host, cfg.health_port)
     await rpc.set_serving(health, [SERVICE.full_name], True)
@@ -752,8 +773,7 @@ async def serve(service: WorkerServiceBase, stop: asyncio.Event,
     await rpc.set_serving(health, [SERVICE.full_name], False)
     service.close_watchers()
     draining = time.monotonic()
-    if peers is not None and isinstance(service, WorkerService) \
-            and service.engine.transfer is not None:
+    if peers is not None and service.hands_off:
         try:
             others = [p for p in await asyncio.wait_for(peers(), 5.0) if p[0] != cfg.worker_id]
         except Exception as exc:  # no registry now: leave without a hand-off
