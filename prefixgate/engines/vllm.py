@@ -491,10 +491,6 @@ class VLLMWorker(WorkerServiceBase):
                 f"a vLLM worker loads KV only for a request: PullBlocks needs the chain's "
                 f"token ids (token_ids: {bs} per block hash, {num_blocks * bs} here; "
                 f"{len(request.token_ids)} sent)")
-        if not self.reachable or self.refusal:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"vLLM worker {self.config.worker_id} at {self.vllm.url} is not "
-                                "serving")
         try:
             tokens = repeated_token_ids(request.token_ids[:num_blocks * bs],
                                         self.tokenizer.vocab_size, "token_ids")
@@ -506,6 +502,10 @@ class VLLMWorker(WorkerServiceBase):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "the token ids do not hash to the chain's block hashes (another "
                                 "namespace, block size or model?)")
+        if not self.reachable or self.refusal:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"vLLM worker {self.config.worker_id} at {self.vllm.url} is not "
+                                "serving")
         held = self.mapper.held_prefix_blocks(hashes)
         if held >= num_blocks:
             return worker_pb2.PullBlocksResponse(num_cached_blocks=num_blocks)
