@@ -42,8 +42,8 @@ def _metric(base: str, name: str) -> float:
     raise AssertionError(f"{name} not in the gateway's metrics")
 
 
-def _servers(up_pid: int) -> dict[int, int]:
-    """vLLM API servers `up` started: HTTP port -> pid (each leads its own session)."""
+def _children(up_pid: int) -> dict[int, list[bytes]]:
+    """The live child processes of `up_pid`: pid -> command line."""
     found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -51,9 +51,15 @@ def _servers(up_pid: int) -> dict[int, int]:
             ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == up_pid and b"vllm.entrypoints.openai.api_server" in argv:
-            found[int(argv[argv.index(b"--port") + 1])] = int(pid)
+        if ppid == up_pid:
+            found[int(pid)] = argv
     return found
+
+
+def _servers(up_pid: int) -> dict[int, int]:
+    """vLLM API servers `up` started: HTTP port -> pid (each leads its own session)."""
+    return {int(argv[argv.index(b"--port") + 1]): pid for pid, argv in _children(up_pid).items()
+            if b"vllm.entrypoints.openai.api_server" in argv}
 
 
 def _session_alive(sid: int) -> bool:

@@ -32,7 +32,14 @@ import pytest
 from prefixgate.launch.redis_server import RedisServer
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc
 from prefixgate.wire.rpc import free_port
-from tests.e2e.test_up_vllm import MODEL, _metric, _post, _servers, _session_alive
+from tests.e2e.test_up_vllm import (
+    MODEL,
+    _children,
+    _metric,
+    _post,
+    _servers,
+    _session_alive,
+)
 from tests.e2e.test_up_vllm_transfer import _text, _total
 from tests.engines.vllm_server import vllm_python
 from tests.helpers import REPO, cli_env, start_up
@@ -41,18 +48,9 @@ from tests.helpers import REPO, cli_env, start_up
 def _sidecars(up_pid: int) -> dict[str, tuple[int, int]]:
     """`prefixgate worker --engine vllm` processes `up` started: worker id -> (pid, the
     HTTP port of its vLLM server)."""
-    found = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == up_pid and b"--vllm-url" in argv:
-            worker_id = argv[argv.index(b"--worker-id") + 1].decode()
-            url = argv[argv.index(b"--vllm-url") + 1].decode()
-            found[worker_id] = (int(pid), int(url.rsplit(":", 1)[1]))
-    return found
+    return {argv[argv.index(b"--worker-id") + 1].decode():
+            (pid, int(argv[argv.index(b"--vllm-url") + 1].rsplit(b":", 1)[1]))
+            for pid, argv in _children(up_pid).items() if b"--vllm-url" in argv}
 
 
 @pytest.fixture(scope="module")
