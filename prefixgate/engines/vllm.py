@@ -6,7 +6,7 @@ Seam
 speaks to its own workers, backed by one vLLM server: its OpenAI HTTP API for turns and
 model checks (engines/vllm_http.py), its KV cache events over ZMQ mapped onto
 prefixgate's block hashes (engines/vllm_events.py, engines/vllm_stream.py) into a
-`worker/events.EventLog`, and its /metrics for load. Everything past the Worker API is
+`workerapi/events.EventLog`, and its /metrics for load. Everything past the Worker API is
 unchanged, so a fleet may mix vLLM servers and prefixgate workers, and routing, predicted
 ownership, failover, limits, auth and namespaces apply to both. The one object serves two
 ways:
@@ -15,7 +15,7 @@ ways:
     (no extra hop); the gateway follows its WatchEvents like any worker's;
   - as its own process (`prefixgate worker --engine vllm --vllm-url URL --vllm-events
     tcp://HOST:5557`, the Kubernetes form: a sidecar of the vLLM pod): served over gRPC
-    by worker/server.serve like any worker, so it registers in Redis under a lease,
+    by workerapi/server.serve like any worker, so it registers in Redis under a lease,
     publishes the mapped events there, and takes mTLS and the internal credential.
 
 Contract
@@ -113,10 +113,10 @@ from prefixgate.wire.protocol import (
     with_generation_defaults,
 )
 from prefixgate.wire.token_ids import prompt_token_ids
-from prefixgate.worker.api import FinalEvent, FinishReason
-from prefixgate.worker.rates import ServiceRates, TransferRate
-from prefixgate.worker.server import FINISH_TO_PROTO, WorkerConfig, WorkerServiceBase
-from prefixgate.worker.transfer import MAX_MESSAGE_BYTES
+from prefixgate.workerapi.api import FinalEvent, FinishReason
+from prefixgate.workerapi.rates import ServiceRates, TransferRate
+from prefixgate.workerapi.server import FINISH_TO_PROTO, WorkerConfig, WorkerServiceBase
+from prefixgate.workerapi.transfer import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -672,7 +672,7 @@ def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
     (the model's config.json; 0 when it cannot say)."""
     import json
 
-    from prefixgate.worker.transfer import DTYPE_BYTES
+    from prefixgate.workerapi.transfer import DTYPE_BYTES
 
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())

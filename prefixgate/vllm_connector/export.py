@@ -51,7 +51,7 @@ from prefixgate.security.kv_pages import verify_chunk
 from prefixgate.security.tickets import check_ticket
 from prefixgate.v1 import worker_pb2, worker_pb2_grpc
 from prefixgate.vllm_connector.store import HostStore, Page
-from prefixgate.worker.transfer import (
+from prefixgate.workerapi.transfer import (
     CHUNK_BYTES,
     MAX_MESSAGE_BYTES,
     KVFormat,

@@ -17,7 +17,7 @@ from prefixgate.model.tokenizer import ChatTokenizer
 from prefixgate.v1 import worker_pb2
 from prefixgate.wire.protocol import ERROR_SCOPE_KEY
 from prefixgate.wire.rpc import free_port
-from prefixgate.worker.server import WorkerConfig
+from prefixgate.workerapi.server import WorkerConfig
 
 DATA = Path(__file__).parent / "data"
 

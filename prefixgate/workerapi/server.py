@@ -8,16 +8,16 @@ Contract
   request in the engine, which frees its resources.
 - GetInfo/GetStatus/FlushCache answer from the engine without waiting for it; WatchStatus
   pushes the status on change (prefixgate/wire/status.py). The status carries the service
-  rates measured on finished requests (worker/rates.py) for routing by cost.
+  rates measured on finished requests (workerapi/rates.py) for routing by cost.
 - The prompt comes repeated or packed (prefixgate/wire/token_ids.py).
-- WatchEvents streams the worker's KV events from its `EventLog` (worker/events.py, the
+- WatchEvents streams the worker's KV events from its `EventLog` (workerapi/events.py, the
   sink the engine reports to): a snapshot of the cached blocks first unless the caller
   resumes a cursor of this incarnation the log still holds, then live batches; the
   streams end when the server shuts down (they do not hold the drain).
 - The health service reports SERVING once the model is loaded; on shutdown it turns
   NOT_SERVING first, then in-flight streams get `drain_seconds` to finish; meanwhile the
-  worker hands its most reused chains off to peers with room (worker/handoff.py).
-- Block transfer (worker/transfer.py): ExportBlocks streams a cached chain's KV pages;
+  worker hands its most reused chains off to peers with room (workerapi/handoff.py).
+- Block transfer (workerapi/transfer.py): ExportBlocks streams a cached chain's KV pages;
   PullBlocks, and Generate with a `pull` spec, fetch a chain's missing leading blocks from
   a peer, store and publish them, and compute what did not come. Usage splits the prompt
   into cached, transferred and computed tokens. Trust (docs/transfer.md, "Trust"):
@@ -61,18 +61,18 @@ from prefixgate.wire.protocol import (
 )
 from prefixgate.wire.status import watch_status
 from prefixgate.wire.token_ids import prompt_token_ids
-from prefixgate.worker.api import Engine, FinalEvent, FinishReason, Request, TokenEvent
-from prefixgate.worker.events import EventLog
-from prefixgate.worker.handoff import hand_off
-from prefixgate.worker.rates import ServiceRates, TransferRate
-from prefixgate.worker.transfer import (
+from prefixgate.workerapi.api import Engine, FinalEvent, FinishReason, Request, TokenEvent
+from prefixgate.workerapi.events import EventLog
+from prefixgate.workerapi.handoff import hand_off
+from prefixgate.workerapi.rates import ServiceRates, TransferRate
+from prefixgate.workerapi.transfer import (
     MAX_MESSAGE_BYTES,
     PullAuth,
     PullResult,
     TransferError,
     export_events,
 )
-from prefixgate.worker.transfer import pull as pull_blocks
+from prefixgate.workerapi.transfer import pull as pull_blocks
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ class WorkerServiceBase:
     async def WatchEvents(self, request: worker_pb2.WatchEventsRequest,
                           context: grpc.aio.ServicerContext):
         """Stream the event log: a snapshot first unless the subscriber's cursor is of this
-        incarnation and still held, then live batches (see worker/events.py)."""
+        incarnation and still held, then live batches (see workerapi/events.py)."""
         events = self.events
         loop = asyncio.get_running_loop()
         wake = asyncio.Event()
@@ -485,7 +485,7 @@ class WorkerService(WorkerServiceBase):
             transfer_setup_s=self.transfer_rate.setup_s,
             transfer_rate_source=self.transfer_rate.source)
 
-    # --- block transfer (worker/transfer.py) ---------------------------------------------
+    # --- block transfer (workerapi/transfer.py) ---------------------------------------------
 
     async def ExportBlocks(self, request: worker_pb2.ExportBlocksRequest,
                            context: grpc.aio.ServicerContext):
@@ -716,7 +716,7 @@ async def serve(service: WorkerServiceBase, stop: asyncio.Event,
     """Serve until `stop` is set, then drain. `started` receives the bound port. With
     `peers` ((worker id, address) of the fleet's other workers, e.g. from the registry),
     the drain first hands the most reused cached chains off to peers with room
-    (worker/handoff.py: they pull them from this worker, reached at `advertise_address`,
+    (workerapi/handoff.py: they pull them from this worker, reached at `advertise_address`,
     default host:port), within HANDOFF_SHARE of the drain time, while in-flight streams
     go on."""
     limits = service.config.limits
