@@ -105,14 +105,8 @@ from prefixgate.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from prefixgate.vllm_connector.params import PullParams, TransferParams
 from prefixgate.wire.protocol import (
     REQUEST_SCOPED,
-    InvalidRequest,
-    check_generate_fields,
-    check_prompt_tokens,
     clip,
-    sampling_from_proto,
-    with_generation_defaults,
 )
-from prefixgate.wire.token_ids import prompt_token_ids
 from prefixgate.workerapi.api import FinalEvent, FinishReason
 from prefixgate.workerapi.rates import ServiceRates, TransferRate
 from prefixgate.workerapi.server import FINISH_TO_PROTO, WorkerConfig, WorkerServiceBase
@@ -501,21 +495,11 @@ class VLLMWorker(WorkerServiceBase):
         return salt
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context):
-        try:
-            check_generate_fields(request, self.config.limits)
-            packed = prompt_token_ids(request.prompt_token_ids, request.packed_prompt_token_ids,
-                                      self.tokenizer.vocab_size)
-            check_prompt_tokens(len(packed), self.config.limits)
-            sampling = sampling_from_proto(  # unset fields: the model's defaults, as workers
-                with_generation_defaults(request.sampling, self.spec.generation), len(packed),
-                self.max_context_tokens, "fail")
-            if len(packed) + sampling.max_tokens > self.max_context_tokens:
-                raise InvalidRequest(
-                    f"the prompt is {len(packed)} tokens and max_tokens {sampling.max_tokens}, "
-                    f"over the context window of {self.max_context_tokens}: a vLLM worker "
-                    "cannot drop old turns (context_overflow); shorten the conversation")
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), REQUEST_SCOPED)
+        # vLLM cannot drop old turns: context overflow needs a prefixgate worker.
+        packed, sampling = await self._checked_generate(
+            request, context, vocab_size=self.tokenizer.vocab_size,
+            max_context_tokens=self.max_context_tokens, context_overflow="fail",
+            drops_turns=False)
         if not self.reachable or self.refusal:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"vLLM worker {self.config.worker_id} at {self.vllm.url} is not "

@@ -3,7 +3,8 @@
 Contract
 --------
 - Generate validates the request with `prefixgate.wire.protocol` (INVALID_ARGUMENT on bad
-  input), submits it to the engine and streams one GenerateChunk per engine TokenEvent,
+  input; `WorkerServiceBase._checked_generate`, which the vLLM adapter calls too),
+  submits it to the engine and streams one GenerateChunk per engine TokenEvent,
   then one GenerateFinal. A client that goes away (or whose deadline passes) cancels the
   request in the engine, which frees its resources.
 - GetInfo/GetStatus/FlushCache answer from the engine without waiting for it; WatchStatus
@@ -53,6 +54,7 @@ from prefixgate.wire.protocol import (
     REQUEST_SCOPED,
     InvalidRequest,
     RequestLimits,
+    SamplingConfig,
     check_generate_fields,
     check_prompt_tokens,
     clip,
@@ -207,10 +209,10 @@ class PeerTrust:
 
 class WorkerServiceBase:
     """What every implementation of the Worker API shares, and all `serve()` needs: its
-    configuration, model, KV event log with the WatchEvents streams over it, GetStatus and
-    WatchStatus over the subclass's `_status()`, and `shutdown()` (after the server
-    drained). Subclasses answer the other calls: `WorkerService` over an `Engine`,
-    engines/vllm.py over a vLLM server."""
+    configuration, model, Generate's validation (`_checked_generate`), KV event log with
+    the WatchEvents streams over it, GetStatus and WatchStatus over the subclass's
+    `_status()`, and `shutdown()` (after the server drained). Subclasses answer the other
+    calls: `WorkerService` over an `Engine`, engines/vllm.py over a vLLM server."""
 
     def __init__(self, spec: ModelSpec, config: WorkerConfig,
                  events: EventLog | None = None) -> None:
@@ -223,6 +225,38 @@ class WorkerServiceBase:
 
     async def shutdown(self) -> None:
         """Stop serving requests (the server has drained)."""
+
+    async def _checked_generate(self, request: worker_pb2.GenerateRequest,
+                                context: grpc.aio.ServicerContext, *, vocab_size: int,
+                                max_context_tokens: int, context_overflow: str,
+                                drops_turns: bool = True) -> tuple[memoryview, SamplingConfig]:
+        """Generate's validation, one for every implementation: the request's fields
+        within `config.limits`, its prompt (repeated or packed ids, each below
+        `vocab_size`), its sampling with the model's generation defaults filled in for
+        unset fields, within `max_context_tokens` (prompt and reply together;
+        `context_overflow`: the policy of a request that leaves it unset). An
+        implementation that cannot drop old turns (`drops_turns` False) also refuses a
+        prompt plus max_tokens past the context window that a request's
+        keep-system-drop-oldest would accept. Returns (the prompt's token ids, the
+        sampling); bad input ends the call INVALID_ARGUMENT, marked REQUEST_SCOPED (the
+        gateway returns it to its client and never retries it on another worker)."""
+        try:
+            check_generate_fields(request, self.config.limits)
+            prompt = prompt_token_ids(request.prompt_token_ids,
+                                      request.packed_prompt_token_ids, vocab_size)
+            check_prompt_tokens(len(prompt), self.config.limits)
+            sampling = sampling_from_proto(
+                with_generation_defaults(request.sampling, self.spec.generation), len(prompt),
+                max_context_tokens, context_overflow)
+            if not drops_turns and len(prompt) + sampling.max_tokens > max_context_tokens:
+                raise InvalidRequest(
+                    f"the prompt is {len(prompt)} tokens and max_tokens {sampling.max_tokens}, "
+                    f"over the context window of {max_context_tokens}: worker "
+                    f"{self.config.worker_id} cannot drop old turns (context_overflow); "
+                    "shorten the conversation")
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), REQUEST_SCOPED)
+        return prompt, sampling
 
     def _status(self) -> worker_pb2.WorkerStatus:
         """The load now (what GetStatus and WatchStatus send)."""
@@ -349,20 +383,10 @@ class WorkerService(WorkerServiceBase):
                         context: grpc.aio.ServicerContext):
         # Failures that belong to this request carry REQUEST_SCOPED in their trailing
         # metadata: the gateway returns them to the client, never retries them elsewhere.
-        try:
-            check_generate_fields(request, self.config.limits)
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), REQUEST_SCOPED)
-        try:
-            prompt = prompt_token_ids(request.prompt_token_ids,
-                                      request.packed_prompt_token_ids, self.vocab_size)
-            check_prompt_tokens(len(prompt), self.config.limits)
-            sampling = sampling_from_proto(  # unset fields: the model's defaults
-                with_generation_defaults(request.sampling, self.spec.generation), len(prompt),
-                                           self.spec.max_context_tokens,
-                                           self.engine.context_overflow)
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), REQUEST_SCOPED)
+        prompt, sampling = await self._checked_generate(
+            request, context, vocab_size=self.vocab_size,
+            max_context_tokens=self.spec.max_context_tokens,
+            context_overflow=self.engine.context_overflow)
         if sampling.top_logprobs is not None and not self.engine.reports_logprobs:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"worker {self.config.worker_id} is emulated (no model): it has "
