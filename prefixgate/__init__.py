@@ -10,7 +10,9 @@ Packages, one job each (the README's layout section draws them and their imports
   radix/      block hashing and the radix tree; pure Python, no torch, no I/O
   registry/   worker leases, block ownership and events: embedded or Redis
   gateway/    Chat gRPC service and OpenAI HTTP front, routing; never imports torch
-  worker/     model runner and Worker gRPC service (torch)
+  workerapi/  the Worker API: the Engine contract, the Worker gRPC service and its
+              validation, KV events, the block transfer wire, start-up (torch-free)
+  worker/     the torch engine: paged KV pool, scheduler, model runner, kernels
   engines/    other serving engines behind the Worker API (vLLM)
   vllm_connector/  prefixgate's KV connector, loaded by vLLM (block transfer in vLLM; torch)
   emulate/    a worker with no model (LRU blocks + a service-time model) for fleet tests

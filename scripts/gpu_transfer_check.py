@@ -26,10 +26,11 @@ from prefixgate.model.catalog import resolve_model
 from prefixgate.model.tokenizer import ChatTokenizer
 from prefixgate.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from prefixgate.wire.token_ids import pack
-from prefixgate.worker.engine import EngineConfig, PagedEngine
-from prefixgate.worker.events import EventLog
+from prefixgate.worker.engine import PagedEngine
 from prefixgate.worker.model_loader import WeightsConfig, load_model
-from prefixgate.worker.server import WorkerConfig, WorkerService, serve
+from prefixgate.workerapi.api import EngineConfig
+from prefixgate.workerapi.events import EventLog
+from prefixgate.workerapi.server import WorkerConfig, WorkerService, serve
 
 
 def main() -> int:

@@ -57,7 +57,8 @@ def make_engine(spec: ModelSpec, model, event_sink=None, **config):
     """A PagedEngine for `spec` (EngineConfig fields as keyword arguments) reporting its
     KV events to `event_sink`, checked for integrity when the test ends."""
     from prefixgate.model.tokenizer import ChatTokenizer
-    from prefixgate.worker.engine import EngineConfig, PagedEngine
+    from prefixgate.worker.engine import PagedEngine
+    from prefixgate.workerapi.api import EngineConfig
 
     tokenizer = ChatTokenizer(spec)
     config.setdefault("num_blocks", 512)
@@ -73,8 +74,8 @@ def start_worker(loop_thread: LoopThread, spec: ModelSpec, model, worker_id: str
     engine reports KV events to `events` (default: a new EventLog), as in `prefixgate
     worker`; gateways follow them by WatchEvents. `worker_config`: more WorkerConfig
     fields (tls, auth, ...)."""
-    from prefixgate.worker.events import EventLog
-    from prefixgate.worker.server import WorkerConfig, WorkerService, serve
+    from prefixgate.workerapi.events import EventLog
+    from prefixgate.workerapi.server import WorkerConfig, WorkerService, serve
 
     events = events if events is not None else EventLog()
     engine = make_engine(spec, model, event_sink=events, **engine_config)
@@ -186,8 +187,8 @@ def start_emulated_worker(loop_thread: LoopThread, spec: ModelSpec, worker_id: s
     `emulation`: EmulationConfig fields (block size 16 and 512 blocks unless given)."""
     from prefixgate.emulate.engine import EmulatedEngine, EmulationConfig
     from prefixgate.model.tokenizer import ChatTokenizer
-    from prefixgate.worker.events import EventLog
-    from prefixgate.worker.server import WorkerConfig, WorkerService, serve
+    from prefixgate.workerapi.events import EventLog
+    from prefixgate.workerapi.server import WorkerConfig, WorkerService, serve
 
     events = events if events is not None else EventLog()
     vocab_size = ChatTokenizer(spec).vocab_size

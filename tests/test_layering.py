@@ -14,7 +14,9 @@ entry point.
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "prefixgate"
@@ -93,6 +95,11 @@ TURN_CODE = ("turn", "placement", "resume")
 TRANSPORTS = (*(f"{GATEWAY}.{m}" for m in (*FRONTS, "server", "startup", "processes")),
               "prefixgate.wire.rpc", "aiohttp", "grpc_health", "grpc_reflection")
 TORCH = ("torch", "triton")
+# The torch engine, the torch-free Worker API it implements, and the other engines that
+# build on that API alone.
+TORCH_ENGINE = "prefixgate.worker"
+WORKER_API = "prefixgate.workerapi"
+ENGINES = ("prefixgate.engines", "prefixgate.emulate")
 
 
 def _gateway_file(name: str) -> Path:
@@ -110,28 +117,80 @@ def transport_imports_of_turn_code() -> list[str]:
             for line in imports_of(target, [_gateway_file(m) for m in TURN_CODE])]
 
 
-def torch_engine_modules() -> set[str]:
-    """Modules of worker/ that import torch (or triton), or such a module, at any depth:
-    the torch engine. The rest of worker/ is the Worker API service the engines build on."""
-    mods = {_module_name(p): p for p in sorted((PACKAGE / "worker").rglob("*.py"))}
-    imported = {m: {name for _, name in _imports(p)} for m, p in mods.items()}
-    torchy = {m for m, names in imported.items()
-              if any(n == t or n.startswith(t + ".") for n in names for t in TORCH)}
-    grown = True
-    while grown:
-        grown = False
-        for m, names in imported.items():
-            if m not in torchy and names & torchy:
-                torchy.add(m)
-                grown = True
-    return torchy
+def import_graph() -> dict[str, dict[str, int]]:
+    """Every module of the package: the modules its imports load, each with the line of
+    the first such import. A name imported from a module resolves to that module, a
+    module to it and its parent packages (whose __init__ runs first); a name outside the
+    package to its top-level package (`torch.nn` -> `torch`)."""
+    mods = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    graph: dict[str, dict[str, int]] = {}
+    for mod, path in mods.items():
+        loads: dict[str, int] = {}
+        for line, name in _imports(path):
+            if name.split(".")[0] != PACKAGE.name:
+                loads.setdefault(name.split(".")[0], line)
+                continue
+            while name and name not in mods:
+                name = name.rpartition(".")[0]
+            while name:
+                loads.setdefault(name, line)
+                name = name.rpartition(".")[0]
+        loads.pop(mod, None)
+        graph[mod] = loads
+    return graph
 
 
-def torch_engine_imports_of_engines() -> list[str]:
-    sources = sorted([*(PACKAGE / "engines").rglob("*.py"), *(PACKAGE / "emulate").rglob("*.py")])
-    torchy = torch_engine_modules()
-    return [f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}"
-            for path in sources for line, name in _imports(path) if name in torchy]
+def chains_from(package: str, bad: Callable[[str], bool]) -> list[str]:
+    """For each module that importing `package`'s modules reaches (directly or through
+    any other module) and `bad` names: one shortest chain of imports to it, each step
+    `file:line imports module`. A package loaded only as the parent of a bad module the
+    same import loads is not named apart."""
+    graph = import_graph()
+    starts = sorted(m for m in graph if m == package or m.startswith(package + "."))
+    via: dict[str, str | None] = dict.fromkeys(starts)
+    queue = list(starts)
+    found = []
+    for mod in queue:  # breadth first: the chains found are shortest
+        if bad(mod):
+            found.append(mod)
+            continue
+        for dep in graph.get(mod, {}):
+            if dep not in via:
+                via[dep] = mod
+                queue.append(dep)
+
+    def step(importer: str, mod: str) -> tuple[str, int]:
+        return importer, graph[importer][mod]
+
+    found = [m for m in found if via[m] is None or not any(
+        other.startswith(m + ".") and via[other] is not None
+        and step(via[other], other) == step(via[m], m) for other in found)]
+    chains = []
+    for target in found:
+        steps, mod = [], target
+        while (importer := via[mod]) is not None:
+            path = PACKAGE.parent / Path(*importer.split("."))
+            path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+            steps.append(f"{path.relative_to(PACKAGE.parent)}:{graph[importer][mod]} imports {mod}")
+            mod = importer
+        chains.append(" -> ".join(reversed(steps)) if steps else f"{target} is one")
+    return chains
+
+
+def torch_engine(name: str) -> bool:
+    """torch, triton, or a module of the torch engine (worker/)."""
+    return name in TORCH or name == TORCH_ENGINE or name.startswith(TORCH_ENGINE + ".")
+
+
+def torch_reached_by_workerapi() -> list[str]:
+    return chains_from(WORKER_API, torch_engine)
+
+
+def torch_engine_reached_by_engines() -> list[str]:
+    """engines/ and emulate/ importing the torch engine, directly or through another
+    module (torch itself: tests/test_models.py imports them and checks it stays out)."""
+    return [chain for pkg in ENGINES for chain in chains_from(
+        pkg, lambda m: m == TORCH_ENGINE or m.startswith(TORCH_ENGINE + "."))]
 
 
 def test_a_front_imports_nothing_of_the_other() -> None:
@@ -147,18 +206,38 @@ def test_the_turn_code_imports_no_transport() -> None:
     assert not bad, "\n".join(bad)
 
 
-def test_engines_do_not_import_the_torch_engine() -> None:
-    """engines/ and emulate/ build on the torch-free Worker API (worker/api.py, server.py,
-    transfer.py, ...), never on the torch engine."""
-    assert "prefixgate.worker.engine" in torch_engine_modules()
-    bad = torch_engine_imports_of_engines()
+def test_the_worker_api_imports_neither_torch_nor_the_torch_engine() -> None:
+    """workerapi/ (the Engine contract, the Worker service, events, the transfer wire)
+    is what every engine builds on: no module of it, nor any module it imports at any
+    depth (lazily or for type checking alike), imports torch, triton or worker/."""
+    bad = torch_reached_by_workerapi()
+    assert not bad, "\n".join(bad)
+
+
+def test_the_worker_api_loads_no_torch() -> None:
+    """The same, as Python sees it: importing every workerapi module in a fresh
+    interpreter loads neither torch nor any module of the torch engine."""
+    mods = sorted(_module_name(p) for p in (PACKAGE / "workerapi").rglob("*.py"))
+    code = (f"import sys\nfor m in {mods!r}:\n    __import__(m)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')"
+            " or m == 'prefixgate.worker' or m.startswith('prefixgate.worker.')))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True, cwd=PACKAGE.parent).stdout
+    assert out.strip() == "[]", f"importing {WORKER_API} loaded: {out}"
+
+
+def test_engines_build_on_the_worker_api_alone() -> None:
+    """engines/ and emulate/ build on the torch-free Worker API (workerapi/), never on
+    the torch engine (worker/), directly or through another module."""
+    bad = torch_engine_reached_by_engines()
     assert not bad, "\n".join(bad)
 
 
 def test_the_new_checks_fail_on_a_bad_import(tmp_path, monkeypatch) -> None:
     """Each check above can fail: a front importing the other (lazily), turn code
-    importing a front or aiohttp, an engine importing a worker module that imports one
-    that imports torch."""
+    importing a front or aiohttp, the Worker API importing the torch engine (for type
+    checking) or torch (lazily, two modules away), an emulated worker importing the
+    torch engine (lazily)."""
     pkg = tmp_path / "prefixgate"
     for d in ("gateway", "worker", "engines", "emulate"):
         (pkg / d).mkdir(parents=True)
@@ -172,9 +251,22 @@ def test_the_new_checks_fail_on_a_bad_import(tmp_path, monkeypatch) -> None:
     (gw / "resume.py").write_text("from prefixgate.gateway.placement import Placer\n")
     (pkg / "worker" / "kernels.py").write_text("import torch\n")
     (pkg / "worker" / "engine.py").write_text("from prefixgate.worker import kernels\n")
-    (pkg / "worker" / "api.py").write_text("import dataclasses\n")
+    for d in ("workerapi", "launch", "model"):
+        (pkg / d).mkdir()
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "workerapi" / "api.py").write_text("import dataclasses\n")
+    (pkg / "workerapi" / "metrics.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from prefixgate.worker.engine import EngineStatus\n")
+    (pkg / "workerapi" / "server.py").write_text(
+        "from prefixgate.workerapi.api import Engine\n\n\ndef f():\n"
+        "    from prefixgate.launch import serving\n")
+    (pkg / "launch" / "serving.py").write_text("from prefixgate.model import tokenizer\n")
+    (pkg / "model" / "tokenizer.py").write_text("import torch.nn\n")
     (pkg / "engines" / "vllm.py").write_text(
-        "from prefixgate.worker.api import Engine\nfrom prefixgate.worker.engine import X\n")
+        "from prefixgate.workerapi.api import Engine\nfrom prefixgate.launch import serving\n")
+    (pkg / "emulate" / "worker.py").write_text(
+        "def f():\n    from prefixgate.worker.engine import PagedEngine\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
     assert front_imports_of_fronts() == [
         "prefixgate/gateway/grpc_front.py:2 imports prefixgate.gateway.http",
@@ -183,9 +275,14 @@ def test_the_new_checks_fail_on_a_bad_import(tmp_path, monkeypatch) -> None:
         "prefixgate/gateway/turn.py:2 imports prefixgate.gateway.grpc_front",
         "prefixgate/gateway/placement.py:1 imports aiohttp",
         "prefixgate/gateway/placement.py:1 imports aiohttp.web"]
-    assert torch_engine_modules() == {"prefixgate.worker.kernels", "prefixgate.worker.engine"}
-    assert torch_engine_imports_of_engines() == [
-        "prefixgate/engines/vllm.py:2 imports prefixgate.worker.engine"]
+    assert torch_reached_by_workerapi() == [
+        "prefixgate/workerapi/metrics.py:3 imports prefixgate.worker.engine",
+        "prefixgate/workerapi/server.py:5 imports prefixgate.launch.serving"
+        " -> prefixgate/launch/serving.py:1 imports prefixgate.model.tokenizer"
+        " -> prefixgate/model/tokenizer.py:1 imports torch"]
+    # engines/vllm.py reaches torch too, through launch/ and model/: not the torch engine.
+    assert torch_engine_reached_by_engines() == [
+        "prefixgate/emulate/worker.py:2 imports prefixgate.worker.engine"]
 
 
 def test_the_check_sees_lazy_and_relative_imports(tmp_path, monkeypatch) -> None:

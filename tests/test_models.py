@@ -50,7 +50,7 @@ def test_gateway_side_never_imports_torch(tiny_spec) -> None:
             "from prefixgate.model.tokenizer import ChatTokenizer; import prefixgate.gateway.server; "
             "import prefixgate.cli; import prefixgate.radix; "
             "import prefixgate.gateway.redis_feed, prefixgate.gateway.feeds, prefixgate.registry; "
-            "import prefixgate.worker.events; import prefixgate.model.overflow; "
+            "import prefixgate.workerapi.events; import prefixgate.model.overflow; "
             "import prefixgate.engines.vllm, prefixgate.engines.local; "
             "import prefixgate.replay.simulate, prefixgate.replay.targets, prefixgate.replay.report; "
             f"ChatTokenizer(resolve_model('tiny-random', __import__('pathlib').Path({str(tiny_spec.model_dir.parent.parent)!r})))"

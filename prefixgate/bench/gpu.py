@@ -293,8 +293,9 @@ def _engine(spec, device: str, args: argparse.Namespace) -> dict:
 
     from prefixgate.model.tokenizer import ChatTokenizer
     from prefixgate.wire.protocol import SamplingConfig
-    from prefixgate.worker.engine import EngineConfig, PagedEngine, Request
+    from prefixgate.worker.engine import PagedEngine
     from prefixgate.worker.model_loader import WeightsConfig, load_model
+    from prefixgate.workerapi.api import EngineConfig, Request
 
     tok = ChatTokenizer(spec)
     hist, new, decode = args.history_tokens, 32, args.decode_tokens

@@ -40,9 +40,9 @@ def run(args: argparse.Namespace) -> dict:
     from prefixgate.model.overflow import user_turn_prefix
     from prefixgate.model.tokenizer import ChatTokenizer
     from prefixgate.wire.protocol import SamplingConfig
-    from prefixgate.worker.api import EngineConfig, Request
     from prefixgate.worker.engine import PagedEngine
     from prefixgate.worker.model_loader import load_model
+    from prefixgate.workerapi.api import EngineConfig, Request
 
     spec = resolve_model("tiny-random")
     tokenizer = ChatTokenizer(spec)

@@ -124,7 +124,8 @@ def _quality(args, spec, tok, model, context: int) -> dict:
 
     from prefixgate.model.overflow import user_turn_prefix
     from prefixgate.wire.protocol import SamplingConfig
-    from prefixgate.worker.engine import EngineConfig, PagedEngine
+    from prefixgate.worker.engine import PagedEngine
+    from prefixgate.workerapi.api import EngineConfig
 
     turn_prefix = user_turn_prefix(tok)
     turns = _pick_turns(args, tok, context, turn_prefix)
@@ -166,7 +167,7 @@ def _quality(args, spec, tok, model, context: int) -> dict:
 
 
 def _serve(engine, prompt: list[int], sampling, rid: str):
-    from prefixgate.worker.engine import Request
+    from prefixgate.workerapi.api import Request
 
     return engine.run_to_completion(Request(rid, tuple(prompt), sampling))
 

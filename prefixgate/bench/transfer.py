@@ -59,7 +59,7 @@ def byte_stream_main(port: int, num_bytes: int, chunk_bytes: int) -> None:
     `chunk_bytes` (prebuilt: no per-message work beyond gRPC's own)."""
     import grpc
 
-    from prefixgate.worker.transfer import MAX_MESSAGE_BYTES
+    from prefixgate.workerapi.transfer import MAX_MESSAGE_BYTES
 
     chunk = os.urandom(chunk_bytes)
 
@@ -84,7 +84,7 @@ def byte_stream_client_main(address: str) -> None:
     (bytes/s) of three more reads."""
     import grpc
 
-    from prefixgate.worker.transfer import MAX_MESSAGE_BYTES
+    from prefixgate.workerapi.transfer import MAX_MESSAGE_BYTES
 
     async def read() -> float:
         async with grpc.aio.insecure_channel(
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from prefixgate.v1 import common_pb2, worker_pb2, worker_pb2_grpc
     from prefixgate.wire.rpc import free_port
     from prefixgate.wire.token_ids import pack
-    from prefixgate.worker.transfer import CHUNK_BYTES, MAX_MESSAGE_BYTES
+    from prefixgate.workerapi.transfer import CHUNK_BYTES, MAX_MESSAGE_BYTES
 
     spec = resolve_model(args.model)
     vocab = ChatTokenizer(spec).vocab_size

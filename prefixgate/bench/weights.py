@@ -135,7 +135,8 @@ def default_over_llama_cpp(result: dict) -> float:
 def _decode_rates(model, spec, tok, prompts: dict[int, list[list[int]]], num_tokens: int
                   ) -> dict:
     from prefixgate.wire.protocol import SamplingConfig
-    from prefixgate.worker.engine import EngineConfig, PagedEngine, Request
+    from prefixgate.worker.engine import PagedEngine
+    from prefixgate.workerapi.api import EngineConfig, Request
 
     longest = max(prompts)
     engine = PagedEngine(model, tok, EngineConfig(
@@ -163,7 +164,8 @@ class _Batch1:
     """Batch-1 decode runs of one model through the real engine (as `_decode_rates`)."""
 
     def __init__(self, model, spec, tok, num_tokens: int) -> None:
-        from prefixgate.worker.engine import EngineConfig, PagedEngine
+        from prefixgate.worker.engine import PagedEngine
+        from prefixgate.workerapi.api import EngineConfig
 
         self.engine = PagedEngine(model, tok, EngineConfig(
             num_blocks=(128 + num_tokens) // 16 + 18, enable_prefix_cache=False,
@@ -173,7 +175,7 @@ class _Batch1:
 
     def rate(self, prompt: list[int], num_tokens: int | None = None) -> float:
         from prefixgate.wire.protocol import SamplingConfig
-        from prefixgate.worker.engine import Request
+        from prefixgate.workerapi.api import Request
 
         n = num_tokens or self.num_tokens
         self.count += 1

@@ -75,7 +75,7 @@ def _log(msg: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from prefixgate.worker.startup import passive_omp_wait
+    from prefixgate.workerapi.startup import passive_omp_wait
 
     passive_omp_wait()  # measure the threads as the worker runs them
     import torch
@@ -83,8 +83,9 @@ def run(args: argparse.Namespace) -> dict:
     from prefixgate.model.catalog import resolve_model
     from prefixgate.model.tokenizer import ChatTokenizer
     from prefixgate.wire.protocol import SamplingConfig
-    from prefixgate.worker.engine import EngineConfig, FinalEvent, PagedEngine, Request
+    from prefixgate.worker.engine import PagedEngine
     from prefixgate.worker.model_loader import WeightsConfig, load_model
+    from prefixgate.workerapi.api import EngineConfig, FinalEvent, Request
 
     spec = resolve_model(args.model)
     tok = ChatTokenizer(spec)

@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
         asyncio.run(_serve_vllm(args))
         return 0
-    from prefixgate.worker.startup import passive_omp_wait
+    from prefixgate.workerapi.startup import passive_omp_wait
 
     passive_omp_wait()
     asyncio.run(_serve_emulated(args) if args.emulate else _serve(args))
@@ -149,7 +149,7 @@ async def _serve_vllm(args: argparse.Namespace) -> None:
     from prefixgate.model.catalog import resolve_model
     from prefixgate.model.tokenizer import ChatTokenizer
     from prefixgate.telemetry import metrics_export
-    from prefixgate.worker.startup import serve_worker
+    from prefixgate.workerapi.startup import serve_worker
 
     try:
         vllm = VLLMConfig.parse(",".join(p for p in (
@@ -200,14 +200,15 @@ async def _serve(args: argparse.Namespace) -> None:
     from prefixgate.model.overflow import user_turn_prefix
     from prefixgate.model.tokenizer import ChatTokenizer
     from prefixgate.telemetry import metrics_export
-    from prefixgate.worker.engine import EngineConfig, PagedEngine
-    from prefixgate.worker.events import EventLog
+    from prefixgate.worker.engine import PagedEngine
     from prefixgate.worker.kv_pool import num_blocks_for_memory
-    from prefixgate.worker.metrics import WorkerMetrics
     from prefixgate.worker.model_loader import WeightsConfig, load_model
     from prefixgate.worker.model_runner import pool_config_for
-    from prefixgate.worker.server import WorkerService
-    from prefixgate.worker.startup import serve_worker
+    from prefixgate.workerapi.api import EngineConfig
+    from prefixgate.workerapi.events import EventLog
+    from prefixgate.workerapi.metrics import WorkerMetrics
+    from prefixgate.workerapi.server import WorkerService
+    from prefixgate.workerapi.startup import serve_worker
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
@@ -243,9 +244,9 @@ async def _serve(args: argparse.Namespace) -> None:
 
 def worker_config(args: argparse.Namespace):
     """The WorkerConfig the worker flags describe (real and emulated workers alike)."""
-    from prefixgate.worker.server import WorkerConfig
+    from prefixgate.workerapi.server import WorkerConfig
 
-    # No --worker-id: "" until bound, then worker-<bound port> (worker/server.py).
+    # No --worker-id: "" until bound, then worker-<bound port> (workerapi/server.py).
     return WorkerConfig(worker_id=args.worker_id, host=args.host, port=args.port, block_size=args.block_size,
                         drain_seconds=args.drain_seconds, limits=request_limits(args),
                         transfer_bytes_per_s=transfer_bytes_per_s_of(args, args.emulate),
@@ -255,7 +256,7 @@ def worker_config(args: argparse.Namespace):
 
 def registry_lease(args: argparse.Namespace):
     """The RegistryLease the --redis-url, --lease-ms and --advertise-address flags give."""
-    from prefixgate.worker.startup import RegistryLease
+    from prefixgate.workerapi.startup import RegistryLease
 
     return RegistryLease(redis_url=args.redis_url, lease_ms=args.lease_ms,
                          advertise_address=args.advertise_address)

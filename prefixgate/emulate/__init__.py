@@ -5,7 +5,7 @@
   service.py   `ServiceModel`: prefill and decode speed, shared with the simulator
   cache.py     the block cache, shared with the simulator
   transfer.py  block transfer of an emulated worker over the real transfer path
-  worker.py    that engine behind the real WorkerService (worker/startup.py)
+  worker.py    that engine behind the real WorkerService (workerapi/startup.py)
   http.py      its minimal OpenAI completions face, for HTTP routers
   model.py     the model directory an emulated fleet serves (a real tokenizer, a long context)
   fleet.py     `prefixgate replay --fleet N`: emulated workers (and Redis) plus one or more

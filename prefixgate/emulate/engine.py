@@ -1,4 +1,4 @@
-"""An emulated engine: the `worker.api.Engine` contract with no model (torch-free).
+"""An emulated engine: the `workerapi.api.Engine` contract with no model (torch-free).
 
 `prefixgate worker --emulate` serves it through the real `WorkerService`, so gateways see
 a real worker over gRPC: Generate, GetInfo, GetStatus, FlushCache, WatchEvents and, with
@@ -63,7 +63,7 @@ from prefixgate.emulate.cache import BlockCache
 from prefixgate.emulate.service import ServiceModel
 from prefixgate.radix import BlockHasher, Hashers, Node
 from prefixgate.wire.events import KVEventSink
-from prefixgate.worker.api import (
+from prefixgate.workerapi.api import (
     EmitFn,
     Engine,
     EngineStatus,

@@ -29,7 +29,7 @@ import uuid
 import h11
 
 from prefixgate.wire.protocol import SamplingConfig
-from prefixgate.worker.api import Engine, FinalEvent, Request, TokenEvent
+from prefixgate.workerapi.api import Engine, FinalEvent, Request, TokenEvent
 
 log = logging.getLogger(__name__)
 

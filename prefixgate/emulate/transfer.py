@@ -1,4 +1,4 @@
-"""Block transfer of an emulated worker: the real transfer path (worker/transfer.py:
+"""Block transfer of an emulated worker: the real transfer path (workerapi/transfer.py:
 ExportBlocks between workers, the receiver's header checks, stored events), with pages
 that stand for a model's and a link that takes the model's time (torch-free).
 
@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from prefixgate.worker.transfer import BlockTransfer, KVFormat, Reservation
+from prefixgate.workerapi.transfer import BlockTransfer, KVFormat, Reservation
 
 if TYPE_CHECKING:
     from prefixgate.emulate.engine import EmulatedEngine
@@ -89,7 +89,7 @@ class EmulatedTransfer(BlockTransfer):
 
     def read(self, pin: Any, start: int, count: int) -> tuple[bytes, bytes]:
         num_tokens = count * self.format.block_size
-        with self._link:  # on the caller's thread (worker/transfer.py): the loop goes on
+        with self._link:  # on the caller's thread (workerapi/transfer.py): the loop goes on
             time.sleep(num_tokens * self._wall_s_per_token)
         half = bytes(num_tokens * PAGE_BYTES_PER_TOKEN // 2)
         return half, half

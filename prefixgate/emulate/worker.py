@@ -1,7 +1,7 @@
 """`prefixgate worker --emulate`: an `EmulatedEngine` behind the real WorkerService.
 
 Contract: `await serve_emulated(emulation, worker, lease, stop)` serves until `stop` is
-set, through the same start-up as a real worker (worker/startup.py: with a Redis lease,
+set, through the same start-up as a real worker (workerapi/startup.py: with a Redis lease,
 registration and KV events published exactly as a real worker does; the same request
 limits and security, `worker`: its WorkerConfig). It never imports torch.
 `EmulatedWorkerConfig` holds the rest (the command's emulation flags): the model whose
@@ -25,7 +25,7 @@ from prefixgate.emulate.service import (
     DEFAULT_TRANSFER_BYTES_PER_S,
     ServiceModel,
 )
-from prefixgate.worker.startup import RegistryLease
+from prefixgate.workerapi.startup import RegistryLease
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +72,9 @@ async def serve_emulated(emulation: EmulatedWorkerConfig, worker, lease: Registr
     from prefixgate.emulate.engine import EmulatedEngine, EmulationConfig
     from prefixgate.model.catalog import resolve_model
     from prefixgate.model.tokenizer import ChatTokenizer
-    from prefixgate.worker.events import EventLog
-    from prefixgate.worker.server import WorkerService
-    from prefixgate.worker.startup import serve_worker
+    from prefixgate.workerapi.events import EventLog
+    from prefixgate.workerapi.server import WorkerService
+    from prefixgate.workerapi.startup import serve_worker
 
     spec = resolve_model(emulation.model, emulation.cache_dir)
     vocab_size = ChatTokenizer(spec).vocab_size

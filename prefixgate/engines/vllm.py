@@ -6,7 +6,7 @@ Seam
 speaks to its own workers, backed by one vLLM server: its OpenAI HTTP API for turns and
 model checks (engines/vllm_http.py), its KV cache events over ZMQ mapped onto
 prefixgate's block hashes (engines/vllm_events.py, engines/vllm_stream.py) into a
-`worker/events.EventLog`, and its /metrics for load. Everything past the Worker API is
+`workerapi/events.EventLog`, and its /metrics for load. Everything past the Worker API is
 unchanged, so a fleet may mix vLLM servers and prefixgate workers, and routing, predicted
 ownership, failover, limits, auth and namespaces apply to both. The one object serves two
 ways:
@@ -15,7 +15,7 @@ ways:
     (no extra hop); the gateway follows its WatchEvents like any worker's;
   - as its own process (`prefixgate worker --engine vllm --vllm-url URL --vllm-events
     tcp://HOST:5557`, the Kubernetes form: a sidecar of the vLLM pod): served over gRPC
-    by worker/server.serve like any worker, so it registers in Redis under a lease,
+    by workerapi/server.serve like any worker, so it registers in Redis under a lease,
     publishes the mapped events there, and takes mTLS and the internal credential.
 
 Contract
@@ -114,21 +114,13 @@ from prefixgate.radix import packed as packed_ids
 from prefixgate.telemetry.tracing import trace_context
 from prefixgate.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from prefixgate.vllm_connector.params import PullParams, TransferParams
-from prefixgate.wire.protocol import (
-    REQUEST_SCOPED,
-    InvalidRequest,
-    check_generate_fields,
-    check_prompt_tokens,
-    clip,
-    sampling_from_proto,
-    with_generation_defaults,
-)
-from prefixgate.wire.token_ids import prompt_token_ids, repeated_token_ids
-from prefixgate.worker.api import FinalEvent, FinishReason
-from prefixgate.worker.handoff import HandoffChain
-from prefixgate.worker.rates import ServiceRates, TransferRate
-from prefixgate.worker.server import FINISH_TO_PROTO, WorkerConfig, WorkerServiceBase
-from prefixgate.worker.transfer import MAX_MESSAGE_BYTES
+from prefixgate.wire.protocol import REQUEST_SCOPED, InvalidRequest, clip
+from prefixgate.wire.token_ids import repeated_token_ids
+from prefixgate.workerapi.api import FinalEvent, FinishReason
+from prefixgate.workerapi.handoff import HandoffChain
+from prefixgate.workerapi.rates import ServiceRates, TransferRate
+from prefixgate.workerapi.server import FINISH_TO_PROTO, WorkerConfig, WorkerServiceBase
+from prefixgate.workerapi.transfer import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -627,21 +619,11 @@ class VLLMWorker(WorkerServiceBase):
         return salt
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context):
-        try:
-            check_generate_fields(request, self.config.limits)
-            packed = prompt_token_ids(request.prompt_token_ids, request.packed_prompt_token_ids,
-                                      self.tokenizer.vocab_size)
-            check_prompt_tokens(len(packed), self.config.limits)
-            sampling = sampling_from_proto(  # unset fields: the model's defaults, as workers
-                with_generation_defaults(request.sampling, self.spec.generation), len(packed),
-                self.max_context_tokens, "fail")
-            if len(packed) + sampling.max_tokens > self.max_context_tokens:
-                raise InvalidRequest(
-                    f"the prompt is {len(packed)} tokens and max_tokens {sampling.max_tokens}, "
-                    f"over the context window of {self.max_context_tokens}: a vLLM worker "
-                    "cannot drop old turns (context_overflow); shorten the conversation")
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), REQUEST_SCOPED)
+        # vLLM cannot drop old turns: context overflow needs a prefixgate worker.
+        packed, sampling = await self._checked_generate(
+            request, context, vocab_size=self.tokenizer.vocab_size,
+            max_context_tokens=self.max_context_tokens, context_overflow="fail",
+            drops_turns=False)
         if not self.reachable or self.refusal:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"vLLM worker {self.config.worker_id} at {self.vllm.url} is not "
@@ -799,7 +781,7 @@ def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
     (the model's config.json; 0 when it cannot say)."""
     import json
 
-    from prefixgate.worker.transfer import DTYPE_BYTES
+    from prefixgate.workerapi.transfer import DTYPE_BYTES
 
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())

@@ -36,7 +36,7 @@ Worker (SimConfig; the emulated worker's model, emulate/engine.py, with the same
            queued prefill tokens (expected uncached tokens of the turns waiting, as at
            their arrival, and the share not yet computed of the one in prefill, counting as cached the blocks the turns ahead of
            them store at their prefill's end: BlockCache.reserve), running (decoding) sequences, KV fill, and its
-           rates once a finished request measured them (worker/rates.py), as the worker
+           rates once a finished request measured them (workerapi/rates.py), as the worker
            reports them; a gateway sees them `status_interval_s` old at most (pushed on
            change); queued: that less its own prefill in it that ended since, plus its own
            turns' uncached prompt tokens sent since and waiting for their first token;
@@ -104,7 +104,7 @@ from prefixgate.replay.traces import Trace, synth_prompt_array
 from prefixgate.wire.events import KVEventSink
 
 # Wall seconds a worker's events take to reach the gateways through Redis in the emulated
-# fleet: its publisher sends a batch 5 ms after the batch's first event (worker/events.py
+# fleet: its publisher sends a batch 5 ms after the batch's first event (workerapi/events.py
 # RedisPublisher flush_interval_s, so bursts share a round trip), then the round trips to
 # Redis and on to the gateways on the fleet's host. Measured (docs/traces.md, "Turnaround
 # and event delay"): the turnaround that best separates the follow-ups a gateway routed
@@ -279,7 +279,7 @@ class _Worker:
         self.busy = False
         self.prefilling: _Req | None = None
         self.running = 0  # sequences decoding
-        # Rates the worker reports once a finished request measured them (worker/rates.py).
+        # Rates the worker reports once a finished request measured them (workerapi/rates.py).
         self.prefill_rate = 0.0
         self.decode_step_s = 0.0
         self.status: tuple = (0, 0, 0.0, 0.0, 0.0)  # what the gateways last saw
@@ -563,7 +563,7 @@ class _Sim:
         w.cache.release(req.handle)
         g.in_flight[w.wid] -= 1
         g.finished_since[w.wid] = g.finished_since.get(w.wid, 0) + 1
-        # The worker measures its rates on finished requests (worker/rates.py thresholds).
+        # The worker measures its rates on finished requests (workerapi/rates.py thresholds).
         if t.num_prompt_tokens - req.cached - req.transferred >= 32:
             w.prefill_rate = cfg.service.prefill_tokens_per_s
         if req.num_output_tokens > 1 and cfg.service.decode_s_per_token:

@@ -35,7 +35,7 @@ Peer API (worker -> worker): the peer credential (`--peer-token-file`, another s
 secret) is what workers send to each other; `worker_guard` admits it for PEER_METHODS
 only: ExportBlocks (block pulls, each also needing a pull ticket: security/tickets.py),
 and for the drain hand-off GetStatus and PullBlocks (the latter only when the caller's
-certificate names the holder it asks the worker to pull from: worker/server.py). Every
+certificate names the holder it asks the worker to pull from: workerapi/server.py). Every
 other method (Generate, FlushCache, the event streams) answers PERMISSION_DENIED to it.
 
 Errors carry a message a caller can act on; transports map `Unauthenticated` to gRPC

@@ -4,7 +4,7 @@ Why: a worker's cached KV pages are its tenants' prompts in another form. Withou
 ticket, any caller holding the peer credential (any worker pod's files) could export any
 chain from any worker. A ticket names one pull: the gateway signs it where it plans the
 pull (gateway/pulls.py), the receiver passes it on unchanged, and the holder checks it
-before it pins a block (worker/server.py ExportBlocks; PERMISSION_DENIED otherwise, and
+before it pins a block (workerapi/server.py ExportBlocks; PERMISSION_DENIED otherwise, and
 the receiver computes instead).
 
 Contract

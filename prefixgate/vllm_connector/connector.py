@@ -61,7 +61,7 @@ from prefixgate.vllm_connector.export import ExportServer, pull_chain, ticket_ke
 from prefixgate.vllm_connector.pages import PagedLayout
 from prefixgate.vllm_connector.params import DEFAULT_STORE_MIB, TransferParams
 from prefixgate.vllm_connector.store import HostStore, Page
-from prefixgate.worker.transfer import KVFormat, TransferError
+from prefixgate.workerapi.transfer import KVFormat, TransferError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

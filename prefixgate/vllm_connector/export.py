@@ -8,7 +8,7 @@ Contract
 WorkerService.ExportBlocks (the rest of the Worker API is UNIMPLEMENTED there) on its own
 gRPC threads, so an export never waits for vLLM's engine steps: header, then chunks of
 whole blocks of about `CHUNK_BYTES`, as prefixgate's workers send them
-(worker/transfer.py `export_events`: the same `KVFormat` header and `encode_chunk` wire
+(workerapi/transfer.py `export_events`: the same `KVFormat` header and `encode_chunk` wire
 form), of blocks [from_block, max_blocks) of the chain (max_blocks 0: to its end).
 NOT_FOUND when the store holds none of them.
 
@@ -51,7 +51,7 @@ from prefixgate.security.kv_pages import verify_chunk
 from prefixgate.security.tickets import check_ticket
 from prefixgate.v1 import worker_pb2, worker_pb2_grpc
 from prefixgate.vllm_connector.store import HostStore, Page
-from prefixgate.worker.transfer import (
+from prefixgate.workerapi.transfer import (
     CHUNK_BYTES,
     MAX_MESSAGE_BYTES,
     KVFormat,
@@ -76,7 +76,7 @@ def page_bytes(t) -> memoryview:
 def ticket_keys_of(keyring_path: str, worker_id: str) -> tuple:
     """The keys a pull ticket must verify with at `worker_id`: the gateways' ticket key
     (the keyring's `@tickets` line) and `worker_id`'s own public key when the keyring holds
-    its private line (as a prefixgate worker's do: worker/server.py `PeerTrust.of`).
+    its private line (as a prefixgate worker's do: workerapi/server.py `PeerTrust.of`).
     ValueError (saying what is missing) when the file does not parse or has no `@tickets`."""
     from prefixgate.security.identity import Keyring
 

@@ -105,7 +105,7 @@ def _stream(name: str, handler: Callable, guard: Guard | None, request_cls: type
 
 def _serializer(cls: type) -> Callable[[Any], bytes]:
     """`cls`'s serializer, passing bytes through: a handler may yield a response already
-    in its wire form (worker/transfer.py builds KV chunks of megabytes that way, without
+    in its wire form (workerapi/transfer.py builds KV chunks of megabytes that way, without
     protobuf's copies)."""
     serialize = cls.SerializeToString
     return lambda m: m if isinstance(m, bytes) else serialize(m)

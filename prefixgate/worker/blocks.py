@@ -28,9 +28,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prefixgate.worker.kv_pool import KVPool
-from prefixgate.worker.metrics import WorkerMetrics
 from prefixgate.worker.prefix_cache import PrefixCache
 from prefixgate.worker.sequence import Sequence
+from prefixgate.workerapi.metrics import WorkerMetrics
 
 
 class BlockManager:

@@ -1,6 +1,6 @@
 """The worker engine: continuous batching over a paged KV pool with exact prefix reuse.
 
-`PagedEngine` runs the `Engine` contract (worker/api.py) on one background thread. Its
+`PagedEngine` runs the `Engine` contract (workerapi/api.py) on one background thread. Its
 parts, one job each:
 
   worker/sequence.py   one sequence's state (tokens, block table, what is computed);
@@ -62,21 +62,8 @@ from prefixgate.model.detokenizer import Decoder, StreamDecoder
 from prefixgate.model.overflow import plan_overflow
 from prefixgate.wire.events import KVEventSink
 from prefixgate.wire.protocol import clip
-from prefixgate.worker.api import (
-    EmitFn,
-    Engine,
-    EngineConfig,
-    EngineStatus,
-    Event,
-    FinalEvent,
-    FinishReason,
-    Request,
-    TokenEvent,
-    TokenLogprob,
-)
 from prefixgate.worker.blocks import BlockManager
 from prefixgate.worker.kv_pool import KVPool
-from prefixgate.worker.metrics import WorkerMetrics
 from prefixgate.worker.model_runner import ModelRunner, pool_config_for
 from prefixgate.worker.paged_attention import StepMetadata, resolve_backend
 from prefixgate.worker.prefix_cache import PrefixCache
@@ -85,11 +72,18 @@ from prefixgate.worker.reuse import ReusePlanner
 from prefixgate.worker.sampling import Sampler
 from prefixgate.worker.scheduler import Batch, Scheduler
 from prefixgate.worker.sequence import Sequence
-
-__all__ = [
-    "EmitFn", "Engine", "EngineConfig", "EngineStatus", "Event", "FinalEvent",
-    "FinishReason", "PagedEngine", "Request", "TokenEvent",
-]
+from prefixgate.workerapi.api import (
+    EmitFn,
+    Engine,
+    EngineConfig,
+    EngineStatus,
+    FinalEvent,
+    FinishReason,
+    Request,
+    TokenEvent,
+    TokenLogprob,
+)
+from prefixgate.workerapi.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 

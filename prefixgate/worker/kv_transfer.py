@@ -1,4 +1,4 @@
-"""`PagedBlockTransfer`: the `BlockTransfer` contract (worker/transfer.py) over a
+"""`PagedBlockTransfer`: the `BlockTransfer` contract (workerapi/transfer.py) over a
 `PagedEngine`'s prefix cache and KV pool.
 
 Pins, reservations and commits run on the engine thread (`PagedEngine.on_engine_thread`,
@@ -29,7 +29,7 @@ import torch
 
 from prefixgate.radix import Node
 from prefixgate.security.kv_pages import chunk_digests
-from prefixgate.worker.transfer import BlockTransfer, KVFormat, Reservation
+from prefixgate.workerapi.transfer import BlockTransfer, KVFormat, Reservation
 
 if TYPE_CHECKING:
     from prefixgate.worker.engine import PagedEngine

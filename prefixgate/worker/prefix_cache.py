@@ -18,7 +18,7 @@ and what events carry. The tree holds one pool reference on each block it contai
   (not locked).
 - `hot_chains()`: every cached root-to-leaf chain of block hashes, the most reused first
   (by the tokens its blocks served as hits: each `match` counts its matched blocks), for
-  a draining worker's hand-off (worker/handoff.py).
+  a draining worker's hand-off (workerapi/handoff.py).
 - `evict(num_blocks)` frees up to that many unlocked blocks, least recently used leaves
   first, emitting `removed`; `flush()` drops every unlocked block (`cleared` when the
   tree ends up empty) and returns the number of tokens it dropped.

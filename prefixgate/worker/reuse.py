@@ -56,11 +56,11 @@ import xxhash
 
 from prefixgate.model.overflow import OverflowPlan
 from prefixgate.radix import BlockHasher, Hashers
-from prefixgate.worker.api import EngineConfig
 from prefixgate.worker.blocks import BlockManager
 from prefixgate.worker.prefix_cache import PrefixCache
 from prefixgate.worker.reindex import RopeSpec, reindex_slots
 from prefixgate.worker.sequence import Sequence
+from prefixgate.workerapi.api import EngineConfig
 
 log = logging.getLogger(__name__)
 

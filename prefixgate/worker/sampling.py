@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from prefixgate.wire.protocol import SamplingConfig
-from prefixgate.worker.api import TokenLogprob
+from prefixgate.workerapi.api import TokenLogprob
 
 
 class Sampler:

@@ -22,11 +22,11 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from prefixgate.worker.api import EngineConfig
 from prefixgate.worker.blocks import BlockManager
-from prefixgate.worker.metrics import WorkerMetrics
 from prefixgate.worker.reuse import ReusePlanner
 from prefixgate.worker.sequence import Sequence
+from prefixgate.workerapi.api import EngineConfig
+from prefixgate.workerapi.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 

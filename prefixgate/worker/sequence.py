@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from prefixgate.model.detokenizer import StreamDecoder
 from prefixgate.model.overflow import OverflowPlan
 from prefixgate.radix import Node
-from prefixgate.worker.api import EmitFn, Request
 from prefixgate.worker.sampling import Sampler
+from prefixgate.workerapi.api import EmitFn, Request
 
 
 @dataclass(eq=False)

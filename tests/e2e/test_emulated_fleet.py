@@ -39,7 +39,7 @@ def _blocks(events_log) -> set[tuple[int | None, tuple[int, ...]]]:
 
 @pytest.fixture(scope="module")
 def pair(loop_thread, tiny_spec, tiny_model):
-    from prefixgate.worker.events import EventLog
+    from prefixgate.workerapi.events import EventLog
 
     real_log, emu_log = EventLog(), EventLog()
     real, stop_real = start_worker(loop_thread, tiny_spec, tiny_model, "real", events=real_log)
@@ -92,7 +92,7 @@ def test_emulated_final_reports_worker_side_timings(loop_thread, tiny_spec) -> N
 
 
 def test_blocks_are_published_when_the_prefill_completes(loop_thread, tiny_spec) -> None:
-    from prefixgate.worker.events import EventLog
+    from prefixgate.workerapi.events import EventLog
 
     log = EventLog()
     # 320 tokens at 200 tokens/s: the prefill takes 1.6 s (time x1).
@@ -118,7 +118,7 @@ def test_blocks_are_published_when_the_prefill_completes(loop_thread, tiny_spec)
 
 def test_publish_at_finish_holds_the_blocks_back_until_the_reply_ends(loop_thread,
                                                                       tiny_spec) -> None:
-    from prefixgate.worker.events import EventLog
+    from prefixgate.workerapi.events import EventLog
 
     log = EventLog()
     # A 10-token reply at 0.2 s per token: the request ends 1.8 s after its first token.

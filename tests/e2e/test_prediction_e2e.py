@@ -14,7 +14,7 @@ from prefixgate.gateway.routing import LoadSnapshot, Router, RoutingConfig, make
 from prefixgate.radix import BlockHasher
 from prefixgate.registry import RedisRegistry, WorkerRecord
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2, worker_pb2, worker_pb2_grpc
-from prefixgate.worker.events import EventLog, RedisPublisher
+from prefixgate.workerapi.events import EventLog, RedisPublisher
 from tests.helpers import start_worker, wait_for
 
 EVENT_DELAY_S = 3.0  # the workers publish their KV events this late

@@ -19,7 +19,7 @@ from prefixgate.vllm_connector.export import ExportServer, pull_chain
 from prefixgate.vllm_connector.params import PullParams, TransferParams
 from prefixgate.vllm_connector.store import HostStore, Page
 from prefixgate.wire.rpc import free_port
-from prefixgate.worker.transfer import KVFormat, TransferError
+from prefixgate.workerapi.transfer import KVFormat, TransferError
 
 LAYERS, HEADS, DIM, B = 2, 3, 4, 16
 
@@ -228,7 +228,7 @@ def test_vllm_cached_tokens_split_into_cached_and_transferred(smollm2_spec) -> N
     from prefixgate.engines.vllm import VLLMWorker, kv_bytes_per_token
     from prefixgate.engines.vllm_http import VLLMMetrics
     from prefixgate.model.tokenizer import ChatTokenizer
-    from prefixgate.worker.server import WorkerConfig
+    from prefixgate.workerapi.server import WorkerConfig
 
     w = VLLMWorker(smollm2_spec, ChatTokenizer(smollm2_spec), WorkerConfig("w", block_size=16),
                    VLLMConfig("http://127.0.0.1:1", "tcp://127.0.0.1:2", export="127.0.0.1:3"))
@@ -295,7 +295,7 @@ def test_the_adapter_relays_its_connectors_export(smollm2_spec) -> None:
         from prefixgate.engines.vllm import VLLMWorker
         from prefixgate.model.tokenizer import ChatTokenizer
         from prefixgate.v1 import worker_pb2
-        from prefixgate.worker.server import WorkerConfig
+        from prefixgate.workerapi.server import WorkerConfig
 
         store = HostStore(64 << 20)
         for i, h in enumerate((7, 8, 9)):
@@ -336,7 +336,7 @@ def test_status_prices_transfers_declared_then_measured(smollm2_spec) -> None:
     zeros (never planned)."""
     from prefixgate.engines.vllm import VLLMWorker
     from prefixgate.model.tokenizer import ChatTokenizer
-    from prefixgate.worker.server import WorkerConfig
+    from prefixgate.workerapi.server import WorkerConfig
 
     tokenizer = ChatTokenizer(smollm2_spec)
     w = VLLMWorker(smollm2_spec, tokenizer, WorkerConfig("w", block_size=16),

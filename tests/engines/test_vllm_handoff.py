@@ -19,7 +19,7 @@ from prefixgate.model.tokenizer import ChatTokenizer
 from prefixgate.radix import packed, tokens_to_bytes
 from prefixgate.v1 import worker_pb2
 from prefixgate.wire.rpc import free_port
-from prefixgate.worker.server import WorkerConfig
+from prefixgate.workerapi.server import WorkerConfig
 from tests.engines.vllm_wire import encode, stored_chain, vhash
 
 BS = 16  # the gateway's block size

@@ -31,8 +31,8 @@ from prefixgate.radix import BlockHasher, Hashers
 from prefixgate.radix.hashing import packed, tokens_to_bytes
 from prefixgate.registry import make_registry
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2, worker_pb2
-from prefixgate.worker.server import WorkerConfig
-from prefixgate.worker.startup import RegistryLease, serve_worker
+from prefixgate.workerapi.server import WorkerConfig
+from prefixgate.workerapi.startup import RegistryLease, serve_worker
 from tests.engines.test_vllm_events import SetSink
 from tests.engines.vllm_server import VLLMServer, vllm_python
 

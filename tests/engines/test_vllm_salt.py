@@ -16,7 +16,7 @@ from prefixgate.radix import BlockHasher
 from prefixgate.security.identity import Keyring, new_gateway_key, new_worker_key
 from prefixgate.v1 import common_pb2
 from prefixgate.wire.protocol import sampling_from_proto
-from prefixgate.worker.server import WorkerConfig
+from prefixgate.workerapi.server import WorkerConfig
 from tests.engines.vllm_wire import encode, stored_chain
 
 SERVER = "http://127.0.0.1:9,tcp://127.0.0.1:9"

@@ -17,7 +17,7 @@ from prefixgate.model.tokenizer import ChatTokenizer
 from prefixgate.v1 import worker_pb2
 from prefixgate.wire.protocol import ERROR_SCOPE_KEY
 from prefixgate.wire.rpc import free_port
-from prefixgate.worker.server import WorkerConfig
+from prefixgate.workerapi.server import WorkerConfig
 
 DATA = Path(__file__).parent / "data"
 
@@ -81,6 +81,74 @@ def test_a_server_that_is_down(tiny_spec) -> None:
             assert status.num_running_requests == 0 and status.kv_bytes_per_token == 0
         finally:
             await w.close()
+    asyncio.run(main())
+
+
+def test_a_worker_and_the_vllm_adapter_refuse_bad_requests_alike(tiny_spec) -> None:
+    """Generate's validation is one (workerapi/server.py `_checked_generate`): each bad
+    request gets the same request-scoped INVALID_ARGUMENT, word for word, from a worker's
+    service (over an emulated engine) and from the vLLM adapter (whose server is down, so
+    a request it lets through is UNAVAILABLE). A prompt over the context window under
+    keep-system-drop-oldest is taken by the worker and refused by vLLM's adapter alone:
+    vLLM cannot drop old turns."""
+    from prefixgate.emulate.engine import EmulatedEngine, EmulationConfig
+    from prefixgate.v1 import common_pb2
+    from prefixgate.workerapi.server import WorkerService
+
+    tok = ChatTokenizer(tiny_spec)
+    context = tiny_spec.max_context_tokens
+    drop_oldest = common_pb2.CONTEXT_OVERFLOW_KEEP_SYSTEM_DROP_OLDEST
+    bad = [
+        worker_pb2.GenerateRequest(request_id="r", prompt_token_ids=[tok.vocab_size]),
+        worker_pb2.GenerateRequest(request_id="r"),
+        worker_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1],
+                                   packed_prompt_token_ids=b"\x01"),
+        worker_pb2.GenerateRequest(request_id="r" * 10_000, prompt_token_ids=[1]),
+        worker_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1, 2],
+                                   sampling=common_pb2.SamplingParams(max_tokens=context)),
+        worker_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1] * context),
+        worker_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1],
+                                   sampling=common_pb2.SamplingParams(context_overflow=99)),
+    ]
+    overflow = worker_pb2.GenerateRequest(
+        request_id="o", prompt_token_ids=[1] * (context + 10),
+        sampling=common_pb2.SamplingParams(max_tokens=4, context_overflow=drop_oldest))
+
+    async def refusal(stub, request) -> tuple[grpc.StatusCode, bool, str] | None:
+        try:
+            async for _ in stub.Generate(request, timeout=30):
+                return None  # taken: a first event came
+        except grpc.aio.AioRpcError as exc:
+            return (*_codes(exc), exc.details())
+        return None
+
+    async def main():
+        engine = EmulatedEngine(EmulationConfig(
+            capacity_blocks=4 * context // 16, block_size=16,
+            model_fingerprint=tiny_spec.fingerprint, vocab_size=tok.vocab_size,
+            max_context_tokens=context))
+        worker = LocalWorker(WorkerService(engine, tiny_spec, WorkerConfig("w", block_size=16),
+                                           vocab_size=tok.vocab_size))
+        v = VLLMWorker(tiny_spec, tok, WorkerConfig("v", block_size=16),
+                       VLLMConfig(f"http://127.0.0.1:{free_port()}",
+                                  f"tcp://127.0.0.1:{free_port()}"))
+        await v.start(wait_s=5)
+        try:
+            for request in bad:
+                got = await refusal(worker, request)
+                assert got is not None and got[:2] == (grpc.StatusCode.INVALID_ARGUMENT, True), \
+                    (request, got)
+                assert await refusal(LocalWorker(v), request) == got
+            assert await refusal(worker, overflow) is None
+            code, scoped, details = await refusal(LocalWorker(v), overflow)
+            assert (code, scoped) == (grpc.StatusCode.INVALID_ARGUMENT, True)
+            assert "worker v cannot drop old turns" in details
+            fine = worker_pb2.GenerateRequest(request_id="f", prompt_token_ids=[1, 2, 3])
+            assert (await refusal(LocalWorker(v), fine))[:2] == \
+                (grpc.StatusCode.UNAVAILABLE, False)
+        finally:
+            await v.close()
+            engine.shutdown()
     asyncio.run(main())
 
 

@@ -22,8 +22,8 @@ def _poisoned(input_ids) -> bool:
 
 
 def _start_worker(loop_thread, spec, model, worker_id: str):
-    from prefixgate.worker.events import EventLog
-    from prefixgate.worker.server import WorkerConfig, WorkerService, serve
+    from prefixgate.workerapi.events import EventLog
+    from prefixgate.workerapi.server import WorkerConfig, WorkerService, serve
 
     events = EventLog()
     engine = make_engine(spec, model, event_sink=events, num_blocks=256)

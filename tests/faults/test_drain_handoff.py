@@ -1,5 +1,5 @@
 """Drain hand-off: a worker stopped with SIGTERM gives its most reused chains to its peer
-(worker/handoff.py), so the conversation's next turn, now served by the peer, finds its
+(workerapi/handoff.py), so the conversation's next turn, now served by the peer, finds its
 history cached there instead of recomputing it."""
 
 from __future__ import annotations

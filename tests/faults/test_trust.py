@@ -53,7 +53,7 @@ def _as(worker_id: str, stolen: Keyring, owner: str) -> Keyring:
 def _redis_worker(loop_thread, spec, model, worker_id, url, keyring=None):
     """A worker registered in Redis that publishes its KV events there, signing with its
     key when given a keyring (as `prefixgate worker --redis-url --worker-keyring`)."""
-    from prefixgate.worker.events import EventLog, RedisPublisher
+    from prefixgate.workerapi.events import EventLog, RedisPublisher
 
     events = EventLog()
     address, stop = start_worker(loop_thread, spec, model, worker_id, events=events)
@@ -264,7 +264,7 @@ def test_a_worker_reporting_a_huge_prefill_rate_draws_no_extra_turns(
     no new conversations: the faster, honest worker gets most of them."""
     import concurrent.futures
 
-    import prefixgate.worker.server as worker_server
+    import prefixgate.workerapi.server as worker_server
     from prefixgate.emulate.service import ServiceModel
     from tests.helpers import start_emulated_worker, start_gateway
 

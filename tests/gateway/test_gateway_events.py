@@ -17,7 +17,7 @@ from prefixgate.gateway.index import PrefixIndex
 from prefixgate.registry import WorkerRecord
 from prefixgate.v1 import worker_pb2, worker_pb2_grpc
 from prefixgate.wire.events import chains
-from prefixgate.worker.events import EventLog
+from prefixgate.workerapi.events import EventLog
 from tests.helpers import wait_for
 
 
@@ -29,7 +29,7 @@ class _NoEngine:
 @pytest.fixture
 def event_worker(loop_thread, tiny_spec):
     """A WorkerService serving only its EventLog (ring of 8 events)."""
-    from prefixgate.worker.server import WorkerConfig, WorkerService, serve
+    from prefixgate.workerapi.server import WorkerConfig, WorkerService, serve
 
     log = EventLog(capacity_events=8)
     service = WorkerService(_NoEngine(), tiny_spec, WorkerConfig("ev", drain_seconds=1), 259,

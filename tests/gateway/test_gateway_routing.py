@@ -130,7 +130,7 @@ def start_redis_worker(loop_thread, spec, model, worker_id, url, lease_ms=2000):
     """A worker registered in Redis that publishes its KV events there (as `prefixgate
     worker --redis-url` does)."""
     from prefixgate.registry import RedisRegistry, WorkerRecord
-    from prefixgate.worker.events import EventLog, RedisPublisher
+    from prefixgate.workerapi.events import EventLog, RedisPublisher
 
     events = EventLog()
     address, stop = start_worker(loop_thread, spec, model, worker_id, events=events)

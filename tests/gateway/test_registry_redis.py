@@ -11,7 +11,7 @@ from prefixgate.gateway.redis_feed import RedisStreamFeed
 from prefixgate.gateway.routing import LoadSnapshot, Router, RoutingConfig, make_turn
 from prefixgate.radix import BlockHasher
 from prefixgate.registry import OwnershipEvent, RedisRegistry, WorkerRecord
-from prefixgate.worker.events import EventLog, RedisPublisher
+from prefixgate.workerapi.events import EventLog, RedisPublisher
 
 HASHER = BlockHasher(4, model_fingerprint="fp")
 
@@ -380,7 +380,7 @@ def test_worker_that_cannot_reach_redis_says_so_once(caplog) -> None:
         stop.set()
         await task
 
-    with caplog.at_level(logging.WARNING, logger="prefixgate.worker.events"):
+    with caplog.at_level(logging.WARNING, logger="prefixgate.workerapi.events"):
         asyncio.run(scenario())
     said = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
     assert len(said) == 1 and url in said[0] and "w-alone" in said[0], said

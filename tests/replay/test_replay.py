@@ -612,7 +612,7 @@ def test_simulated_redis_event_delay_is_the_publishers_batching() -> None:
     import inspect
 
     from prefixgate.replay.simulate import REDIS_EVENT_DELAY_S
-    from prefixgate.worker.events import RedisPublisher
+    from prefixgate.workerapi.events import RedisPublisher
 
     flush = inspect.signature(RedisPublisher.__init__).parameters["flush_interval_s"].default
     assert flush <= REDIS_EVENT_DELAY_S < 10 * flush

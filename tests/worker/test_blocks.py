@@ -7,11 +7,11 @@ from prometheus_client import CollectorRegistry
 
 from prefixgate.wire.protocol import SamplingConfig
 from prefixgate.worker.blocks import BlockManager
-from prefixgate.worker.engine import Request
 from prefixgate.worker.kv_pool import KVPool, KVPoolConfig
-from prefixgate.worker.metrics import WorkerMetrics
 from prefixgate.worker.prefix_cache import PrefixCache
 from prefixgate.worker.sequence import Sequence
+from prefixgate.workerapi.api import Request
+from prefixgate.workerapi.metrics import WorkerMetrics
 
 
 def _parts(num_blocks: int) -> tuple[KVPool, PrefixCache, BlockManager, WorkerMetrics]:

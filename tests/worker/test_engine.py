@@ -11,7 +11,8 @@ import torch
 
 from prefixgate.model.tokenizer import ChatTokenizer
 from prefixgate.wire.protocol import SamplingConfig
-from prefixgate.worker.engine import FinalEvent, FinishReason, PagedEngine, Request, TokenEvent
+from prefixgate.worker.engine import PagedEngine
+from prefixgate.workerapi.api import FinalEvent, FinishReason, Request, TokenEvent
 from tests.helpers import make_engine, track
 
 
@@ -76,7 +77,7 @@ def test_tiny_pool_evicts_and_preempts_but_stays_exact(tiny_spec, tiny_model) ->
     and preemption; every output equals the uncached one and nothing leaks."""
     from prometheus_client import CollectorRegistry
 
-    from prefixgate.worker.metrics import WorkerMetrics
+    from prefixgate.workerapi.metrics import WorkerMetrics
 
     ps = prompts(8, seed=1)
     reference = make_engine(tiny_spec, tiny_model, enable_prefix_cache=False)
@@ -150,7 +151,7 @@ def test_events_report_every_stored_and_removed_block(tiny_spec, tiny_model) -> 
 
     mirror = Mirror()
     tok = ChatTokenizer(tiny_spec)
-    from prefixgate.worker.engine import EngineConfig
+    from prefixgate.workerapi.api import EngineConfig
 
     engine = track(PagedEngine(tiny_model, tok, EngineConfig(
         num_blocks=24, max_num_batched_tokens=64, eos_token_ids=tok.eos_token_ids,

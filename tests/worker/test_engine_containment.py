@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from prefixgate.worker import engine as engine_module
-from prefixgate.worker.engine import FinishReason
 from prefixgate.worker.sampling import Sampler
+from prefixgate.workerapi.api import FinishReason
 from tests.helpers import make_engine, shifting_engine
 from tests.worker.test_engine import assert_no_leak, collect, prompts, run, submit
 
@@ -109,7 +109,7 @@ def test_shifted_reuse_error_leaks_nothing(tiny_spec, tiny_model, monkeypatch) -
     request only and gives every block back."""
     from prefixgate.wire.protocol import SamplingConfig
     from prefixgate.worker import reuse
-    from prefixgate.worker.api import Request
+    from prefixgate.workerapi.api import Request
 
     engine, _, prompt = shifting_engine(tiny_spec, tiny_model, 40, 400)
     sampling = SamplingConfig(max_tokens=1, context_overflow="keep-system-drop-oldest")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prefixgate.radix import BlockHasher
 from prefixgate.wire.protocol import SamplingConfig
-from prefixgate.worker.api import FinishReason, Request
+from prefixgate.workerapi.api import FinishReason, Request
 from tests.helpers import shifting_engine
 
 

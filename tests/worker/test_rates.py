@@ -1,11 +1,11 @@
-"""Service rates a worker measures on its finished requests (worker/rates.py)."""
+"""Service rates a worker measures on its finished requests (workerapi/rates.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from prefixgate.worker.api import FinalEvent, FinishReason
-from prefixgate.worker.rates import ServiceRates
+from prefixgate.workerapi.api import FinalEvent, FinishReason
+from prefixgate.workerapi.rates import ServiceRates
 
 
 def final(prompt: int, cached: int, completion: int, queue_ms: float, ttft_ms: float,
@@ -35,7 +35,7 @@ def test_requests_that_measure_nothing_change_nothing() -> None:
 def test_transfer_cost_is_fitted_as_set_up_plus_bytes_at_a_rate() -> None:
     """Pulls that take 50 ms of set-up plus their bytes at 1 GB/s: the fit finds both once
     pulls of different sizes were seen; before, the plain rate of the one size."""
-    from prefixgate.worker.rates import TransferRate
+    from prefixgate.workerapi.rates import TransferRate
 
     rate = TransferRate()
     assert rate.bytes_per_s == 0.0 and rate.setup_s == 0.0
@@ -53,7 +53,7 @@ def test_transfer_cost_is_fitted_as_set_up_plus_bytes_at_a_rate() -> None:
 def test_transfer_rate_sources_rank_measured_over_probed_or_declared() -> None:
     """A worker reports no rate, then the declared or probed one, until its first pull;
     a measurement then stands and no later declaration or probe replaces it."""
-    from prefixgate.worker.rates import TransferRate
+    from prefixgate.workerapi.rates import TransferRate
 
     rate = TransferRate()
     assert (rate.bytes_per_s, rate.setup_s, rate.source) == (0.0, 0.0, "")

@@ -15,17 +15,12 @@ from prefixgate.model.overflow import find_turn_starts, plan_overflow, user_turn
 from prefixgate.model.tokenizer import ChatTokenizer
 from prefixgate.v1 import common_pb2
 from prefixgate.wire.protocol import InvalidRequest, SamplingConfig, sampling_from_proto
-from prefixgate.worker.engine import (
-    EngineConfig,
-    FinalEvent,
-    FinishReason,
-    PagedEngine,
-    Request,
-)
+from prefixgate.worker.engine import PagedEngine
 from prefixgate.worker.kv_pool import KVPool
 from prefixgate.worker.model_runner import ModelRunner, pool_config_for
 from prefixgate.worker.paged_attention import StepMetadata
 from prefixgate.worker.reindex import RopeSpec, reindex_slots
+from prefixgate.workerapi.api import EngineConfig, FinalEvent, FinishReason, Request
 from tests.helpers import track
 
 TURN = (1, 2)  # a made-up user-turn prefix for the pure policy tests

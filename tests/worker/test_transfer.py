@@ -1,4 +1,4 @@
-"""Block transfer between workers over real gRPC on loopback (worker/transfer.py).
+"""Block transfer between workers over real gRPC on loopback (workerapi/transfer.py).
 
 Correctness by comparison: a reply computed on pulled KV equals the reply of a full
 recompute (greedy tokens), and the pulled pages equal the sender's bit for bit.
@@ -87,7 +87,7 @@ def _service_engine(stub, metadata=None):
     """The in-process engine behind a worker (tests run them in this process)."""
     import gc
 
-    from prefixgate.worker.server import WorkerService
+    from prefixgate.workerapi.server import WorkerService
     worker_id = stub.GetInfo(worker_pb2.GetInfoRequest(), metadata=metadata).worker_id
     for obj in gc.get_objects():
         if type(obj) is WorkerService and obj.config.worker_id == worker_id:
@@ -188,8 +188,8 @@ def start_leaving(loop_thread, spec, model, config: dict, peers: list[tuple[str,
     hand-off: (port, stop event, the serve task)."""
     import asyncio
 
-    from prefixgate.worker.events import EventLog
-    from prefixgate.worker.server import WorkerConfig, WorkerService, serve
+    from prefixgate.workerapi.events import EventLog
+    from prefixgate.workerapi.server import WorkerConfig, WorkerService, serve
     from tests.helpers import make_engine
 
     events = EventLog()
@@ -241,7 +241,7 @@ def test_pages_of_scattered_blocks_round_trip(tiny_spec, tiny_model) -> None:
     """read() of blocks scattered over the pool and write() into other scattered blocks
     move exactly their slots (runs of consecutive blocks copied as slices)."""
     from prefixgate.worker.kv_transfer import _Pin
-    from prefixgate.worker.transfer import Reservation
+    from prefixgate.workerapi.transfer import Reservation
     from tests.helpers import make_engine
 
     engine = make_engine(tiny_spec, tiny_model, num_blocks=64)

@@ -23,7 +23,7 @@ import alone until it commits them).
                                (published as `stored`, like computed ones), give the rest
                                back, unlock; returns the chain's leading blocks cached now.
   hot_chains()                 every cached chain (root to leaf), the most reused first:
-                               what a draining worker offers its peers (worker/handoff.py).
+                               what a draining worker offers its peers (workerapi/handoff.py).
   digests(pin, start, count)   the page digests (security/kv_pages.py) recorded when those
                                blocks were computed; [] from an engine that records none.
 

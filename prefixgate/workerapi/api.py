@@ -1,6 +1,6 @@
 """The engine contract: requests in, events out, status, configuration.
 
-`Engine` is what the Worker gRPC service (worker/server.py) is written against; the one
+`Engine` is what the Worker gRPC service (workerapi/server.py) is written against; the one
 implementation is `prefixgate.worker.engine.PagedEngine`. Everything here is plain data
 or an abstract method, so the engine's parts (sequence state, scheduler, reuse planner,
 block acquisition) import it without importing each other.
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from prefixgate.wire.protocol import SamplingConfig
 
 if TYPE_CHECKING:
-    from prefixgate.worker.transfer import BlockTransfer
+    from prefixgate.workerapi.transfer import BlockTransfer
 
 
 class FinishReason(Enum):
@@ -149,7 +149,7 @@ class Engine(ABC):
 
     @property
     def transfer(self) -> BlockTransfer | None:
-        """This engine's side of block transfer (worker/transfer.py); None: it cannot
+        """This engine's side of block transfer (workerapi/transfer.py); None: it cannot
         export or import KV blocks."""
         return None
 

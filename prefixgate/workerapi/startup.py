@@ -1,12 +1,12 @@
 """A worker's start-up around its WorkerService: listening, and the registry lease.
 
 Contract: `await serve_worker(service, stop, lease, capacity_blocks)` serves `service`
-(worker/server.py) until `stop` is set. With `lease.redis_url` it also registers the
+(workerapi/server.py) until `stop` is set. With `lease.redis_url` it also registers the
 worker in that Redis under a lease of `lease.lease_ms`, renews it and publishes the
-service's KV event log (worker/events.py RedisPublisher), signing with the worker's key
+service's KV event log (workerapi/events.py RedisPublisher), signing with the worker's key
 when `service.config.auth.worker_keyring_file` is set; gateways then reach it at
 `lease.advertise_address` (default host:bound port), and on the drain it hands its most
-reused chains off to the registry's other workers of its model (worker/handoff.py).
+reused chains off to the registry's other workers of its model (workerapi/handoff.py).
 Without, gateways list it by address.
 Real and emulated workers (prefixgate/emulate) start through here alike.
 
@@ -52,13 +52,13 @@ async def serve_worker(service, stop: asyncio.Event, lease: RegistryLease,
                        capacity_blocks: int) -> None:
     """Serve `service` until `stop` (module docstring)."""
     from prefixgate.registry import RedisRegistry, WorkerRecord
-    from prefixgate.worker.events import RedisPublisher
-    from prefixgate.worker.server import serve
+    from prefixgate.workerapi.events import RedisPublisher
+    from prefixgate.workerapi.server import serve
 
     registry: RedisRegistry | None = None
 
     async def peers() -> list[tuple[str, str]]:
-        """The fleet's workers of this model, for the drain hand-off (worker/handoff.py)."""
+        """The fleet's workers of this model, for the drain hand-off (workerapi/handoff.py)."""
         if registry is None:
             return []
         return [(r.worker_id, r.address) for r in await registry.list_workers()
@@ -69,7 +69,7 @@ async def serve_worker(service, stop: asyncio.Event, lease: RegistryLease,
     if not lease.redis_url:
         await server
         return
-    config = service.config  # its worker_id is known once bound (worker/server.py)
+    config = service.config  # its worker_id is known once bound (workerapi/server.py)
     registry = RedisRegistry(lease.redis_url, keyring=worker_keyring(
         config.auth.worker_keyring_file, config.worker_id))
     address = lease.advertise_address or f"{config.host}:{port}"

@@ -18,7 +18,7 @@ enough for one asyncio loop (the worker's server calls it); no I/O, torch-free.
 
 from __future__ import annotations
 
-from prefixgate.worker.api import FinalEvent
+from prefixgate.workerapi.api import FinalEvent
 
 MIN_PREFILL_TOKENS = 32  # fewer uncached tokens measure the step overhead, not the rate
 MIN_MS = 1.0
@@ -62,7 +62,7 @@ class TransferRate:
     pull (and so it never measures one): `assume(bytes_per_s, setup_s, source)` sets one
     that the first pull replaces. `source` says where the figures come from, in order of
     precedence: "measured" (this worker's own pulls), then "probed" (its start-up round
-    trip through its own copy path, worker/server.py `probe_transfer`) or "declared" (the
+    trip through its own copy path, workerapi/server.py `probe_transfer`) or "declared" (the
     link rate it was started with, `--transfer-bytes-per-s`), else "" (0: none)."""
 
     def __init__(self, window: int = 10) -> None:

@@ -3,21 +3,22 @@
 Contract
 --------
 - Generate validates the request with `prefixgate.wire.protocol` (INVALID_ARGUMENT on bad
-  input), submits it to the engine and streams one GenerateChunk per engine TokenEvent,
+  input; `WorkerServiceBase._checked_generate`, which the vLLM adapter calls too),
+  submits it to the engine and streams one GenerateChunk per engine TokenEvent,
   then one GenerateFinal. A client that goes away (or whose deadline passes) cancels the
   request in the engine, which frees its resources.
 - GetInfo/GetStatus/FlushCache answer from the engine without waiting for it; WatchStatus
   pushes the status on change (prefixgate/wire/status.py). The status carries the service
-  rates measured on finished requests (worker/rates.py) for routing by cost.
+  rates measured on finished requests (workerapi/rates.py) for routing by cost.
 - The prompt comes repeated or packed (prefixgate/wire/token_ids.py).
-- WatchEvents streams the worker's KV events from its `EventLog` (worker/events.py, the
+- WatchEvents streams the worker's KV events from its `EventLog` (workerapi/events.py, the
   sink the engine reports to): a snapshot of the cached blocks first unless the caller
   resumes a cursor of this incarnation the log still holds, then live batches; the
   streams end when the server shuts down (they do not hold the drain).
 - The health service reports SERVING once the model is loaded; on shutdown it turns
   NOT_SERVING first, then in-flight streams get `drain_seconds` to finish; meanwhile the
-  worker hands its most reused chains off to peers with room (worker/handoff.py).
-- Block transfer (worker/transfer.py): ExportBlocks streams a cached chain's KV pages;
+  worker hands its most reused chains off to peers with room (workerapi/handoff.py).
+- Block transfer (workerapi/transfer.py): ExportBlocks streams a cached chain's KV pages;
   PullBlocks, and Generate with a `pull` spec, fetch a chain's missing leading blocks from
   a peer, store and publish them, and compute what did not come. Usage splits the prompt
   into cached, transferred and computed tokens. Trust (docs/transfer.md, "Trust"):
@@ -53,6 +54,7 @@ from prefixgate.wire.protocol import (
     REQUEST_SCOPED,
     InvalidRequest,
     RequestLimits,
+    SamplingConfig,
     check_generate_fields,
     check_prompt_tokens,
     clip,
@@ -61,18 +63,18 @@ from prefixgate.wire.protocol import (
 )
 from prefixgate.wire.status import watch_status
 from prefixgate.wire.token_ids import prompt_token_ids
-from prefixgate.worker.api import Engine, FinalEvent, FinishReason, Request, TokenEvent
-from prefixgate.worker.events import EventLog
-from prefixgate.worker.handoff import HandoffChain, hand_off
-from prefixgate.worker.rates import ServiceRates, TransferRate
-from prefixgate.worker.transfer import (
+from prefixgate.workerapi.api import Engine, FinalEvent, FinishReason, Request, TokenEvent
+from prefixgate.workerapi.events import EventLog
+from prefixgate.workerapi.handoff import HandoffChain, hand_off
+from prefixgate.workerapi.rates import ServiceRates, TransferRate
+from prefixgate.workerapi.transfer import (
     MAX_MESSAGE_BYTES,
     PullAuth,
     PullResult,
     TransferError,
     export_events,
 )
-from prefixgate.worker.transfer import pull as pull_blocks
+from prefixgate.workerapi.transfer import pull as pull_blocks
 
 log = logging.getLogger(__name__)
 
@@ -207,10 +209,10 @@ class PeerTrust:
 
 class WorkerServiceBase:
     """What every implementation of the Worker API shares, and all `serve()` needs: its
-    configuration, model, KV event log with the WatchEvents streams over it, GetStatus and
-    WatchStatus over the subclass's `_status()`, and `shutdown()` (after the server
-    drained). Subclasses answer the other calls: `WorkerService` over an `Engine`,
-    engines/vllm.py over a vLLM server."""
+    configuration, model, Generate's validation (`_checked_generate`), KV event log with
+    the WatchEvents streams over it, GetStatus and WatchStatus over the subclass's
+    `_status()`, and `shutdown()` (after the server drained). Subclasses answer the other
+    calls: `WorkerService` over an `Engine`, engines/vllm.py over a vLLM server."""
 
     def __init__(self, spec: ModelSpec, config: WorkerConfig,
                  events: EventLog | None = None) -> None:
@@ -261,6 +263,38 @@ class WorkerServiceBase:
             await channel.close()
         self._peers.clear()
 
+    async def _checked_generate(self, request: worker_pb2.GenerateRequest,
+                                context: grpc.aio.ServicerContext, *, vocab_size: int,
+                                max_context_tokens: int, context_overflow: str,
+                                drops_turns: bool = True) -> tuple[memoryview, SamplingConfig]:
+        """Generate's validation, one for every implementation: the request's fields
+        within `config.limits`, its prompt (repeated or packed ids, each below
+        `vocab_size`), its sampling with the model's generation defaults filled in for
+        unset fields, within `max_context_tokens` (prompt and reply together;
+        `context_overflow`: the policy of a request that leaves it unset). An
+        implementation that cannot drop old turns (`drops_turns` False) also refuses a
+        prompt plus max_tokens past the context window that a request's
+        keep-system-drop-oldest would accept. Returns (the prompt's token ids, the
+        sampling); bad input ends the call INVALID_ARGUMENT, marked REQUEST_SCOPED (the
+        gateway returns it to its client and never retries it on another worker)."""
+        try:
+            check_generate_fields(request, self.config.limits)
+            prompt = prompt_token_ids(request.prompt_token_ids,
+                                      request.packed_prompt_token_ids, vocab_size)
+            check_prompt_tokens(len(prompt), self.config.limits)
+            sampling = sampling_from_proto(
+                with_generation_defaults(request.sampling, self.spec.generation), len(prompt),
+                max_context_tokens, context_overflow)
+            if not drops_turns and len(prompt) + sampling.max_tokens > max_context_tokens:
+                raise InvalidRequest(
+                    f"the prompt is {len(prompt)} tokens and max_tokens {sampling.max_tokens}, "
+                    f"over the context window of {max_context_tokens}: worker "
+                    f"{self.config.worker_id} cannot drop old turns (context_overflow); "
+                    "shorten the conversation")
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), REQUEST_SCOPED)
+        return prompt, sampling
+
     def _status(self) -> worker_pb2.WorkerStatus:
         """The load now (what GetStatus and WatchStatus send)."""
         raise NotImplementedError
@@ -277,7 +311,7 @@ class WorkerServiceBase:
     async def WatchEvents(self, request: worker_pb2.WatchEventsRequest,
                           context: grpc.aio.ServicerContext):
         """Stream the event log: a snapshot first unless the subscriber's cursor is of this
-        incarnation and still held, then live batches (see worker/events.py)."""
+        incarnation and still held, then live batches (see workerapi/events.py)."""
         events = self.events
         loop = asyncio.get_running_loop()
         wake = asyncio.Event()
@@ -394,20 +428,10 @@ class WorkerService(WorkerServiceBase):
                         context: grpc.aio.ServicerContext):
         # Failures that belong to this request carry REQUEST_SCOPED in their trailing
         # metadata: the gateway returns them to the client, never retries them elsewhere.
-        try:
-            check_generate_fields(request, self.config.limits)
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), REQUEST_SCOPED)
-        try:
-            prompt = prompt_token_ids(request.prompt_token_ids,
-                                      request.packed_prompt_token_ids, self.vocab_size)
-            check_prompt_tokens(len(prompt), self.config.limits)
-            sampling = sampling_from_proto(  # unset fields: the model's defaults
-                with_generation_defaults(request.sampling, self.spec.generation), len(prompt),
-                                           self.spec.max_context_tokens,
-                                           self.engine.context_overflow)
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), REQUEST_SCOPED)
+        prompt, sampling = await self._checked_generate(
+            request, context, vocab_size=self.vocab_size,
+            max_context_tokens=self.spec.max_context_tokens,
+            context_overflow=self.engine.context_overflow)
         if sampling.top_logprobs is not None and not self.engine.reports_logprobs:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"worker {self.config.worker_id} is emulated (no model): it has "
@@ -530,7 +554,7 @@ class WorkerService(WorkerServiceBase):
             transfer_setup_s=self.transfer_rate.setup_s,
             transfer_rate_source=self.transfer_rate.source)
 
-    # --- block transfer (worker/transfer.py) ---------------------------------------------
+    # --- block transfer (workerapi/transfer.py) ---------------------------------------------
 
     async def ExportBlocks(self, request: worker_pb2.ExportBlocksRequest,
                            context: grpc.aio.ServicerContext):
@@ -738,7 +762,7 @@ async def serve(service: WorkerServiceBase, stop: asyncio.Event,
     """Serve until `stop` is set, then drain. `started` receives the bound port. With
     `peers` ((worker id, address) of the fleet's other workers, e.g. from the registry),
     the drain first hands the most reused cached chains off to peers with room
-    (worker/handoff.py: they pull them from this worker, reached at `advertise_address`,
+    (workerapi/handoff.py: they pull them from this worker, reached at `advertise_address`,
     default host:port), within HANDOFF_SHARE of the drain time, while in-flight streams
     go on."""
     limits = service.config.limits

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
-    from prefixgate.worker.engine import EngineStatus
+    from prefixgate.workerapi.api import EngineStatus
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)

@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING
 import grpc
 
 from prefixgate.v1 import worker_pb2
-from prefixgate.worker.transfer import TransferError
+from prefixgate.workerapi.transfer import TransferError
 
 if TYPE_CHECKING:
-    from prefixgate.worker.server import WorkerServiceBase
+    from prefixgate.workerapi.server import WorkerServiceBase
 
 log = logging.getLogger(__name__)
 
