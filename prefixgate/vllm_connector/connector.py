@@ -14,10 +14,11 @@ Scheduler side
   prompt's tokens that an earlier layout of the conversation, held in this server's host
   store, covers once moved back (shift.py `choose_layout`; whole vLLM blocks, never the
   last prompt token, past what vLLM's own cache holds), loaded the same way. The store
-  is read where vLLM runs the scheduler and its one worker in one process (a single-GPU
-  or CPU server: its "uni" executor); elsewhere the claim is the whole kept prompt and the
-  worker side reports what it could not fill (computed: kv_load_failure_policy
-  "recompute").
+  lives in vLLM's worker process, so the scheduler asks this server's own ExportBlocks
+  how much of each layout it holds (its header's block count; export.py `held_blocks`),
+  never claiming more than is there: vLLM counts what is claimed as cached. When that
+  cannot be asked (no export port, or an export that wants pull tickets) nothing is
+  claimed and vLLM computes the kept prompt.
 - `update_state_after_alloc` / `build_connector_meta`: the load (holder, chain, token range,
   vLLM block ids) goes to the worker side once, in the next step's metadata; every step also
   names, for each request carrying prefixgate block hashes, the prompt blocks that step
@@ -72,7 +73,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from prefixgate.vllm_connector.export import ExportServer, pull_chain, ticket_keys_of
+from prefixgate.vllm_connector.export import (
+    ExportServer,
+    held_blocks,
+    pull_chain,
+    ticket_keys_of,
+)
 from prefixgate.vllm_connector.pages import PagedLayout
 from prefixgate.vllm_connector.params import DEFAULT_STORE_MIB, ShiftParams, TransferParams
 from prefixgate.vllm_connector.shift import UnsupportedRope, choose_layout, rope_of, shifted_kv
@@ -92,9 +98,7 @@ log = logging.getLogger("vllm.prefixgate_connector")
 
 PULL_TIMEOUT_S = 120.0
 
-# The worker side's host store, for the scheduler side of the same process (vLLM's "uni"
-# executor runs both in its engine process): shifted loads are then claimed exactly.
-_WORKER_STORE: HostStore | None = None
+SHIFT_PROBE_TIMEOUT_S = 2.0  # the scheduler asking this server's export what it holds
 
 
 @dataclass
@@ -158,6 +162,7 @@ class PrefixgateConnector(KVConnectorBase_V1):
         # Requests whose load was handed to the worker side: never planned again (a failed
         # load sends the request back to vLLM's queue, which asks again).
         self._attempted: set[str] = set()
+        self._probe: grpc.Channel | None = None  # this server's export, asked by the scheduler
         # Worker side.
         self._store = HostStore(int(cfg.get_from_extra_config("store_mib", DEFAULT_STORE_MIB))
                                 << 20)
@@ -208,11 +213,21 @@ class PrefixgateConnector(KVConnectorBase_V1):
             return 0, False
         vbs = self._block_size
         limit = (request.num_prompt_tokens - 1) // vbs * vbs
-        if _WORKER_STORE is not None:
-            best = choose_layout(_WORKER_STORE, params.shift, params.block_size, limit)
-            end = best[0] // vbs * vbs if best is not None else 0
-        else:
-            end = limit
+        if request.request_id in self._planned:  # asked again (not scheduled yet)
+            _, start, extra = self._planned[request.request_id]
+            return (extra, True) if start == num_computed_tokens else (0, False)
+        if not self._export_port or self._keyring:
+            return 0, False
+        if self._probe is None:
+            self._probe = grpc.insecure_channel(f"{self._export_host}:{self._export_port}")
+        probe = self._probe
+
+        def held(chain) -> range:
+            n = held_blocks(probe, chain, SHIFT_PROBE_TIMEOUT_S)
+            return range(n or 0)
+
+        best = choose_layout(held, params.shift, params.block_size, limit)
+        end = best[0] // vbs * vbs if best is not None else 0
         extra = end - num_computed_tokens
         if extra <= 0:
             return 0, False
@@ -282,8 +297,6 @@ class PrefixgateConnector(KVConnectorBase_V1):
             log.error("prefixgate connector: cannot map this KV cache (%s): no transfer", exc)
             self._layout = None
             return
-        global _WORKER_STORE
-        _WORKER_STORE = self._store
         if self._export_port:
             keys = ticket_keys_of(self._keyring, self._worker_id) if self._keyring else ()
             self._server = ExportServer(self._store, self._worker_id, self._export_host,
@@ -410,7 +423,8 @@ class PrefixgateConnector(KVConnectorBase_V1):
             if self._layout is None or self._rope is None:
                 raise TransferError(grpc.StatusCode.FAILED_PRECONDITION,
                                     "this server's KV cache layout or RoPE is not mapped")
-            best = choose_layout(self._store, spec.shift, spec.block_size, spec.to_token)
+            best = choose_layout(lambda chain: self._store.run(chain, 0), spec.shift,
+                                 spec.block_size, spec.to_token)
             if best is None:
                 raise TransferError(grpc.StatusCode.NOT_FOUND,
                                     "no earlier layout of the conversation is held")
@@ -483,5 +497,7 @@ class PrefixgateConnector(KVConnectorBase_V1):
         return failed
 
     def shutdown(self) -> None:
+        if self._probe is not None:
+            self._probe.close()
         if self._server is not None:
             self._server.stop()

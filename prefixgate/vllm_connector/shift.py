@@ -14,9 +14,10 @@ math for it (torch; no vLLM, so it is tested without one):
   architecture is one that interleaves (GPT-J style). `UnsupportedRope` (saying why) for
   rope types whose frequencies depend on the sequence length (dynamic NTK, LongRoPE) or
   that are not plain rotations; the connector then loads nothing and vLLM computes.
-- `choose_layout(store, shift, block_size, limit)` -> (end, delta, pages): the layout whose
-  run held in the store reaches furthest into the new prompt (new positions [0, end),
-  end <= limit), None when none reaches past the preamble.
+- `choose_layout(run, shift, block_size, limit)` -> (end, delta, pages): the layout whose
+  run held (in the store: `run` = `lambda c: store.run(c, 0)`) reaches furthest into the
+  new prompt (new positions [0, end), end <= limit), None when none reaches past the
+  preamble.
 - `shifted_kv(pages, n_keep, delta, start, stop, rope)` -> (k, v), each
   `[layers, stop - start, kv_heads, head_dim]`: new positions [start, stop) read from
   the layout's pages at p (p < n_keep: the preamble, moved by 0) or p + delta, keys
@@ -27,13 +28,13 @@ math for it (torch; no vLLM, so it is tested without one):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from prefixgate.vllm_connector.params import ShiftParams
-from prefixgate.vllm_connector.store import HostStore, Page
+from prefixgate.vllm_connector.store import Page
 from prefixgate.worker.reindex import PURE_ROTATION_TYPES, RopeSpec, UnsupportedRope, rotate_keys
 
 __all__ = ["UnsupportedRope", "choose_layout", "rope_of", "shifted_kv"]
@@ -78,18 +79,28 @@ def rope_of(hf_config: Any) -> RopeSpec:
                     interleaved=bool(archs & INTERLEAVED_ARCHITECTURES))
 
 
-def choose_layout(store: HostStore, shift: ShiftParams, block_size: int, limit: int
-                  ) -> tuple[int, int, list[Page]] | None:
-    """(end, delta, pages) of the layout whose held run reaches furthest into the new prompt
-    (new positions [0, end), end <= limit); pages cover old positions [0, end + delta) in
-    whole blocks. None when no layout reaches past the preamble."""
-    best: tuple[int, int, list[Page]] | None = None
-    for delta, chain in shift.layouts:
+def choose_layout(run: Callable[[Sequence[int]], Sequence[Any]], shift: ShiftParams,
+                  block_size: int, limit: int) -> tuple[int, int, Sequence[Any]] | None:
+    """(end, delta, held) of the layout whose held run reaches furthest into the new prompt
+    (new positions [0, end), end <= limit). `run(chain)` is what is held of a chain from
+    its first block on (the store's pages: `HostStore.run(chain, 0)`; or any sequence as
+    long, e.g. what an export says it holds); the pages cover old positions [0, end +
+    delta) in whole blocks. Layouts are tried in order of how far they could reach, and
+    no further once none left could beat the best. None when none reaches past the
+    preamble."""
+    def reach(layout: tuple[int, tuple[int, ...]]) -> int:
+        delta, chain = layout
+        return min(len(chain) * block_size - delta, limit)
+
+    best: tuple[int, int, Sequence[Any]] | None = None
+    for delta, chain in sorted(shift.layouts, key=reach, reverse=True):
+        if reach((delta, chain)) <= (best[0] if best else shift.n_keep):
+            break
         need = -(-(limit + delta) // block_size)  # blocks covering new positions < limit
-        pages = store.run(chain[:need], 0)
-        end = min(len(pages) * block_size - delta, limit)
+        held = run(chain[:need])
+        end = min(len(held) * block_size - delta, limit)
         if end > shift.n_keep and (best is None or end > best[0]):
-            best = (end, delta, pages)
+            best = (end, delta, held)
     return best
 
 
@@ -97,12 +108,24 @@ def shifted_kv(pages: Sequence[Page], n_keep: int, delta: int, start: int, stop:
                rope: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """K (float32, rotated) and V of new positions [start, stop) from a layout's pages."""
     pos = torch.arange(start, stop)
-    src = torch.where(pos < n_keep, pos, pos + delta)
     bs = pages[0].block_size
-    first, last = int(src.min()) // bs, int(src.max()) // bs  # the pages read
-    k = torch.cat([p.k for p in pages[first:last + 1]], dim=1)  # [layers, tokens, heads, dim]
-    v = torch.cat([p.v for p in pages[first:last + 1]], dim=1)
-    src = src - first * bs
+    # Old positions read: the preamble's part at its own, the rest `delta` later: two
+    # contiguous runs, copied as page slices in one concatenation (no indexed gather).
+    runs = [(start, min(stop, n_keep)), (max(start, n_keep) + delta, stop + delta)]
+    ks, vs = [], []
+    for lo, hi in runs:
+        for b in range(lo // bs, -(-hi // bs)) if hi > lo else ():
+            a, z = max(lo, b * bs) - b * bs, min(hi, (b + 1) * bs) - b * bs
+            ks.append(pages[b].k[:, a:z])
+            vs.append(pages[b].v[:, a:z])
+    keys, values = torch.cat(ks, dim=1), torch.cat(vs, dim=1)  # [layers, tokens, heads, dim]
     shift = torch.where(pos < n_keep, 0, delta)
     cos, sin, partner = rope.tables(shift, "cpu")
-    return rotate_keys(k[:, src], cos, sin, partner), v[:, src]
+    if rope.interleaved:
+        return rotate_keys(keys, cos, sin, partner), values
+    # Rotate-half: each dim's partner is the other half's (rotate_keys' gather, as slices:
+    # a contiguous copy instead of an indexed one, several times faster on a CPU).
+    x = keys.to(torch.float32)
+    half, r = rope.rotary_dim // 2, rope.rotary_dim
+    partners = torch.cat([x[..., half:r], x[..., :half], x[..., r:]], dim=-1)
+    return x.mul_(cos[:, None, :]).addcmul_(partners, sin[:, None, :]), values

@@ -164,7 +164,37 @@ def test_the_store_layout_reaching_furthest_is_chosen() -> None:
     for h in near[:10]:  # < 10 * 16 - 0 = 160
         store.put(h, page)
     shift = ShiftParams(40, ((64, tuple(far)), (0, tuple(near))))
-    end, delta, pages = choose_layout(store, shift, B, 1000)
+    end, delta, pages = choose_layout(lambda c: store.run(c, 0), shift, B, 1000)
     assert (end, delta, len(pages)) == (176, 64, 15)
-    assert choose_layout(store, shift, B, 100)[0] == 100  # never past the limit
-    assert choose_layout(store, ShiftParams(180, shift.layouts), B, 1000) is None
+    assert choose_layout(lambda c: store.run(c, 0), shift, B, 100)[0] == 100  # never past the limit
+    assert choose_layout(lambda c: store.run(c, 0), ShiftParams(180, shift.layouts), B,
+                         1000) is None
+
+
+def test_the_scheduler_learns_what_the_export_holds_without_reading_pages() -> None:
+    """held_blocks: the export's header count (real gRPC on loopback); 0 for none held,
+    None for an export that cannot be asked."""
+    import grpc
+
+    from prefixgate.vllm_connector.export import ExportServer, held_blocks
+    from prefixgate.wire.rpc import free_port
+
+    store = HostStore(64 << 20)
+    chain = list(range(300, 310))
+    for h in chain[:6]:
+        store.put(h, Page("fp", B, torch.zeros(2, B, 3, 4), torch.zeros(2, B, 3, 4)))
+    server = ExportServer(store, "w", "127.0.0.1", free_port(), (2, 3, 4, "float32"))
+    server.start()
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            assert held_blocks(channel, chain, 5) == 6
+            assert held_blocks(channel, chain[:3], 5) == 3
+            assert held_blocks(channel, [1, 2], 5) == 0
+            shift = ShiftParams(20, ((32, tuple(chain)), (0, (1, 2, 3))))
+            end, delta, _ = choose_layout(lambda c: range(held_blocks(channel, c, 5) or 0),
+                                          shift, B, 1000)
+            assert (end, delta) == (6 * B - 32, 32)
+    finally:
+        server.stop()
+    with grpc.insecure_channel(f"127.0.0.1:{free_port()}") as channel:
+        assert held_blocks(channel, chain, 1) is None
