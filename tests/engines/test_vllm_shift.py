@@ -198,3 +198,49 @@ def test_the_scheduler_learns_what_the_export_holds_without_reading_pages() -> N
         server.stop()
     with grpc.insecure_channel(f"127.0.0.1:{free_port()}") as channel:
         assert held_blocks(channel, chain, 1) is None
+
+
+def test_the_adapter_sends_an_overflowing_turn_shifted_or_exact(smollm2_spec) -> None:
+    """What the adapter sends vLLM for an overflowing turn: with the connector and a
+    shifting mode, the layouts and salted hashes under a cache salt of its own, never
+    mapped back to a namespace; `recompute` (or no connector) the kept prompt as any turn."""
+    from prefixgate.engines.vllm import VLLMConfig, VLLMWorker
+    from prefixgate.model.tokenizer import ChatTokenizer
+    from prefixgate.worker.server import WorkerConfig
+
+    tok = ChatTokenizer(smollm2_spec)
+    rnd = random.Random(2)
+    messages = [("system", "Be brief.")]
+    for _ in range(4):
+        messages += [("user", " ".join(str(rnd.randrange(1000)) for _ in range(150))),
+                     ("assistant", "Noted.")]
+    full = tok.encode_messages(messages + [("user", "Sum them up.")])
+
+    def worker(export: str) -> VLLMWorker:
+        return VLLMWorker(smollm2_spec, tok, WorkerConfig("w", block_size=B),
+                          VLLMConfig("http://127.0.0.1:1", "tcp://127.0.0.1:2", export=export))
+
+    w = worker("127.0.0.1:3")
+    plan = plan_overflow(full, 64, len(full) - 200, w.turn_prefix)
+    assert plan is not None and plan.fits and plan.dropped_tokens >= 200
+    hasher = w.hashers.get("tenant")
+    params, salt = w._overflow_params(plan, "tenant", "shift")
+    assert salt and salt != w._salt("tenant") and salt not in w._salts
+    assert params.pull is None and params.shift.n_keep == plan.n_keep
+    assert params.block_hashes == tuple(layout_hashes(
+        hasher, plan.kept, len(plan.kept) // B, plan.n_keep // B, salted=True))
+    assert params.shift.layouts[0] == (plan.dropped_tokens, tuple(
+        hasher.hash_blocks(full)[:len(params.shift.layouts[0][1])]))
+    body = w._body(list(plan.kept), _greedy(), "tenant", params, salt)
+    assert body["cache_salt"] == salt and body["kv_transfer_params"]["prefixgate"]["shift"]
+    assert w._overflow_params(plan, "tenant", "blend")[1] == salt  # blend runs as shift
+    exact, no_salt = w._overflow_params(plan, "tenant", "recompute")
+    assert no_salt == "" and exact.shift is None
+    assert exact.block_hashes == tuple(hasher.hash_blocks(plan.kept))
+    assert worker("")._overflow_params(plan, "tenant", "shift") == (None, "")
+
+
+def _greedy():
+    from prefixgate.wire.protocol import SamplingConfig
+
+    return SamplingConfig(max_tokens=8)
