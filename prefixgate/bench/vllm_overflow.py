@@ -18,7 +18,9 @@ shift, measured in the same run), and the quality of shift against recompute, as
 docs/reindex.md's gates: top-1 agreement and KL(recompute || shift) of the first next-token
 distribution (over the top alternatives, the rest lumped into one bucket: a lower bound
 of the full KL, near it when the alternatives hold almost all the mass), and how many of
-the greedy tokens match before the first difference.
+the greedy tokens match before the first difference; the same two figures over every
+generated position whose prefix both replies share; where the top token differs, the
+recompute's margin between its first two alternatives (a near tie flips on any error).
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256,
                         help="skip turns whose new user message is longer")
     parser.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per turn")
-    parser.add_argument("--top-logprobs", type=int, default=100,
-                        help="alternatives per token the quality figures use")
+    parser.add_argument("--top-logprobs", type=int, default=20,
+                        help="alternatives per token the quality figures use (at most 20: "
+                             "the Worker API's limit)")
     parser.add_argument("--block-size", type=int, default=16, help="prefixgate's block size")
     parser.add_argument("--kv-cache-mib", type=int, default=1024)
     parser.add_argument("--cache-dir", default="")
@@ -71,8 +74,7 @@ def run(args: argparse.Namespace) -> dict:
     tok = ChatTokenizer(spec)
     turns = _pick(args, tok, user_turn_prefix(tok))
     launch = VLLMLaunch(args.vllm_python, spec.model_dir, spec.name,
-                        kv_cache_bytes=args.kv_cache_mib << 20, max_model_len=args.context,
-                        extra_args=("--max-logprobs", str(args.top_logprobs)))
+                        kv_cache_bytes=args.kv_cache_mib << 20, max_model_len=args.context)
     try:
         fleet = asyncio.run(start_fleet(launch, 1, args.model, cache_dir, args.startup_timeout))
     except ValueError as exc:
@@ -176,14 +178,22 @@ def kl_top(p: dict[int, float], q: dict[int, float]) -> float:
     return kl + p_rest * math.log(p_rest / q_rest)
 
 
+def _top(alternatives: dict[int, float]) -> int:
+    return max(alternatives, key=alternatives.__getitem__)
+
+
 def _summary(args, model: str, rows: list[dict]) -> dict:
     out_rows = []
     for r in rows:
         s, e = r["shift"], r["recompute"]
         match = next((i for i, (a, b) in enumerate(zip(s["tokens"], e["tokens"], strict=False))
                       if a != b), min(len(s["tokens"]), len(e["tokens"])))
-        top1 = max(e["logprobs"][0], key=e["logprobs"][0].get) == \
-            max(s["logprobs"][0], key=s["logprobs"][0].get)
+        top1 = _top(e["logprobs"][0]) == _top(s["logprobs"][0])
+        # Every position whose prefix both replies share (up to the first difference).
+        shared = range(min(match + 1, len(s["logprobs"]), len(e["logprobs"])))
+        pos_top1 = [_top(e["logprobs"][i]) == _top(s["logprobs"][i]) for i in shared]
+        pos_kl = [kl_top(e["logprobs"][i], s["logprobs"][i]) for i in shared]
+        ranked = sorted(e["logprobs"][0].values(), reverse=True)
         out_rows.append({
             "conversation": r["conversation"], "history_tokens": r["history_tokens"],
             "prompt_tokens_sent": r["prompt_tokens_sent"],
@@ -194,6 +204,10 @@ def _summary(args, model: str, rows: list[dict]) -> dict:
             "moved_tokens": s["loaded_tokens"],
             "kl_first_token": round(kl_top(e["logprobs"][0], s["logprobs"][0]), 5),
             "top1_agree": top1, "greedy_match": match,
+            "top2_margin_recompute": round(ranked[0] - ranked[1], 4) if len(ranked) > 1
+            else None,
+            "positions": len(pos_top1), "positions_top1_agree": sum(pos_top1),
+            "positions_kl_sum": sum(pos_kl),
             "same_dropped": s["dropped_tokens"] == e["dropped_tokens"]})
     re_p50 = statistics.median(r["ttft_recompute_ms"] for r in out_rows)
     sh_p50 = statistics.median(r["ttft_shift_ms"] for r in out_rows)
@@ -207,6 +221,12 @@ def _summary(args, model: str, rows: list[dict]) -> dict:
         "kl_mean": round(statistics.fmean(kls), 5), "kl_max": round(max(kls), 5),
         "top1_agreement": round(statistics.fmean(r["top1_agree"] for r in out_rows), 3),
         "greedy_match_mean": round(statistics.fmean(r["greedy_match"] for r in out_rows), 1),
+        # Over every generated position whose prefix both replies share.
+        "positions_compared": sum(r["positions"] for r in out_rows),
+        "top1_agreement_positions": round(sum(r["positions_top1_agree"] for r in out_rows) /
+                                          sum(r["positions"] for r in out_rows), 3),
+        "kl_mean_positions": round(sum(r.pop("positions_kl_sum") for r in out_rows) /
+                                   sum(r["positions"] for r in out_rows), 5),
         "moved_share_of_kept": round(sum(r["moved_tokens"] for r in out_rows) /
                                      sum(r["kept_tokens"] for r in out_rows), 3),
         "rows": out_rows, "targets": TARGETS,

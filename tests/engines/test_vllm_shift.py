@@ -244,3 +244,26 @@ def _greedy():
     from prefixgate.wire.protocol import SamplingConfig
 
     return SamplingConfig(max_tokens=8)
+
+
+def test_the_benchmarks_top_k_kl_is_a_lower_bound_of_the_full_kl() -> None:
+    """bench vllm-overflow's KL over top-k alternatives (the rest lumped): 0 for equal
+    distributions, never above the full KL, and near it when the top k hold the mass."""
+    import math
+
+    from prefixgate.bench.vllm_overflow import kl_top
+
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        p = torch.log_softmax(3 * torch.randn(500, generator=g), -1)
+        q = torch.log_softmax(p + 0.3 * torch.randn(500, generator=g), -1)
+        full = float((p.exp() * (p - q)).sum())
+
+        def top(x, k=20):
+            vals, ids = x.topk(k)
+            return dict(zip(ids.tolist(), vals.tolist(), strict=True))
+
+        assert kl_top(top(p), top(p)) == pytest.approx(0, abs=1e-9)
+        assert kl_top(top(p), top(q)) <= full + 1e-6
+        assert kl_top(top(p, 400), top(q, 400)) == pytest.approx(full, rel=0.05, abs=1e-4)
+        assert not math.isnan(kl_top(top(p), top(q)))
