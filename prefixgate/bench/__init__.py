@@ -28,6 +28,7 @@ BENCHMARKS: dict[str, str] = {
     "transfer": "prefixgate.bench.transfer",
     "engines": "prefixgate.bench.engines",
     "vllm-transfer": "prefixgate.bench.vllm_transfer",
+    "vllm-overflow": "prefixgate.bench.vllm_overflow",
 }
 
 

@@ -40,9 +40,22 @@ Contract
   the usage (`prompt_tokens_details.cached_tokens`, which needs vLLM's
   `--enable-prompt-tokens-details`) the GenerateFinal. vLLM errors map as
   engines/vllm_http.py says: unreachable/503 is UNAVAILABLE (the gateway re-routes a turn
-  that has not started), 400 is INVALID_ARGUMENT scoped to the request. A turn that asks
-  to drop old turns (context_overflow) and does not fit is INVALID_ARGUMENT: vLLM cannot
-  do that. A client that goes away closes the HTTP stream, which aborts the request in vLLM.
+  that has not started), 400 is INVALID_ARGUMENT scoped to the request. A client that goes
+  away closes the HTTP stream, which aborts the request in vLLM.
+- Context overflow: a turn that does not fit vLLM's context is INVALID_ARGUMENT unless it
+  asks for `context_overflow` keep-system-drop-oldest; then the adapter drops its oldest
+  whole turns as a prefixgate worker does (model/overflow.py `plan_overflow`: preamble
+  kept, the fewest oldest turns dropped so prompt + max_tokens fit; when even the preamble
+  and the last turn fill the context, the turn ends at once with LENGTH) and sends vLLM
+  the kept prompt; `Usage.dropped_tokens` says how many tokens were dropped. With the
+  connector and `shifted_reuse` shift or blend (vLLM can only compute after a loaded
+  prefix, so blend runs as shift there), the kept turns' cached KV is loaded moved back
+  instead of recomputed: the request carries `ShiftParams` (the chains of the earlier
+  layouts the connector's host store may hold them under, model/overflow.py
+  `shift_layouts`), a cache salt of its own (so vLLM's cache never serves what is
+  computed after moved K/V to an exact request; that salt is not mapped back, so those
+  blocks never enter the gateway's index) and salted block hashes (docs/reindex.md), and
+  `cached_tokens` counts the moved tokens. `recompute` sends the kept prompt as any turn.
 - GetInfo's `reuse_block_tokens` is vLLM's block size: vLLM reuses only whole blocks of
   its own size, so the gateway rounds what it predicts cached there down to them.
 - Status: running and waiting requests and KV use from vLLM's /metrics (all clients of
@@ -92,6 +105,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import logging
@@ -108,12 +122,19 @@ from prefixgate.engines.vllm_events import VLLMEventMapper
 from prefixgate.engines.vllm_http import VLLMClient, VLLMError, VLLMMetrics
 from prefixgate.engines.vllm_stream import VLLMEventStream
 from prefixgate.model.catalog import ModelSpec, _fingerprint
+from prefixgate.model.overflow import (
+    OverflowPlan,
+    layout_hashes,
+    plan_overflow,
+    shift_layouts,
+    user_turn_prefix,
+)
 from prefixgate.model.tokenizer import ChatTokenizer
 from prefixgate.radix import Hashers, HashMemo
 from prefixgate.radix import packed as packed_ids
 from prefixgate.telemetry.tracing import trace_context
 from prefixgate.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from prefixgate.vllm_connector.params import PullParams, TransferParams
+from prefixgate.vllm_connector.params import PullParams, ShiftParams, TransferParams
 from prefixgate.wire.protocol import REQUEST_SCOPED, InvalidRequest, clip
 from prefixgate.wire.token_ids import repeated_token_ids
 from prefixgate.workerapi.api import FinalEvent, FinishReason
@@ -135,6 +156,7 @@ _PROBE_CHAT = (("system", "You are a helpful assistant."),
 _PROBE_TEXTS = ("Hello, world! The quick brown fox jumps over 13 lazy dogs.",
                 "  naïve café — 東京 Zürich\n\tdef f(x): return x**2  ")
 _NAMESPACE_PREFIX_TOKENS = 16  # tokens of a prompt remembered with its namespace
+MAX_SHIFT_LAYOUTS = 8  # earlier layouts a shifted load names (the undropped, recent drops)
 METRICS_BUDGET = 0.01  # most share of the time spent polling one server's /metrics
 MAX_POLL_GAP_S = 1.0  # longest wait between two /metrics polls (seconds)
 # Prompt tokens of the turns served here remembered for the drain hand-off (4 bytes each).
@@ -218,6 +240,7 @@ class VLLMWorker(WorkerServiceBase):
         self.refusal = ""  # why the served model is not the gateway's ("": it is)
         self.served_model = ""
         self.max_context_tokens = spec.max_context_tokens
+        self.turn_prefix = user_turn_prefix(tokenizer)  # opens a user turn (overflow)
         self._memo = HashMemo(8 << 20)
         self._in_flight = 0
         self._queued_prefill_tokens = 0  # of turns sent here not yet at their first token
@@ -555,6 +578,24 @@ class VLLMWorker(WorkerServiceBase):
                          self.config.worker_id, spec.peer_worker_id)
         return TransferParams(self.config.block_size, self.spec.fingerprint, tuple(hashes), pull)
 
+    def _overflow_params(self, plan: OverflowPlan, namespace: str, mode: str
+                         ) -> tuple[TransferParams | None, str]:
+        """What the connector gets for an overflowing turn, and its cache salt ("": the
+        namespace's): with the connector and a shifting mode, a shifted load under a salt
+        of its own and salted hashes; else the kept prompt's exact hashes (recomputed)."""
+        bs, kept = self.config.block_size, plan.kept
+        hasher = self.hashers.get(namespace)
+        if not self.vllm.export:
+            return None, ""
+        if (mode or "blend") == "recompute":
+            return TransferParams(bs, self.spec.fingerprint,
+                                  tuple(hasher.hash_blocks(kept))), ""
+        hashes = layout_hashes(hasher, kept, len(kept) // bs, plan.n_keep // bs, salted=True)
+        layouts = shift_layouts(plan, hasher, len(kept) - 1, MAX_SHIFT_LAYOUTS)
+        shift = ShiftParams(plan.n_keep, tuple((d, tuple(c)) for d, c in layouts))
+        salt = cache_salt(self._salt_key, "\x00shifted\x00" + namespace)
+        return TransferParams(bs, self.spec.fingerprint, tuple(hashes), shift=shift), salt
+
     def _split_cached(self, prompt_tokens: int, cached: int, held_tokens: int,
                       params: TransferParams | None) -> tuple[int, int]:
         """vLLM's cached tokens (local hits and loaded ones together) as (cached here,
@@ -584,7 +625,7 @@ class VLLMWorker(WorkerServiceBase):
             self._namespaces.popitem(last=False)
 
     def _body(self, prompt: list[int], sampling, namespace: str,
-              params: TransferParams | None = None) -> dict:
+              params: TransferParams | None = None, salt: str = "") -> dict:
         body: dict = {
             "model": self.served_model, "prompt": prompt, "max_tokens": sampling.max_tokens,
             "temperature": sampling.temperature, "top_p": sampling.top_p,
@@ -604,7 +645,9 @@ class VLLMWorker(WorkerServiceBase):
             # top-k and top-p, as the Worker API defines them), tokens named by id.
             body["logprobs"] = sampling.top_logprobs
             body["return_tokens_as_token_ids"] = True
-        if namespace:
+        if salt:  # a salt of its own (a shifted prompt): never mapped back to a namespace
+            body["cache_salt"] = salt
+        elif namespace:
             body["cache_salt"] = self._salt(namespace)
         if params is not None:
             body["kv_transfer_params"] = params.to_json()
@@ -619,11 +662,20 @@ class VLLMWorker(WorkerServiceBase):
         return salt
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context):
-        # vLLM cannot drop old turns: context overflow needs a prefixgate worker.
         packed, sampling = await self._checked_generate(
             request, context, vocab_size=self.tokenizer.vocab_size,
-            max_context_tokens=self.max_context_tokens, context_overflow="fail",
-            drops_turns=False)
+            max_context_tokens=self.max_context_tokens, context_overflow="fail")
+        plan = None
+        if len(packed) + sampling.max_tokens > self.max_context_tokens:
+            if sampling.context_overflow != "keep-system-drop-oldest":
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the prompt is {len(packed)} tokens and max_tokens {sampling.max_tokens}, "
+                    f"over the context window of {self.max_context_tokens}: shorten the "
+                    "conversation, or ask for context_overflow keep-system-drop-oldest to "
+                    "drop its oldest turns", REQUEST_SCOPED)
+            plan = plan_overflow(packed.tolist(), sampling.max_tokens,
+                                 self.max_context_tokens, self.turn_prefix)
         if not self.reachable or self.refusal:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"vLLM worker {self.config.worker_id} at {self.vllm.url} is not "
@@ -631,11 +683,29 @@ class VLLMWorker(WorkerServiceBase):
         prompt = packed.tolist()
         namespace = request.namespace
         self._remember_namespace(prompt, namespace)
-        hashes = self._memo.hash_blocks(self.hashers.get(namespace), packed)
-        held_tokens = self.mapper.held_prefix_blocks(hashes) * self.config.block_size
-        self._remember_served(hashes, packed, namespace)
+        salt = ""  # "": the namespace's
+        if plan is not None:
+            if len(plan.kept) >= self.max_context_tokens:  # not even the last turn fits
+                log.warning("request %s: the system prompt and the last turn alone (%d "
+                            "tokens) fill the context of %d", clip(request.request_id),
+                            len(plan.kept), self.max_context_tokens)
+                yield _length_final(sampling.n, len(plan.kept), plan.dropped_tokens)
+                return
+            prompt = list(plan.kept)
+            sampling = dataclasses.replace(sampling, max_tokens=min(
+                sampling.max_tokens, self.max_context_tokens - len(prompt)))
+            params, salt = self._overflow_params(plan, namespace, sampling.shifted_reuse)
+            held_tokens = 0 if salt else self.mapper.held_prefix_blocks(
+                self.hashers.get(namespace).hash_blocks(prompt)) * self.config.block_size
+            log.info("request %s: dropped %d of %d prompt tokens to fit vLLM's context of "
+                     "%d (%s)", clip(request.request_id), plan.dropped_tokens, len(plan.full),
+                     self.max_context_tokens, "kept turns moved" if salt else "recomputed")
+        else:
+            hashes = self._memo.hash_blocks(self.hashers.get(namespace), packed)
+            held_tokens = self.mapper.held_prefix_blocks(hashes) * self.config.block_size
+            self._remember_served(hashes, packed, namespace)
+            params = self._pull_params(request, hashes)
         pending = len(prompt) - held_tokens
-        params = self._pull_params(request, hashes)
         started = time.monotonic()
         ttft_ms = 0.0
         finish: dict[int, str] = {}
@@ -645,7 +715,8 @@ class VLLMWorker(WorkerServiceBase):
         try:
             # aclosing: a client that went away closes the HTTP stream at once (vLLM aborts).
             async with contextlib.aclosing(self.client.completions(
-                    self._body(prompt, sampling, namespace, params), context.time_remaining(),
+                    self._body(prompt, sampling, namespace, params, salt),
+                    context.time_remaining(),
                     trace_context(context.invocation_metadata()))) as chunks:
                 async for chunk in chunks:
                     for choice in chunk.get("choices") or ():
@@ -690,7 +761,8 @@ class VLLMWorker(WorkerServiceBase):
         yield worker_pb2.GenerateEvent(final=worker_pb2.GenerateFinal(
             usage=common_pb2.Usage(prompt_tokens=prompt_tokens, cached_tokens=here,
                                    completion_tokens=completion,
-                                   transferred_tokens=transferred),
+                                   transferred_tokens=transferred,
+                                   dropped_tokens=plan.dropped_tokens if plan else 0),
             finish_reason=FINISH_TO_PROTO[reasons[0]],
             sample_finish_reasons=[FINISH_TO_PROTO[r] for r in reasons],
             timings=common_pb2.Timings(ttft_ms=ttft_ms or total_ms, total_ms=total_ms)))
@@ -715,6 +787,14 @@ class VLLMWorker(WorkerServiceBase):
             return
         if prompt_tokens // vbs > cached_tokens // vbs and self.stream.last_batch_at < since:
             self.stream.expect_events(since)
+
+
+def _length_final(n: int, prompt_tokens: int, dropped_tokens: int) -> worker_pb2.GenerateEvent:
+    """The final of a turn the context cannot hold even after dropping (no tokens)."""
+    length = FINISH_TO_PROTO[FinishReason.LENGTH]
+    return worker_pb2.GenerateEvent(final=worker_pb2.GenerateFinal(
+        usage=common_pb2.Usage(prompt_tokens=prompt_tokens, dropped_tokens=dropped_tokens),
+        finish_reason=length, sample_finish_reasons=[length] * n))
 
 
 def cache_salt(key: bytes, namespace: str) -> str:

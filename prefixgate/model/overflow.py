@@ -24,7 +24,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import xxhash
+
 from prefixgate.model.tokenizer import ChatTokenizer
+from prefixgate.radix import BlockHasher
 
 POLICIES = ("fail", "keep-system-drop-oldest")
 
@@ -117,3 +120,43 @@ def user_turn_prefix(tokenizer: ChatTokenizer) -> tuple[int, ...]:
     if at < 0:
         return ()
     return tuple(tokenizer.tokenizer.encode(head[at:].rstrip(), add_special_tokens=False).ids)
+
+
+def salted_parent(parent_hash: int) -> int:
+    """Parent hash of the first block of an approximate (moved) chain: unrelated to every
+    exact chain, the same in every process."""
+    return xxhash.xxh3_64_intdigest(parent_hash.to_bytes(8, "little"), seed=0x5E1F7ED)
+
+
+def layout_hashes(hasher: BlockHasher, tokens: Sequence[int], num_blocks: int,
+                  gap_block: int, salted: bool) -> list[int]:
+    """Hashes of the first `num_blocks` full blocks of `tokens`; with `salted`, the chain
+    from block `gap_block` on is the approximate one (`salted_parent`)."""
+    bs = hasher.block_size
+    head = hasher.hash_blocks(list(tokens[:min(gap_block, num_blocks) * bs]))
+    if num_blocks <= gap_block:
+        return head
+    parent = head[-1] if head else hasher.root_hash
+    if salted:
+        parent = salted_parent(parent)
+    return head + hasher.hash_blocks(list(tokens[gap_block * bs:num_blocks * bs]),
+                                     parent_hash=parent)
+
+
+def shift_layouts(plan: OverflowPlan, hasher: BlockHasher, limit: int, max_layouts: int
+                  ) -> list[tuple[int, list[int]]]:
+    """(delta, chain) of the layouts the kept run of `plan` may be cached under (see the
+    module): the undropped layout and the `max_layouts - 1` most recent drops, plain and
+    salted, each chain cut to the blocks covering new positions below `limit`."""
+    bs, gap = hasher.block_size, plan.n_keep // hasher.block_size
+    layouts = plan.layouts()
+    if len(layouts) > max_layouts:
+        layouts = layouts[:1] + layouts[len(layouts) - max_layouts + 1:]
+    out = []
+    for start, delta in layouts:
+        tokens = plan.layout(start)
+        num_blocks = min(len(tokens) // bs, -(-(limit + delta) // bs))
+        for salted in (False, True):
+            if delta or salted:  # delta 0 plain is the exact prompt: the engine's own hit
+                out.append((delta, layout_hashes(hasher, tokens, num_blocks, gap, salted)))
+    return out

@@ -15,6 +15,8 @@ Modules, one job each:
   pages.py      vLLM's paged KV cache (CPU backend) <-> prefixgate's wire pages (torch)
   store.py      the bounded host store of computed blocks, keyed by prefixgate block hashes
   export.py     the ExportBlocks server over that store, and the pulling client
+  shift.py      shifted loads (context overflow): the model's RoPE, the layout held
+                furthest, kept tokens' K/V gathered and rotated back (torch)
   connector.py  the `KVConnectorBase_V1` subclass vLLM instantiates (torch, vLLM)
 
 Only params.py may be imported outside vLLM's environment: the others import torch or vLLM.

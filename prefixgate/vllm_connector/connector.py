@@ -9,6 +9,16 @@ Scheduler side
   vLLM blocks and never the prompt's last token (vLLM must compute at least one), past what
   vLLM already holds; loaded asynchronously (vLLM allocates the blocks and parks the request
   until the load is done, running other requests meanwhile).
+- A request whose `kv_transfer_params` carry a shift (an overflowing conversation whose
+  oldest turns the adapter dropped: params.py `ShiftParams`) is reported as having the
+  prompt's tokens that an earlier layout of the conversation, held in this server's host
+  store, covers once moved back (shift.py `choose_layout`; whole vLLM blocks, never the
+  last prompt token, past what vLLM's own cache holds), loaded the same way. The store
+  lives in vLLM's worker process, so the scheduler asks this server's own ExportBlocks
+  how much of each layout it holds (its header's block count; export.py `held_blocks`),
+  never claiming more than is there: vLLM counts what is claimed as cached. When that
+  cannot be asked (no export port, or an export that wants pull tickets) nothing is
+  claimed and vLLM computes the kept prompt.
 - `update_state_after_alloc` / `build_connector_meta`: the load (holder, chain, token range,
   vLLM block ids) goes to the worker side once, in the next step's metadata; every step also
   names, for each request carrying prefixgate block hashes, the prompt blocks that step
@@ -31,6 +41,12 @@ Worker side
   evicted there, format mismatch, a refused chunk or ticket): vLLM recomputes from the
   first of them (kv_load_failure_policy "recompute", which params.connector_config sets:
   vLLM's default fails the request), so a failed pull never fails a request.
+  A shifted load reads the chosen layout's pages from the host store instead, gathers
+  each kept token from its old position, rotates its key back by the layout's delta with
+  the model's RoPE (shift.py `shifted_kv`; the preamble moves by 0) and writes them into
+  the request's blocks. Moved K/V are approximate (they attended to the dropped turns):
+  the adapter sends such a prompt under a cache salt of its own and salted block hashes
+  (docs/reindex.md), so no exact request ever matches what is computed after them.
 - `wait_for_save`: after each step, the pages of the prompt blocks the step completed go to
   the bounded host store (store.py) under their prefixgate hashes, skipping those held: a
   copy of the step's new blocks (the step's own compute dwarfs it), after which exports
@@ -57,9 +73,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from prefixgate.vllm_connector.export import ExportServer, pull_chain, ticket_keys_of
+from prefixgate.vllm_connector.export import (
+    ExportServer,
+    held_blocks,
+    pull_chain,
+    ticket_keys_of,
+)
 from prefixgate.vllm_connector.pages import PagedLayout
-from prefixgate.vllm_connector.params import DEFAULT_STORE_MIB, TransferParams
+from prefixgate.vllm_connector.params import DEFAULT_STORE_MIB, ShiftParams, TransferParams
+from prefixgate.vllm_connector.shift import UnsupportedRope, choose_layout, rope_of, shifted_kv
 from prefixgate.vllm_connector.store import HostStore, Page
 from prefixgate.workerapi.transfer import KVFormat, TransferError
 
@@ -76,6 +98,8 @@ log = logging.getLogger("vllm.prefixgate_connector")
 
 PULL_TIMEOUT_S = 120.0
 
+SHIFT_PROBE_TIMEOUT_S = 2.0  # the scheduler asking this server's export what it holds
+
 
 @dataclass
 class LoadSpec:
@@ -91,6 +115,7 @@ class LoadSpec:
     from_token: int
     to_token: int
     block_ids: list[int]  # the request's vLLM blocks, from its first token
+    shift: ShiftParams | None = None  # a shifted load from the host store (peer unused)
 
 
 @dataclass
@@ -124,6 +149,11 @@ class PrefixgateConnector(KVConnectorBase_V1):
         if not self._enabled:
             log.warning("prefixgate connector: maps the KV pages of vLLM's CPU backend only; "
                         "this server moves no blocks")
+        try:
+            self._rope = rope_of(vllm_config.model_config.hf_config)
+        except (UnsupportedRope, AttributeError, KeyError, TypeError, ValueError) as exc:
+            log.warning("prefixgate connector: %s; overflowing conversations are computed", exc)
+            self._rope = None
         # Scheduler side.
         self._params: dict[str, TransferParams] = {}
         self._planned: dict[str, tuple[TransferParams, int, int]] = {}  # id -> (p, from, n)
@@ -132,6 +162,7 @@ class PrefixgateConnector(KVConnectorBase_V1):
         # Requests whose load was handed to the worker side: never planned again (a failed
         # load sends the request back to vLLM's queue, which asks again).
         self._attempted: set[str] = set()
+        self._probe: grpc.Channel | None = None  # this server's export, asked by the scheduler
         # Worker side.
         self._store = HostStore(int(cfg.get_from_extra_config("store_mib", DEFAULT_STORE_MIB))
                                 << 20)
@@ -158,6 +189,8 @@ class PrefixgateConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         params = self._params.get(request.request_id)
+        if params is not None and params.shift is not None:
+            return self._match_shift(request, params, num_computed_tokens)
         if params is None or params.pull is None or request.num_preemptions \
                 or request.request_id in self._attempted:
             return 0, False
@@ -171,14 +204,50 @@ class PrefixgateConnector(KVConnectorBase_V1):
         self._planned[request.request_id] = (params, num_computed_tokens, extra)
         return extra, True
 
+    def _match_shift(self, request: Request, params: TransferParams, num_computed_tokens: int
+                     ) -> tuple[int, bool]:
+        """Tokens a shifted load gives past vLLM's own hit (see the module)."""
+        assert params.shift is not None
+        if self._rope is None or request.num_preemptions \
+                or request.request_id in self._attempted:
+            return 0, False
+        vbs = self._block_size
+        limit = (request.num_prompt_tokens - 1) // vbs * vbs
+        if request.request_id in self._planned:  # asked again (not scheduled yet)
+            _, start, extra = self._planned[request.request_id]
+            return (extra, True) if start == num_computed_tokens else (0, False)
+        if not self._export_port or self._keyring:
+            return 0, False
+        if self._probe is None:
+            self._probe = grpc.insecure_channel(f"{self._export_host}:{self._export_port}")
+        probe = self._probe
+
+        def held(chain) -> range:
+            n = held_blocks(probe, chain, SHIFT_PROBE_TIMEOUT_S)
+            return range(n or 0)
+
+        best = choose_layout(held, params.shift, params.block_size, limit)
+        end = best[0] // vbs * vbs if best is not None else 0
+        extra = end - num_computed_tokens
+        if extra <= 0:
+            return 0, False
+        self._planned[request.request_id] = (params, num_computed_tokens, extra)
+        return extra, True
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         planned = self._planned.pop(request.request_id, None)
         if not num_external_tokens or planned is None:
             return
         params, start, _ = planned
-        assert params.pull is not None
         self._attempted.add(request.request_id)
+        if params.shift is not None:
+            self._loads.append(LoadSpec(
+                request.request_id, "", [], b"", 0, params.block_size, params.fingerprint,
+                start, start + num_external_tokens, list(blocks.get_block_ids()[0]),
+                shift=params.shift))
+            return
+        assert params.pull is not None
         self._loads.append(LoadSpec(
             request.request_id, params.pull.peer, list(params.block_hashes),
             params.pull.ticket, params.pull.num_blocks, params.block_size, params.fingerprint,
@@ -271,6 +340,9 @@ class PrefixgateConnector(KVConnectorBase_V1):
 
     def _load(self, spec: LoadSpec) -> None:
         """Pull tokens [from_token, to_token) and write them; record the blocks unfilled."""
+        if spec.shift is not None:
+            self._load_shifted(spec)
+            return
         began = time.monotonic()
         B = spec.block_size
         written = spec.from_token  # tokens [from_token, written) are in vLLM's blocks
@@ -339,6 +411,47 @@ class PrefixgateConnector(KVConnectorBase_V1):
             self._running.pop(spec.req_id, None)
             self._done[spec.req_id] = unfilled
 
+    def _load_shifted(self, spec: LoadSpec) -> None:
+        """Move the kept run of an overflowing prompt from the host store into tokens
+        [from_token, to_token) of its blocks (as far as a held layout reaches, in whole
+        vLLM blocks); record the blocks unfilled."""
+        began = time.monotonic()
+        vbs = self._block_size
+        written, delta, error = spec.from_token, 0, ""
+        try:
+            assert spec.shift is not None
+            if self._layout is None or self._rope is None:
+                raise TransferError(grpc.StatusCode.FAILED_PRECONDITION,
+                                    "this server's KV cache layout or RoPE is not mapped")
+            best = choose_layout(lambda chain: self._store.run(chain, 0), spec.shift,
+                                 spec.block_size, spec.to_token)
+            if best is None:
+                raise TransferError(grpc.StatusCode.NOT_FOUND,
+                                    "no earlier layout of the conversation is held")
+            end, delta, pages = best
+            stop = end // vbs * vbs
+            if stop > spec.from_token:
+                k, v = shifted_kv(pages, spec.shift.n_keep, delta, spec.from_token, stop,
+                                  self._rope)
+                ids = self._block_ids(spec.block_ids, spec.from_token, stop)
+                for i, (_, cache) in enumerate(self._layers):
+                    self._layout.write(cache, ids, k[i], v[i])
+                written = stop
+        except TransferError as exc:
+            error = str(exc)
+        except Exception as exc:  # never let a load take vLLM's step loop down
+            log.exception("prefixgate connector: shifted load of %s failed", spec.req_id)
+            error = repr(exc)
+        unfilled = spec.block_ids[written // vbs: -(-spec.to_token // vbs)] \
+            if written < spec.to_token else []
+        log.info("prefixgate connector: %s moved %d of %d tokens back by %d positions "
+                 "(%.3f s)%s", spec.req_id, written - spec.from_token,
+                 spec.to_token - spec.from_token, delta, time.monotonic() - began,
+                 f": {error}" if error else "")
+        with self._lock:
+            self._running.pop(spec.req_id, None)
+            self._done[spec.req_id] = unfilled
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
@@ -384,5 +497,7 @@ class PrefixgateConnector(KVConnectorBase_V1):
         return failed
 
     def shutdown(self) -> None:
+        if self._probe is not None:
+            self._probe.close()
         if self._server is not None:
             self._server.stop()

@@ -25,6 +25,9 @@ not checked: a ticket copied off a request admits its chain, from this holder, u
 expires. Without keys nothing is checked (bind the server to loopback, as `up` does, or
 to a network only workers reach).
 
+`held_blocks(channel, chain, timeout_s)` -> how many leading blocks of a chain an export
+holds (its header's count, nothing read past it; None when it cannot say).
+
 `ticket_keys_of(keyring_path, worker_id)` -> the keys above, read from a keyring file
 (security/identity.py; ValueError when it has no `@tickets` line).
 
@@ -175,6 +178,26 @@ def accept_chunk(header: worker_pb2.KVBlocksHeader, chunk: worker_pb2.KVBlocksCh
     if matched < chunk.num_blocks:
         raise TransferError(grpc.StatusCode.DATA_LOSS,
                             f"blocks {chunk.first_block}+{chunk.num_blocks}: {why}")
+
+
+def held_blocks(channel: grpc.Channel, chain: Sequence[int], timeout_s: float) -> int | None:
+    """How many blocks of `chain`, from its first, the ExportBlocks at `channel` holds
+    (its header's count; the stream is cancelled before its pages are read): 0 when
+    none, None when it cannot say (unreachable, refused without a ticket)."""
+    if not chain:
+        return 0
+    call = worker_pb2_grpc.WorkerServiceStub(channel).ExportBlocks(
+        worker_pb2.ExportBlocksRequest(block_hashes=list(chain), from_block=0),
+        timeout=timeout_s)
+    try:
+        first = next(iter(call), None)
+        if first is None or first.WhichOneof("event") != "header":
+            return None
+        return int(first.header.num_blocks)
+    except grpc.RpcError as exc:
+        return 0 if exc.code() == grpc.StatusCode.NOT_FOUND else None
+    finally:
+        call.cancel()
 
 
 def pull_chain(peer: str, chain: Sequence[int], from_block: int, ticket: bytes,

@@ -13,6 +13,14 @@ for LMCache's and NIXL's per-request parameters):
   - `pull` (optional): the holder to pull the prompt's leading `num_blocks` blocks from
     (`peer`: the host:port of its ExportBlocks), and the gateway's pull ticket, passed on
     unchanged in ExportBlocksRequest.ticket.
+  - `shift` (optional, `ShiftParams`): the prompt is an overflowing conversation whose
+    oldest turns were dropped (model/overflow.py); its kept run may be loaded, moved back,
+    from an earlier layout of the conversation that this server's host store keeps:
+    `n_keep` preamble tokens sit at the same positions in every layout (moved by 0), and
+    each of `layouts` is (`delta`, `chain`): the prefixgate block hashes of an earlier
+    layout (preamble, then the prompt as sent from an earlier turn start), where the new
+    prompt's token p >= n_keep sat at p + delta. Keys are rotated back by delta on load
+    (vllm_connector/shift.py); values are copied.
 `to_json`/`from_json` are the JSON form; `from_json` returns None for a request without
 them or with malformed ones (that request then moves nothing: vLLM computes as usual).
 
@@ -26,7 +34,8 @@ import base64
 import json
 from dataclasses import dataclass
 
-__all__ = ["CLASS", "KEY", "MODULE", "PullParams", "TransferParams", "connector_config"]
+__all__ = ["CLASS", "KEY", "MODULE", "PullParams", "ShiftParams", "TransferParams",
+           "connector_config"]
 
 KEY = "prefixgate"
 MODULE = "prefixgate.vllm_connector.connector"
@@ -43,11 +52,35 @@ class PullParams:
 
 
 @dataclass(frozen=True)
+class ShiftParams:
+    """Where the kept run of an overflowing prompt may be cached (see the module)."""
+
+    n_keep: int  # preamble tokens: at the same positions in every layout
+    layouts: tuple[tuple[int, tuple[int, ...]], ...]  # (delta in positions, chain)
+
+    def to_json(self) -> dict:
+        return {"n_keep": self.n_keep,
+                "layouts": [{"delta": d, "chain": list(c)} for d, c in self.layouts]}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> ShiftParams:
+        """KeyError / TypeError / ValueError when malformed."""
+        layouts = tuple((int(x["delta"]), tuple(int(h) for h in x["chain"]))
+                        for x in doc["layouts"])
+        out = cls(int(doc["n_keep"]), layouts)
+        if out.n_keep < 0 or any(d < 0 or not all(0 <= h < 1 << 64 for h in c)
+                                 for d, c in layouts):
+            raise ValueError("negative n_keep or delta, or a hash out of range")
+        return out
+
+
+@dataclass(frozen=True)
 class TransferParams:
     block_size: int
     fingerprint: str
     block_hashes: tuple[int, ...]
     pull: PullParams | None = None
+    shift: ShiftParams | None = None
 
     def to_json(self) -> dict:
         doc: dict = {"block_size": self.block_size, "fingerprint": self.fingerprint,
@@ -56,6 +89,8 @@ class TransferParams:
             doc["pull"] = {"peer": self.pull.peer, "peer_worker_id": self.pull.peer_worker_id,
                            "num_blocks": self.pull.num_blocks,
                            "ticket": base64.b64encode(self.pull.ticket).decode()}
+        if self.shift is not None:
+            doc["shift"] = self.shift.to_json()
         return {KEY: doc}
 
     @classmethod
@@ -71,8 +106,10 @@ class TransferParams:
                 pull = PullParams(str(p["peer"]), str(p.get("peer_worker_id", "")),
                                   int(p["num_blocks"]),
                                   base64.b64decode(p.get("ticket", "") or ""))
+            shift = ShiftParams.from_json(doc["shift"]) if isinstance(doc.get("shift"), dict) \
+                else None
             params = cls(int(doc["block_size"]), str(doc["fingerprint"]),
-                         tuple(int(h) for h in doc["block_hashes"]), pull)
+                         tuple(int(h) for h in doc["block_hashes"]), pull, shift)
         except (KeyError, TypeError, ValueError):
             return None
         if params.block_size <= 0 or any(not 0 <= h < 1 << 64 for h in params.block_hashes):

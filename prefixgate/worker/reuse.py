@@ -52,9 +52,9 @@ import logging
 from collections.abc import Sequence as Seq
 
 import torch
-import xxhash
 
 from prefixgate.model.overflow import OverflowPlan
+from prefixgate.model.overflow import salted_parent as _salt
 from prefixgate.radix import BlockHasher, Hashers
 from prefixgate.worker.blocks import BlockManager
 from prefixgate.worker.prefix_cache import PrefixCache
@@ -291,7 +291,3 @@ class ReusePlanner:
         seq.block_table = []
 
 
-def _salt(parent_hash: int) -> int:
-    """Parent hash of the first block of an approximate (moved) chain: unrelated to every
-    exact chain, the same in every process."""
-    return xxhash.xxh3_64_intdigest(parent_hash.to_bytes(8, "little"), seed=0x5E1F7ED)

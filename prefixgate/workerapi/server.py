@@ -265,16 +265,12 @@ class WorkerServiceBase:
 
     async def _checked_generate(self, request: worker_pb2.GenerateRequest,
                                 context: grpc.aio.ServicerContext, *, vocab_size: int,
-                                max_context_tokens: int, context_overflow: str,
-                                drops_turns: bool = True) -> tuple[memoryview, SamplingConfig]:
+                                max_context_tokens: int, context_overflow: str) -> tuple[memoryview, SamplingConfig]:
         """Generate's validation, one for every implementation: the request's fields
         within `config.limits`, its prompt (repeated or packed ids, each below
         `vocab_size`), its sampling with the model's generation defaults filled in for
         unset fields, within `max_context_tokens` (prompt and reply together;
-        `context_overflow`: the policy of a request that leaves it unset). An
-        implementation that cannot drop old turns (`drops_turns` False) also refuses a
-        prompt plus max_tokens past the context window that a request's
-        keep-system-drop-oldest would accept. Returns (the prompt's token ids, the
+        `context_overflow`: the policy of a request that leaves it unset). Returns (the prompt's token ids, the
         sampling); bad input ends the call INVALID_ARGUMENT, marked REQUEST_SCOPED (the
         gateway returns it to its client and never retries it on another worker)."""
         try:
@@ -285,12 +281,6 @@ class WorkerServiceBase:
             sampling = sampling_from_proto(
                 with_generation_defaults(request.sampling, self.spec.generation), len(prompt),
                 max_context_tokens, context_overflow)
-            if not drops_turns and len(prompt) + sampling.max_tokens > max_context_tokens:
-                raise InvalidRequest(
-                    f"the prompt is {len(prompt)} tokens and max_tokens {sampling.max_tokens}, "
-                    f"over the context window of {max_context_tokens}: worker "
-                    f"{self.config.worker_id} cannot drop old turns (context_overflow); "
-                    "shorten the conversation")
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), REQUEST_SCOPED)
         return prompt, sampling

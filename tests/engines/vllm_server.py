@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from prefixgate.launch.processes import ProcessGroup
-from prefixgate.launch.vllm import VLLMLaunch, vllm_argv
+from prefixgate.launch.vllm import VLLMLaunch, vllm_argv, vllm_env
 from prefixgate.launch.vllm import VLLMServer as LaunchedServer
 from prefixgate.wire.rpc import free_port
 
@@ -51,27 +51,32 @@ def _has_vllm(python: str) -> bool:
 class VLLMServer:
     def __init__(self, model_dir: Path, served_name: str, log_path: Path,
                  block_size: int = 32, max_model_len: int = 4096,
-                 kv_cache_bytes: int = 256 << 20) -> None:
+                 kv_cache_bytes: int = 256 << 20, connector: bool = False,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # The event sockets as `up` makes them: ipc:// in a private (0700) directory.
         ipc_dir = tempfile.mkdtemp(prefix="vllm-events-")
-        launched = LaunchedServer("vllm", "127.0.0.1", self.port, 0, 0, ipc_dir=ipc_dir)
+        # With `connector`, prefixgate's KV connector and its ExportBlocks, as `up` starts it.
+        launched = LaunchedServer("vllm", "127.0.0.1", self.port, 0, 0, ipc_dir=ipc_dir,
+                                  export_port=free_port() if connector else 0)
+        self.export = launched.export
         self.events, self.replay = launched.events, launched.replay
         self.served_name = served_name
         self.log_path = log_path
         # The command line `prefixgate up --engine vllm` runs (prefixgate/launch/vllm.py).
-        self.cmd = vllm_argv(
-            VLLMLaunch(vllm_python(), Path(model_dir), served_name, block_size=block_size,
-                       kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len),
-            launched)
+        launch = VLLMLaunch(vllm_python(), Path(model_dir), served_name, block_size=block_size,
+                            kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len,
+                            connector=connector, extra_args=extra_args)
+        self.cmd = vllm_argv(launch, launched)
+        self.env = vllm_env(launch, Path(ipc_dir) / "path") if connector else {}
         self.proc: subprocess.Popen | None = None
         self.group: ProcessGroup | None = None
 
     @property
     def spec(self) -> str:
         """The --vllm-worker form."""
-        return f"{self.url},{self.events},{self.replay}"
+        return ",".join(p for p in (self.url, self.events, self.replay, self.export) if p)
 
     def start(self, timeout_s: float = 600) -> VLLMServer:
         """Start the server (again, after `stop`: its log goes on) and wait until it
@@ -80,7 +85,7 @@ class VLLMServer:
         if self.group is None:
             self.group = ProcessGroup(self.log_path.parent, new_session=True,
                                       env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
-        self.proc = self.group.start(self.log_path.stem, self.cmd)
+        self.proc = self.group.start(self.log_path.stem, self.cmd, env=self.env)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
