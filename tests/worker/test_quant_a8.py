@@ -128,3 +128,30 @@ def test_llama_step_on_q4_1_a8_on_simde(tiny_spec, on_emulated_avx512) -> None:
     from tests.worker.test_quant import test_llama_step_on_q4_1_matches_transformers
 
     test_llama_step_on_q4_1_matches_transformers(tiny_spec, "q4_1-a8")
+
+
+@pytest.mark.slow
+def test_smollm2_q4_1_a8_greedy_tokens_follow_q4_1(smollm2_spec, smollm2_model) -> None:
+    """Through the worker's engine (prefill through the dequantized GEMM on quantized
+    rows, decode steps through the one-call decode layers and the a8 head), a short
+    chat's greedy reply under q4_1-a8 against q4_1's (float32 activations, which is
+    float32's on SmolLM2). 8-bit activations move each logit by a few hundredths
+    (the fidelity figures: docs/bench/weights-avx2.md), so the replies agree while no two
+    candidates are that close and may part after; expected: the first 16 of 24 tokens
+    identical (a reply that parts earlier is a regression to look at, as is a reply
+    identical to q4_1's on every prompt of the fidelity run: the a8 path would then not
+    be running)."""
+    from prefixgate.model.tokenizer import ChatTokenizer
+    from tests.helpers import make_engine
+    from tests.worker.test_engine import run
+
+    chat = [("user", "Write two sentences about the sea.")]
+    prompt = ChatTokenizer(smollm2_spec).encode_messages(chat)
+    replies = []
+    for fmt in ("q4_1", "q4_1-a8"):
+        model = load_model(smollm2_spec, weights=WeightsConfig(fmt))
+        engine = make_engine(smollm2_spec, model, enable_prefix_cache=False)
+        replies.append(run(engine, prompt, max_tokens=24, rid="sea")[0])
+        engine.shutdown()
+    same = next((i for i, (a, b) in enumerate(zip(*replies)) if a != b), len(replies[0]))
+    assert len(replies[0]) == 24 and same >= 16, (same, replies)

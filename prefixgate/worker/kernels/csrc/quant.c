@@ -42,6 +42,7 @@ static inline float f16_at(const uint8_t *p) {
 typedef struct {
     const float *x; int64_t xs; int M, K, N;
     const uint8_t *w; float *out; int64_t os;
+    int rows;   /* weight rows per work item (item_rows) */
 } gemm_t;
 
 #if PG_QUANT_PATH == 2
@@ -195,7 +196,7 @@ static inline void deq_q8(const uint8_t *blk, float *o) {
 }
 #endif
 
-/* ---- both paths: work items of ROWS_PER_TASK weight rows ------------------------------ */
+/* ---- both paths: work items of item_rows() weight rows ------------------------------- */
 #if MB == 8
 #define MORE_ROWS(ROWS)                                                                  \
     case 5: ROWS(g, n, m0, 5); break; case 6: ROWS(g, n, m0, 6); break;                 \
@@ -207,8 +208,8 @@ static inline void deq_q8(const uint8_t *blk, float *o) {
 #define GEMM_ITEM(NAME, ROWS)                                                           \
 static void NAME(void *arg, int item) {                                                \
     const gemm_t *g = (const gemm_t *)arg;                                              \
-    int n0 = item * ROWS_PER_TASK;                                                      \
-    int n1 = n0 + ROWS_PER_TASK < g->N ? n0 + ROWS_PER_TASK : g->N;                    \
+    int n0 = item * g->rows;                                                            \
+    int n1 = n0 + g->rows < g->N ? n0 + g->rows : g->N;                                \
     for (int m0 = 0; m0 < g->M; m0 += MB) {                                             \
         int mb = g->M - m0 < MB ? g->M - m0 : MB;                                       \
         for (int n = n0; n < n1; n++) switch (mb) {                                     \
@@ -224,12 +225,23 @@ GEMM_ITEM(q8_item, q8_rows)
 
 #define SLICES(N) (((N) + ROWS_PER_TASK - 1) / ROWS_PER_TASK)
 
+/* Weight rows per work item of a product: ROWS_PER_TASK, or fewer when that would leave
+   fewer than 8 items per thread, so that threads finish together (a 576-row product
+   is 9 items of 64: one thread of two would do 5, the other 4, and the caller waits on
+   the fifth); at least 16 rows, a few microseconds of work against the pool's claim. */
+static inline int item_rows(int N, int nth) {
+    if (nth <= 1) return ROWS_PER_TASK;
+    int rows = N / (8 * nth);
+    rows = rows < 16 ? 16 : rows > ROWS_PER_TASK ? ROWS_PER_TASK : rows;
+    return rows;
+}
+
 int pg_q4_1_gemm(const float *x, int64_t xs, int M, int K, int N, const uint8_t *w,
                  float *out, int64_t os, int nth) {
     if (!pg_quant_path()) return -2;
     if (K % 32) return -1;
-    gemm_t g = {x, xs, M, K, N, w, out, os};
-    pg_pool_run(q4_item, &g, SLICES(N), nth);
+    gemm_t g = {x, xs, M, K, N, w, out, os, item_rows(N, nth)};
+    pg_pool_run(q4_item, &g, (N + g.rows - 1) / g.rows, nth);
     return 0;
 }
 
@@ -237,8 +249,8 @@ int pg_q8_0_gemm(const float *x, int64_t xs, int M, int K, int N, const uint8_t 
                  float *out, int64_t os, int nth) {
     if (!pg_quant_path()) return -2;
     if (K % 32) return -1;
-    gemm_t g = {x, xs, M, K, N, w, out, os};
-    pg_pool_run(q8_item, &g, SLICES(N), nth);
+    gemm_t g = {x, xs, M, K, N, w, out, os, item_rows(N, nth)};
+    pg_pool_run(q8_item, &g, (N + g.rows - 1) / g.rows, nth);
     return 0;
 }
 
@@ -299,6 +311,7 @@ static void quantize_row_q8(const float *x, act_q8 *o, int K) {
 typedef struct {
     const act_q8 *xq; int M, K, N;   /* xq: M rows of K / 32 blocks */
     const uint8_t *w; float *out; int64_t os;
+    int rows;   /* weight rows per work item (item_rows) */
 } gemm_a8_t;
 
 #define MB8 4   /* activation rows per pass over a weight row */
@@ -370,8 +383,8 @@ A8_ROWS(q8a8_rows, Q8_0_BYTES, q8a8_block)
 #define GEMM_A8_ITEM(NAME, ROWS)                                                        \
 static void NAME(void *arg, int item) {                                                \
     const gemm_a8_t *g = (const gemm_a8_t *)arg;                                        \
-    int n0 = item * ROWS_PER_TASK;                                                      \
-    int n1 = n0 + ROWS_PER_TASK < g->N ? n0 + ROWS_PER_TASK : g->N;                    \
+    int n0 = item * g->rows;                                                            \
+    int n1 = n0 + g->rows < g->N ? n0 + g->rows : g->N;                                \
     for (int m0 = 0; m0 < g->M; m0 += MB8) {                                            \
         int mb = g->M - m0 < MB8 ? g->M - m0 : MB8;                                     \
         for (int n = n0; n < n1; n++) switch (mb) {                                     \
@@ -398,8 +411,8 @@ static int gemm_a8(const float *x, int64_t xs, int M, int K, int N, const uint8_
         a8_buf = buf; a8_cap = need;
     }
     for (int m = 0; m < M; m++) quantize_row_q8(x + (int64_t)m * xs, a8_buf + (int64_t)m * (K / 32), K);
-    gemm_a8_t g = {a8_buf, M, K, N, w, out, os};
-    pg_pool_run(item, &g, SLICES(N), nth);
+    gemm_a8_t g = {a8_buf, M, K, N, w, out, os, item_rows(N, nth)};
+    pg_pool_run(item, &g, (N + g.rows - 1) / g.rows, nth);
     return 0;
 }
 
