@@ -12,8 +12,17 @@ import pytest
 import torch
 
 from prefixgate.worker.kernels import cpu_quant
-from prefixgate.worker.model_loader import QUANT_KERNEL_MAX_ROWS, QuantLinear, WeightsConfig, load_model
-from tests.worker.test_quant import emulated_avx512, on_emulated_avx512  # noqa: F401 (fixtures)
+from prefixgate.worker.model_loader import (
+    QUANT_KERNEL_MAX_ROWS,
+    QuantLinear,
+    WeightsConfig,
+    load_model,
+)
+from tests.worker import test_quant
+
+# The SIMDe AVX-512 build's fixtures (built once per module there).
+emulated_avx512 = test_quant.emulated_avx512
+on_emulated_avx512 = test_quant.on_emulated_avx512
 
 pytestmark = pytest.mark.skipif(
     not cpu_quant.available(),
@@ -119,15 +128,11 @@ def test_q4_1_a8_is_an_option_not_the_default(tiny_spec) -> None:
 def test_llama_step_on_q4_1_a8_matches_transformers(tiny_spec) -> None:
     """The one-call decode layers with 8-bit activations compute what transformers'
     forward over the same q4_1-a8 modules does."""
-    from tests.worker.test_quant import test_llama_step_on_q4_1_matches_transformers
-
-    test_llama_step_on_q4_1_matches_transformers(tiny_spec, "q4_1-a8")
+    test_quant.test_llama_step_on_q4_1_matches_transformers(tiny_spec, "q4_1-a8")
 
 
 def test_llama_step_on_q4_1_a8_on_simde(tiny_spec, on_emulated_avx512) -> None:
-    from tests.worker.test_quant import test_llama_step_on_q4_1_matches_transformers
-
-    test_llama_step_on_q4_1_matches_transformers(tiny_spec, "q4_1-a8")
+    test_quant.test_llama_step_on_q4_1_matches_transformers(tiny_spec, "q4_1-a8")
 
 
 @pytest.mark.slow
@@ -153,5 +158,5 @@ def test_smollm2_q4_1_a8_greedy_tokens_follow_q4_1(smollm2_spec, smollm2_model) 
         engine = make_engine(smollm2_spec, model, enable_prefix_cache=False)
         replies.append(run(engine, prompt, max_tokens=24, rid="sea")[0])
         engine.shutdown()
-    same = next((i for i, (a, b) in enumerate(zip(*replies)) if a != b), len(replies[0]))
+    same = next((i for i, (a, b) in enumerate(zip(*replies, strict=False)) if a != b), len(replies[0]))
     assert len(replies[0]) == 24 and same >= 16, (same, replies)
