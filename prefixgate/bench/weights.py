@@ -60,7 +60,9 @@ KL_MAX = 0.05
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-formats", nargs="+", default=["float32", "bfloat16", "int8", "q4_1"],
-                        help="weight formats to measure (float32 is the fidelity reference)")
+                        help="weight formats to measure (float32 is the fidelity reference; "
+                             "q4_1-a8, q4_1 with 8-bit activations, is lossy: its fidelity "
+                             "decides where it may serve)")
     parser.add_argument("--fidelity-conversations", type=int, default=12,
                         help="ShareGPT conversations for the fidelity figures (0: skip)")
     parser.add_argument("--fidelity-turns", type=int, default=4,

@@ -41,7 +41,7 @@ BUILTIN_MODELS = ("smollm2-135m", "tiny-random")
 TINY_RANDOM_SEED = 0
 # How a worker may hold a model (worker/model_loader.WeightsConfig); here, without torch,
 # so that the command line can offer them as choices.
-WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "q4_1")
+WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "q4_1", "q4_1-a8")
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CHATML_TEMPLATE = (

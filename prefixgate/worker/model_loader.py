@@ -29,6 +29,14 @@ Weight formats (`WeightsConfig`, the worker's `--weights` / `--kv-dtype`):
             weight instead of 4. The CPU default where it is lossless
             (`default_weights`); on any other model it is plain round-to-nearest 4-bit,
             opt-in, and its fidelity is measured like int8's.
+  q4_1-a8   q4_1's weights with 8-bit activations, as llama.cpp computes them: every
+            product's input rows quantized per block of 32 (int8 codes, a float scale
+            max |x| / 127: ggml's Q8_1) and multiplied by integer dot products (AVX2
+            maddubs; worker/kernels/cpu_quant.py), about half the instructions per weight
+            block of q4_1's float32 activations. Prefill chunks multiply the same
+            quantized rows through torch's GEMM. Lossy against float32 (each activation
+            moves by up to half its block's step), so an option, measured by the fidelity
+            figures like int8's; never what `--weights auto` picks unless it holds the bar.
   int8      weight-only int8: every nn.Linear (projections, MLP, LM head) keeps its
             weight as int8 with one bfloat16 scale per output channel (symmetric, round to
             nearest); activations, norms, RoPE, attention and (by default) KV are bfloat16.
@@ -160,7 +168,7 @@ class WeightsConfig:
         """The dtype of activations and of the weights left unquantized."""
         if self.weights == "auto":
             raise ValueError("resolve 'auto' weights for a device first (resolved())")
-        if self.weights == "q4_1":
+        if self.weights in ("q4_1", "q4_1-a8"):
             return torch.float32
         return torch.bfloat16 if self.weights == "int8" else getattr(torch, self.weights)
 
@@ -214,12 +222,12 @@ def load_model(spec: ModelSpec, dtype: torch.dtype = torch.float32, device: str 
     fmt = weights.weights if weights is not None else None
     # int8 scales come from the float32 weights, not from rounded bfloat16 ones.
     model = AutoModelForCausalLM.from_pretrained(
-        str(spec.model_dir), dtype=torch.float32 if fmt in ("int8", "q4_1") else dtype)
+        str(spec.model_dir), dtype=torch.float32 if fmt in ("int8", "q4_1", "q4_1-a8") else dtype)
     model = model.to(device).eval()
     if fmt == "int8":
         model = quantize_int8(model).to(dtype)  # .to leaves the int8 buffers as they are
-    elif fmt == "q4_1":
-        model = quantize_q4_1(model)
+    elif fmt in ("q4_1", "q4_1-a8"):
+        model = quantize_q4_1(model, activations_int8=fmt == "q4_1-a8")
     if weights is not None:
         model.kv_cache_dtype = weights.kv_torch_dtype
     return model
@@ -292,13 +300,16 @@ QUANT_KERNEL_MAX_ROWS = 32
 class QuantLinear(torch.nn.Module):
     """A bias-free linear layer whose weight [out, in] is held as GGUF-style blocks of 32
     (`kind` "q4_1": scale and min per block, 4-bit codes; "q8_0": scale per block, 8-bit
-    codes; layouts in worker/kernels/cpu_quant.py). float32 in, float32 out."""
+    codes; layouts in worker/kernels/cpu_quant.py). float32 in, float32 out. `a8`: the
+    input rows are quantized to 8 bits per block of 32 first (the q4_1-a8 format;
+    `cpu_quant.quantize_activations`), in the kernel's integer products and in the
+    prefill path alike, so a token's result does not depend on the path it took."""
 
-    def __init__(self, linear: torch.nn.Linear, kind: str) -> None:
+    def __init__(self, linear: torch.nn.Linear, kind: str, a8: bool = False) -> None:
         super().__init__()
         if linear.bias is not None:
             raise ValueError("quantized linears take no bias (Llama's have none)")
-        self.kind = kind
+        self.kind, self.a8 = kind, a8
         self.in_features, self.out_features = linear.in_features, linear.out_features
         w = linear.weight.detach().float()
         pack = cpu_quant.pack_q8_0 if kind == "q8_0" else cpu_quant.pack_q4_1
@@ -311,9 +322,11 @@ class QuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] <= QUANT_KERNEL_MAX_ROWS:
-            fn = cpu_quant.q8_0_linear if self.kind == "q8_0" else cpu_quant.q4_1_linear
+            fn = _KERNELS[self.kind, self.a8]
             y = fn(rows, self.packed, self.out_features)
         else:
+            if self.a8:
+                rows = cpu_quant.quantize_activations(rows)
             y = torch.nn.functional.linear(rows.float(), self.dequantized(_scratch(
                 self.out_features * self.in_features)))
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -323,7 +336,7 @@ class QuantLinear(torch.nn.Module):
         """One QuantLinear computing `mods` side by side (same kind and in_features)."""
         fused = QuantLinear.__new__(QuantLinear)
         torch.nn.Module.__init__(fused)
-        fused.kind, fused.in_features = mods[0].kind, mods[0].in_features
+        fused.kind, fused.a8, fused.in_features = mods[0].kind, mods[0].a8, mods[0].in_features
         fused.out_features = sum(m.out_features for m in mods)
         fused.register_buffer("packed", torch.cat([m.packed for m in mods]))
         fused.max_abs_error = max(m.max_abs_error for m in mods)
@@ -336,6 +349,11 @@ class QuantLinear(torch.nn.Module):
         out = None if buffer is None else \
             buffer[:self.out_features * self.in_features].view(self.out_features, -1)
         return fn(self.packed, self.in_features, out)
+
+
+# (kind, a8) -> the kernel multiplying up to QUANT_KERNEL_MAX_ROWS rows.
+_KERNELS = {("q4_1", False): cpu_quant.q4_1_linear, ("q8_0", False): cpu_quant.q8_0_linear,
+            ("q4_1", True): cpu_quant.q4_1_a8_linear, ("q8_0", True): cpu_quant.q8_0_a8_linear}
 
 
 _scratch_local = threading.local()
@@ -354,11 +372,12 @@ def _scratch(num_elements: int) -> torch.Tensor:
     return buf
 
 
-def quantize_q4_1(model: torch.nn.Module) -> torch.nn.Module:
+def quantize_q4_1(model: torch.nn.Module, activations_int8: bool = False) -> torch.nn.Module:
     """Every nn.Linear of a float32 CPU `model` -> QuantLinear in place: the LM head Q8_0,
     the rest Q4_1 (the formats of llama.cpp's Q4_1 GGUFs, SmolLM2's included: there the
-    result is lossless against the float32 reference). Sets `model.quantization_error`
-    (the largest |dequantized - float32| of any weight); returns the model."""
+    weights are lossless against the float32 reference), with 8-bit activations when
+    `activations_int8` (the q4_1-a8 format). Sets `model.quantization_error` (the largest
+    |dequantized - float32| of any weight); returns the model."""
     if next(model.parameters()).device.type != "cpu":
         raise ValueError("q4_1 weights run on the CPU only; use --weights bfloat16 on a GPU")
     if not cpu_quant.available():
@@ -370,11 +389,12 @@ def quantize_q4_1(model: torch.nn.Module) -> torch.nn.Module:
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, torch.nn.Linear):
-                q = QuantLinear(child, "q8_0" if child is head else "q4_1")
+                q = QuantLinear(child, "q8_0" if child is head else "q4_1", activations_int8)
                 error = max(error, q.max_abs_error)
                 setattr(module, name, q)
     model.quantization_error = error
-    log.info("q4_1 weights: largest |dequantized - float32| %.3g", error)
+    log.info("q4_1 weights%s: largest |dequantized - float32| %.3g",
+             ", 8-bit activations" if activations_int8 else "", error)
     return model
 
 

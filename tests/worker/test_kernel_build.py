@@ -31,15 +31,16 @@ def _exports(path) -> set[str]:
 def test_header_signatures() -> None:
     sigs = cbuild.signatures()
     assert set(sigs) == {"pg_set_spin_us", "pg_quant_path", "pg_quant_built", "pg_q4_1_gemm",
-                         "pg_q8_0_gemm", "pg_dequantize", "pg_decode_attention",
-                         "pg_decode_layers"}
+                         "pg_q8_0_gemm", "pg_q4_1_a8_gemm", "pg_q8_0_a8_gemm",
+                         "pg_dequantize", "pg_decode_attention", "pg_decode_layers"}
     p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     assert sigs["pg_set_spin_us"] == (None, [i])
     assert sigs["pg_quant_path"] == sigs["pg_quant_built"] == (i, [])
-    assert sigs["pg_q4_1_gemm"] == (i, [p, i64, i, i, i, p, p, i64, i])
+    assert sigs["pg_q4_1_gemm"] == sigs["pg_q4_1_a8_gemm"] == sigs["pg_q8_0_a8_gemm"] == (
+        i, [p, i64, i, i, i, p, p, i64, i])
     assert sigs["pg_decode_attention"] == (i, [p, i64, i64, p, p, i64, i, p, i64, p, p, i, i,
                                                i, i, i, f, i])
-    assert len(sigs["pg_decode_layers"][1]) == 23
+    assert len(sigs["pg_decode_layers"][1]) == 24
 
 
 def test_a_type_without_a_mapping_is_refused(tmp_path) -> None:
@@ -79,7 +80,9 @@ def test_prebuilt_library_is_used_only_for_these_sources(tmp_path, monkeypatch) 
     lib = cbuild.load()
     assert lib is not None and lib.pg_quant_path() == 0 and lib.pg_q4_1_gemm(
         None, 0, 0, 32, 0, None, None, 0, 1) == -2  # no quantized path: refused, not run
-    assert lib.pg_decode_layers(*[0] * 23) == -2
+    assert lib.pg_q4_1_a8_gemm(None, 0, 0, 32, 0, None, None, 0, 1) == -2
+    assert lib.pg_q8_0_a8_gemm(None, 0, 0, 32, 0, None, None, 0, 1) == -2
+    assert lib.pg_decode_layers(*[0] * 24) == -2
     monkeypatch.setattr(cbuild, "source_hash", lambda: "0" * 16)  # other sources
     assert cbuild._prebuilt() is None
 

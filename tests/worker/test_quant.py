@@ -154,15 +154,16 @@ def test_packing_recovers_blocks_exactly(kind) -> None:
     torch.testing.assert_close(layer(x), x @ deq.T, atol=1e-5, rtol=1e-5)
 
 
-def test_llama_step_on_q4_1_matches_transformers(tiny_spec) -> None:
+def test_llama_step_on_q4_1_matches_transformers(tiny_spec, fmt: str = "q4_1") -> None:
     """The worker's step (fused q|k|v and gate|up, paged attention, decodes and a chunk in
-    one step) equals transformers' forward over the same q4_1 modules, to 1e-4."""
+    one step) equals transformers' forward over the same q4_1 (or `fmt`) modules, to
+    1e-4."""
     from prefixgate.worker.kv_pool import KVPool
     from prefixgate.worker.model_runner import ModelRunner, pool_config_for
     from prefixgate.worker.paged_attention import StepMetadata, resolve_backend
 
-    model = load_model(tiny_spec, weights=WeightsConfig("q4_1"))
-    reference = load_model(tiny_spec, weights=WeightsConfig("q4_1"))
+    model = load_model(tiny_spec, weights=WeightsConfig(fmt))
+    reference = load_model(tiny_spec, weights=WeightsConfig(fmt))
     pool = KVPool(pool_config_for(model, 8, 32))
     runner = ModelRunner(model, pool)
     assert runner.fast is not None
@@ -176,7 +177,8 @@ def test_llama_step_on_q4_1_matches_transformers(tiny_spec) -> None:
     step = StepMetadata.build(pool, [ta, tb], [40, 25], [1, 25], backend)
     got = runner.forward([a[39]] + b, [39, *range(25)], step, [0, 25])
     # Decodes only: all layers in one C call (kernels/cpu_llama.py) on the CPU backend.
-    assert runner.fast.plan is not None and (backend != "cpu" or runner.fast.plan.runs(
+    assert runner.fast.plan is not None and runner.fast.plan.a8 == (fmt == "q4_1-a8")
+    assert (backend != "cpu" or runner.fast.plan.runs(
         StepMetadata.build(pool, [ta, tb], [41, 26], [1, 1], backend), pool))
     a, b = a + [17], b + [23]
     step = StepMetadata.build(pool, [ta, tb], [41, 26], [1, 1], backend)

@@ -11,7 +11,8 @@ Contract: `decode_layers(plan, x, cos, sin, step)` updates x [B, hidden] (float3
 contiguous: the embeddings of B decoding sequences' new tokens) in place to the last
 layer's output (before the final norm), writing each layer's new K/V into the pool at
 `step.slot_mapping`. Only for steps whose B rows are all decodes, a float32 KV pool, and
-layers whose projections are all Q4_1 (`LayerPlan.build` returns None otherwise);
+layers whose projections are all Q4_1 (`LayerPlan.build` returns None otherwise), with
+float32 activations or all with 8-bit ones (the q4_1-a8 format: `QuantLinear.a8`);
 cos / sin [B, head_dim] as in LlamaStep._rope (sin's first half negated).
 """
 
@@ -28,13 +29,13 @@ class LayerPlan:
     (the tensors they point into stay referenced here)."""
 
     def __init__(self, layers: list, hidden: int, nh: int, nkv: int, hd: int, inter: int,
-                 eps: float, scale: float) -> None:
+                 eps: float, scale: float, a8: bool = False) -> None:
         self.keep = [t for layer in layers for t in layer]
         self.ptrs = torch.tensor([t.data_ptr() for layer in layers for t in layer],
                                  dtype=torch.int64)
         self.num_layers = len(layers)
         self.hidden, self.nh, self.nkv, self.hd, self.inter = hidden, nh, nkv, hd, inter
-        self.eps, self.scale = eps, scale
+        self.eps, self.scale, self.a8 = eps, scale, a8
 
     @staticmethod
     def build(step_layers: list, hidden: int, nh: int, nkv: int, hd: int, eps: float
@@ -43,18 +44,19 @@ class LayerPlan:
         scaling is shared, and the kernels run here."""
         if not cpu_quant.available() or hd > 256:
             return None
-        layers, scales = [], set()
+        layers, scales, a8 = [], set(), set()
         for ln1, qkv, o, ln2, gate_up, down, _, scale in step_layers:
             if not all(isinstance(m, QuantLinear) and m.kind == "q4_1"
                        for m in (qkv, o, gate_up, down)):
                 return None
+            a8.update(m.a8 for m in (qkv, o, gate_up, down))
             layers.append((ln1.detach().float().contiguous(), qkv.packed, o.packed,
                            ln2.detach().float().contiguous(), gate_up.packed, down.packed))
             scales.add(scale)
-        if len(scales) != 1:
+        if len(scales) != 1 or len(a8) != 1:
             return None
         return LayerPlan(layers, hidden, nh, nkv, hd, step_layers[0][4].out_features // 2,
-                         eps, scales.pop())
+                         eps, scales.pop(), a8.pop())
 
     def runs(self, step, pool) -> bool:
         """Whether `decode_layers` takes this step: decodes only, on the CPU backend, a
@@ -78,6 +80,6 @@ def decode_layers(plan: LayerPlan, x: torch.Tensor, cos: torch.Tensor, sin: torc
         step.slot_mapping.data_ptr(), pool.k.data_ptr(), pool.v.data_ptr(), pool.k.stride(0),
         step.block_tables.data_ptr(), step.block_tables.stride(0),
         step.context_lens.data_ptr(), step.block_size, plan.scale, scratch.data_ptr(),
-        torch.get_num_threads())
+        int(plan.a8), torch.get_num_threads())
     if rc != 0:
         raise ValueError("geometry outside the CPU decode-layers kernel's limits")

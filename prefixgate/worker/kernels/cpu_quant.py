@@ -26,7 +26,13 @@ blocks, K a multiple of 32):
 step's cost, and float32 scales would stream 20 % more of them per Q4_1 block.)
 
 Contract: `q4_1_linear(x, packed, n)` / `q8_0_linear(x, packed, n)`: x [M, K] float32
-(rows contiguous) -> [M, N] float32 = x @ dequantized(packed).T. `dequantize_q4_1` and
+(rows contiguous) -> [M, N] float32 = x @ dequantized(packed).T. `q4_1_a8_linear` /
+`q8_0_a8_linear` (the q4_1-a8 format): the same with x quantized to 8 bits per block of
+32 first, as llama.cpp does (its Q8_1: d = max |x| / 127, int8 codes, and the block's
+d * sum of codes for Q4_1's minimum), the products integer dot products (maddubs):
+= quantize_activations(x) @ dequantized(packed).T up to float32 summation order, half
+the instructions per block of the float path, lossy against it (each activation moves
+by up to half its block's step; the fidelity bar decides where that is acceptable). `dequantize_q4_1` and
 `dequantize_q8_0` return the float32 weight [N, K] (the prefill path: a long chunk
 multiplies faster through torch's GEMM on a dequantized copy). `pack_q4_1` / `pack_q8_0`
 (torch, no kernel) quantize a float32 weight the way llama.cpp does (Q4_1: min and
@@ -172,6 +178,28 @@ def q4_1_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
 
 def q8_0_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     return _gemm("pg_q8_0_gemm", x, packed, n)
+
+
+def q4_1_a8_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """`q4_1_linear` with x's rows quantized to 8 bits per block of 32 first
+    (`quantize_activations`: llama.cpp's Q8_1), integer dot products: lossy."""
+    return _gemm("pg_q4_1_a8_gemm", x, packed, n)
+
+
+def q8_0_a8_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    return _gemm("pg_q8_0_a8_gemm", x, packed, n)
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 as the 8-bit activation kernels see it (torch; their reference
+    and the prefill path of the q4_1-a8 format): per block of 32, d = max |x| / 127,
+    codes round(x * (1 / d)) (ties to even), returned dequantized (codes * d). Each
+    element moves at most d / 2."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // BLOCK, BLOCK)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / torch.where(d == 0, torch.ones_like(d), d))
+    return (torch.round(blocks * inv) * d).reshape(m, k)
 
 
 def _dequantize(packed: torch.Tensor, k: int, q8: bool, out: torch.Tensor | None

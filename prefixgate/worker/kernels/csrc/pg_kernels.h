@@ -37,6 +37,17 @@ PG_API int pg_q4_1_gemm(const float *x, int64_t xs, int M, int K, int N, const u
 PG_API int pg_q8_0_gemm(const float *x, int64_t xs, int M, int K, int N, const uint8_t *w,
                         float *out, int64_t os, int nth);
 
+/* quant.c: the same products with the activations quantized to 8 bits first (the
+   q4_1-a8 format; llama.cpp's Q8_1 scheme): each row of x, per block of 32, to int8
+   codes p = round(x / d) with d = max |x| / 127, then integer dot products against the
+   weight codes. out = xq @ dequantized(W).T where xq is x so quantized, up to float32
+   summation order; lossy against x @ dequantized(W).T (|x - xq| <= d / 2 per element).
+   -3: out of memory for the quantized rows. */
+PG_API int pg_q4_1_a8_gemm(const float *x, int64_t xs, int M, int K, int N,
+                           const uint8_t *w, float *out, int64_t os, int nth);
+PG_API int pg_q8_0_a8_gemm(const float *x, int64_t xs, int M, int K, int N,
+                           const uint8_t *w, float *out, int64_t os, int nth);
+
 /* quant.c: the float32 weight [N, K] of Q4_1 (q8 = 0) or Q8_0 (q8 = 1) blocks. */
 PG_API int pg_dequantize(const uint8_t *w, float *out, int K, int N, int q8, int nth);
 
@@ -52,7 +63,8 @@ PG_API int pg_decode_attention(const float *q, int64_t q_sb, int64_t q_sh, const
                                float scale, int nthreads);
 
 /* decode_layers.c: all L decoder layers of a Llama decode step over B rows x [B, hidden]
-   (updated in place), Q4_1 projections. ptrs: 6 per layer (ln1, qkv, o, ln2, gate_up,
+   (updated in place), Q4_1 projections (a8 = 1: with 8-bit activations, pg_q4_1_a8_gemm's
+   products; 0: float32 activations). ptrs: 6 per layer (ln1, qkv, o, ln2, gate_up,
    down); cos, sin [B, hd]; slots [B] where each row's K/V is written; kpool, vpool
    float32 [L, slots, nkv, hd] (layer_stride elements per layer); bt, ctx, bs as above;
    scratch: B x (2 hidden + (nh + 2 nkv) hd + nh hd + 3 inter) floats. Limits: hd <= 256,
@@ -62,6 +74,6 @@ PG_API int pg_decode_layers(int L, const int64_t *ptrs, float *x, int B, int hid
                             const float *sin, const int64_t *slots, float *kpool,
                             float *vpool, int64_t layer_stride, const int32_t *bt,
                             int64_t bt_stride, const int32_t *ctx, int bs, float scale,
-                            float *scratch, int nth);
+                            float *scratch, int a8, int nth);
 
 #endif
