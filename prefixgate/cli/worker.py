@@ -119,7 +119,9 @@ def weights_flags(parser: argparse.ArgumentParser) -> None:
     flag(parser, "--weights", default="auto", choices=("auto", *WEIGHT_FORMATS),
          help="weight format: float32 (the reference), bfloat16, float16, int8 "
               "(weight-only int8, bfloat16 compute, CPU only) or q4_1 (GGUF's 4-bit "
-              "blocks, float32 compute, CPU with AVX-512 or AVX2 + FMA) (auto: q4_1 on "
+              "blocks, float32 compute, CPU with AVX-512 or AVX2 + FMA) or q4_1-a8 (q4_1's "
+              "weights times 8-bit activations in integer dot products, as llama.cpp; "
+              "lossy, an option) (auto: q4_1 on "
               "CPU where it is lossless, a Q4_1 GGUF such as SmolLM2's, else float32; "
               "bfloat16 on GPU; "
               "quality and speed of each in docs/benchmarks.md)")
