@@ -233,7 +233,7 @@ class WorkerServiceBase:
     @property
     def hands_off(self) -> bool:
         """Whether this worker can offer its cached chains to peers when it drains
-        (worker/handoff.py): peers then pull them from its ExportBlocks."""
+        (workerapi/handoff.py): peers then pull them from its ExportBlocks."""
         return False
 
     async def handoff_chains(self) -> list[HandoffChain]:
@@ -265,13 +265,14 @@ class WorkerServiceBase:
 
     async def _checked_generate(self, request: worker_pb2.GenerateRequest,
                                 context: grpc.aio.ServicerContext, *, vocab_size: int,
-                                max_context_tokens: int, context_overflow: str) -> tuple[memoryview, SamplingConfig]:
+                                max_context_tokens: int,
+                                context_overflow: str) -> tuple[memoryview, SamplingConfig]:
         """Generate's validation, one for every implementation: the request's fields
         within `config.limits`, its prompt (repeated or packed ids, each below
         `vocab_size`), its sampling with the model's generation defaults filled in for
         unset fields, within `max_context_tokens` (prompt and reply together;
-        `context_overflow`: the policy of a request that leaves it unset). Returns (the prompt's token ids, the
-        sampling); bad input ends the call INVALID_ARGUMENT, marked REQUEST_SCOPED (the
+        `context_overflow`: the policy of a request that leaves it unset). Returns (the
+        prompt's token ids, the sampling); bad input ends the call INVALID_ARGUMENT, marked REQUEST_SCOPED (the
         gateway returns it to its client and never retries it on another worker)."""
         try:
             check_generate_fields(request, self.config.limits)
