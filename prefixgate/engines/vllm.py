@@ -80,7 +80,7 @@ Contract
   time to first token less its computed tokens at the measured prefill rate). ExportBlocks
   relays the connector's stream (a prefixgate worker may pull from vLLM through this
   adapter's gRPC server, the sidecar form).
-- Drain hand-off (worker/handoff.py; the sidecar form, which drains on SIGTERM): as a
+- Drain hand-off (workerapi/handoff.py; the sidecar form, which drains on SIGTERM): as a
   holder, this worker offers the prompts it served whose blocks vLLM still holds (its
   events say), the most recent first, each as its chain with its token ids and
   namespace (remembered for up to `HANDOFF_MEMORY_TOKENS` prompt tokens); peers pull

@@ -5,7 +5,7 @@ $PREFIXGATE_VLLM_PYTHON (or the CI's cached environment; failing, saying so, wit
 unless PREFIXGATE_ALLOW_NO_VLLM=1), and a real `redis-server`.
 
 A conversation is cached on one server (its holder); its worker is drained (SIGTERM). On
-the way out it hands the conversation's blocks to the other server (worker/handoff.py:
+the way out it hands the conversation's blocks to the other server (workerapi/handoff.py:
 the other's PullBlocks, a one-token request over the chain's tokens whose pull the
 connector serves from the holder's ExportBlocks): vLLM's own count of externally loaded
 tokens on the other server grows by at least 90 % of the history before the next turn.
