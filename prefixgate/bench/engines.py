@@ -110,11 +110,17 @@ def _start_vllm(procs, args: argparse.Namespace, model_dir, served: str) -> str:
     import json
     import urllib.request
 
+    from prefixgate.launch.vllm import VLLMServer
     from prefixgate.wire.rpc import free_port
 
-    port, events, replay = free_port(), free_port(), free_port()
+    port = free_port()
+    # The event sockets as `up` makes them: ipc:// in a private (0700) directory, never
+    # TCP on every interface (the events carry every prompt's token ids).
+    server = VLLMServer("vllm", "127.0.0.1", port, 0, 0,
+                        ipc_dir=tempfile.mkdtemp(prefix="bench-vllm-events-"))
+    endpoint, replay_endpoint = server.bind_events()
     config = {"enable_kv_cache_events": True, "publisher": "zmq",
-              "endpoint": f"tcp://*:{events}", "replay_endpoint": f"tcp://*:{replay}"}
+              "endpoint": endpoint, "replay_endpoint": replay_endpoint}
     procs.start("vllm", [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
                          "--model", str(model_dir), "--served-model-name", served,
                          "--host", "127.0.0.1", "--port", str(port), "--max-model-len",
@@ -131,7 +137,7 @@ def _start_vllm(procs, args: argparse.Namespace, model_dir, served: str) -> str:
                              f"{procs.log_path('vllm')}")
         try:
             with urllib.request.urlopen(url + "/v1/models", timeout=2):
-                return f"{url},tcp://127.0.0.1:{events},tcp://127.0.0.1:{replay}"
+                return f"{url},{server.events},{server.replay}"
         except OSError:
             time.sleep(1)
     raise SystemExit("bench engines: vLLM did not answer within 600 s")
