@@ -230,9 +230,12 @@ async def _replay(args: argparse.Namespace, trace) -> dict:
                        "start_s": round(r.start_s, 4), "status": r.status,
                        "ttft_s": round(r.ttft_s, 4), "e2e_s": round(r.e2e_s, 4),
                        "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+                       "transferred_tokens": r.transferred_tokens,
                        "completion_tokens": r.completion_tokens, "worker": r.worker,
-                       # What a prefixgate gateway predicted cached (-1: not reported).
-                       "predicted_cached_tokens": r.predicted_cached_tokens}
+                       # What a prefixgate gateway predicted cached (-1: not reported)
+                       # and predicted to arrive by a pull from another worker.
+                       "predicted_cached_tokens": r.predicted_cached_tokens,
+                       "predicted_transferred_tokens": r.predicted_transferred_tokens}
                       for r in result.records]}
 
 
