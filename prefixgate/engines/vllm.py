@@ -62,7 +62,9 @@ Contract
   the server; polled at the gateway's status interval, or less often if a poll costs over
   1 % of the time between polls), the KV capacity from its cache configuration; queued prefill from the
   turns sent through this object not yet at their first token, less what the event-fed
-  mapping says vLLM holds of their prompts; service rates measured on finished turns.
+  mapping says vLLM holds of their prompts; service rates measured on finished turns
+  (a turn's time to first token covers the prefill queued ahead of it here as well as its
+  own), the prefill rate probed at start-up until a turn measures it (`_probe_prefill`).
 - Log probabilities (`sampling.top_logprobs`) come from vLLM's `logprobs` (its raw mode:
   the model's distribution before sampling parameters), tokens named by id.
 - Block transfer goes through prefixgate's KV connector inside vLLM
@@ -76,8 +78,9 @@ Contract
   cached tokens (it counts loaded ones as cached) into cached and transferred: those past
   what vLLM held here (its events say), up to what the pull offered. The status reports
   `kv_bytes_per_token` (the model's layers, KV heads and head dim at `kv_dtype`) and the
-  transfer rate: declared (`transfer_bytes_per_s`) until pulls measure it (a pulled turn's
-  time to first token less its computed tokens at the measured prefill rate). ExportBlocks
+  transfer rate: declared (`transfer_bytes_per_s`) until pulls measure it (the set-up and
+  rate the connector fitted to its own loads, read from its export's GetStatus after a
+  pulled turn). ExportBlocks
   relays the connector's stream (a prefixgate worker may pull from vLLM through this
   adapter's gRPC server, the sidecar form).
 - Drain hand-off (workerapi/handoff.py; the sidecar form, which drains on SIGTERM): as a
@@ -148,6 +151,7 @@ log = logging.getLogger(__name__)
 __all__ = ["VLLMConfig", "VLLMWorker"]
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+PROBE_TOKENS = (32, 544)  # the prefill probe's two prompt lengths (tokens)
 # Probes of the model check: a chat with the template's roles, and text with multi-byte
 # characters and digits (where tokenizers differ first).
 _PROBE_CHAT = (("system", "You are a helpful assistant."),
@@ -257,6 +261,8 @@ class VLLMWorker(WorkerServiceBase):
         # prompt's block hashes, its full blocks' token ids packed, namespace).
         self._served: OrderedDict[int, tuple[tuple[int, ...], bytes, str]] = OrderedDict()
         self._served_tokens = 0
+        self._probe: asyncio.Task | None = None  # the start-up prefill probe
+        self._link_refresh: asyncio.Task | None = None  # reading the connector's link
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -271,9 +277,10 @@ class VLLMWorker(WorkerServiceBase):
 
     async def close(self) -> None:
         self.close_watchers()
-        for t in self._tasks:
+        extra = [t for t in (self._probe, self._link_refresh) if t is not None]
+        for t in self._tasks + extra:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *extra, return_exceptions=True)
         await self.client.close()
         await self.close_peers()
         if self._export_channel is not None:
@@ -349,6 +356,41 @@ class VLLMWorker(WorkerServiceBase):
             log.info("vLLM worker %s at %s serves %s (tokenizer and chat template checked; "
                      "context %d tokens)", self.config.worker_id, self.vllm.url,
                      self.served_model, self.max_context_tokens)
+            if not self.rates.prefill_tokens_per_s and self._probe is None:
+                self._probe = asyncio.create_task(self._probe_prefill(), name="vllm-probe")
+
+    async def _probe_prefill(self) -> None:
+        """Time two uncached prompts (`PROBE_TOKENS`) and take the prefill rate from their
+        difference, so that the router prices this server's prefill from its first turn.
+        Until a turn measures it, a vLLM worker would otherwise be priced at the router's
+        default rate, which on a CPU server is about 50 times too fast: its queues then
+        look free, and a long document is recomputed next to the server that holds it
+        rather than pulled or waited for. The difference cancels what any request costs
+        whatever its length (the HTTP round trip, scheduling, the first decode step). Each
+        probe runs under a fresh cache salt: it never hits a cached prefix, and its blocks
+        are never mapped to a namespace. A finished turn's measurement replaces it."""
+        short, long = PROBE_TOKENS
+        words = self.tokenizer.encode_text(" ".join(f"probe {i} of the prefill rate."
+                                                    for i in range(long)))
+        seconds = []
+        try:
+            for n in (short, long):
+                body = {"model": self.served_model, "max_tokens": 1, "prompt": words[:n],
+                        "cache_salt": secrets.token_hex(16), "stream": True}
+                started = time.monotonic()
+                async with contextlib.aclosing(self.client.completions(body, 120.0)) as chunks:
+                    async for _ in chunks:
+                        pass
+                seconds.append(time.monotonic() - started)
+        except Exception as exc:  # best effort: a failed probe only leaves the default
+            log.info("vLLM worker %s: no prefill probe (%s): priced at the router's default "
+                     "until a turn measures it", self.config.worker_id,
+                     getattr(exc, "message", None) or repr(exc))
+            return
+        if seconds[1] > seconds[0] and not self.rates.prefill_tokens_per_s:
+            self.rates.prefill_tokens_per_s = (long - short) / (seconds[1] - seconds[0])
+            log.info("vLLM worker %s: prefill probed at %.0f tokens/s", self.config.worker_id,
+                     self.rates.prefill_tokens_per_s)
 
     async def _model_difference(self, entry: dict) -> str:
         """Why the served model is not the gateway's ("" when every check passes)."""
@@ -437,16 +479,20 @@ class VLLMWorker(WorkerServiceBase):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                                 f"vLLM at {self.vllm.url} runs no prefixgate KV connector, so it "
                                 "cannot export KV blocks; the caller computes them")
-        if self._export_channel is None:
-            self._export_channel = grpc.aio.insecure_channel(self.vllm.export, options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
-        stub = worker_pb2_grpc.WorkerServiceStub(self._export_channel)
+        stub = worker_pb2_grpc.WorkerServiceStub(self._export())
         call = stub.ExportBlocks(request, timeout=context.time_remaining())
         try:
             async for event in call:
                 yield event
         except grpc.aio.AioRpcError as exc:
             await context.abort(exc.code(), f"{self.config.worker_id}: {exc.details()}")
+
+    def _export(self) -> grpc.aio.Channel:
+        """The channel to this server's connector export (opened on first use)."""
+        if self._export_channel is None:
+            self._export_channel = grpc.aio.insecure_channel(self.vllm.export, options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        return self._export_channel
 
     # ------------------------------------------------------------------ drain hand-off
 
@@ -555,7 +601,7 @@ class VLLMWorker(WorkerServiceBase):
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         _, transferred = self._split_cached(len(prompt), cached, held * bs, params)
         if transferred:
-            self._observe_pull(len(prompt) - cached, transferred, seconds * 1e3)
+            self._refresh_link()
         self._expect_events(len(prompt), cached, started)
         return worker_pb2.PullBlocksResponse(
             num_cached_blocks=num_blocks, num_pulled_blocks=transferred // bs,
@@ -706,6 +752,10 @@ class VLLMWorker(WorkerServiceBase):
             self._remember_served(hashes, packed, namespace)
             params = self._pull_params(request, hashes)
         pending = len(prompt) - held_tokens
+        # Prefill sent here earlier and not yet at its first token: this turn's first token
+        # waits for it (vLLM schedules waiting prefill in arrival order), so its time to
+        # first token measures the prefill of ahead + its own uncached tokens.
+        ahead = max(0, self._queued_prefill_tokens)
         started = time.monotonic()
         ttft_ms = 0.0
         finish: dict[int, str] = {}
@@ -752,11 +802,16 @@ class VLLMWorker(WorkerServiceBase):
         reasons = [_FINISH.get(finish.get(i, ""), FinishReason.CANCELLED)
                    for i in range(sampling.n)]
         here, transferred = self._split_cached(prompt_tokens, cached, held_tokens, params)
+        ttft_ms = ttft_ms or total_ms
         if transferred:
-            self._observe_pull(prompt_tokens - cached, transferred, ttft_ms or total_ms)
+            self._refresh_link()
         else:
+            # The share of the wait that was others' prefill counts as queue, so the rate is
+            # the server's prefill throughput, not this turn's tokens over its whole wait.
+            uncached = prompt_tokens - cached
+            queue_ms = ttft_ms * ahead / (ahead + uncached) if ahead + uncached else 0.0
             self.rates.observe(FinalEvent(reasons[0], prompt_tokens, cached, completion // max(
-                1, sampling.n), 0.0, ttft_ms or total_ms, total_ms))
+                1, sampling.n), queue_ms, ttft_ms, total_ms))
         self._expect_events(prompt_tokens, cached, started)
         yield worker_pb2.GenerateEvent(final=worker_pb2.GenerateFinal(
             usage=common_pb2.Usage(prompt_tokens=prompt_tokens, cached_tokens=here,
@@ -765,19 +820,28 @@ class VLLMWorker(WorkerServiceBase):
                                    dropped_tokens=plan.dropped_tokens if plan else 0),
             finish_reason=FINISH_TO_PROTO[reasons[0]],
             sample_finish_reasons=[FINISH_TO_PROTO[r] for r in reasons],
-            timings=common_pb2.Timings(ttft_ms=ttft_ms or total_ms, total_ms=total_ms)))
+            timings=common_pb2.Timings(ttft_ms=ttft_ms, total_ms=total_ms)))
 
-    def _observe_pull(self, computed_tokens: int, transferred_tokens: int, ttft_ms: float
-                      ) -> None:
-        """A pulled turn's time to first token, less its computed tokens at the measured
-        prefill rate, is the pull's (with vLLM's bookkeeping of the load): a measurement
-        of the link for routing. Unmeasurable before a prefill rate is known."""
-        rate = self.rates.prefill_tokens_per_s
-        if rate <= 0:
+    def _refresh_link(self) -> None:
+        """After a pull into this server, read the link its connector measured on its own
+        loads (the export's GetStatus: bytes and seconds of each load, where they moved) in
+        the background. A pulled turn's time to first token cannot measure it: on a busy
+        server it is mostly other requests' prefill and decode steps, and read as a link it
+        came out at a few MB/s with seconds of set-up (the connector moved 93 MB in 0.53 s
+        meanwhile), after which no pull was offered again."""
+        if self._link_refresh is None or self._link_refresh.done():
+            self._link_refresh = asyncio.create_task(self._read_link(), name="vllm-link")
+
+    async def _read_link(self) -> None:
+        stub = worker_pb2_grpc.WorkerServiceStub(self._export())
+        try:
+            status = await stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=5.0)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("vLLM worker %s: no link figures from its connector: %s",
+                      self.config.worker_id, exc.details())
             return
-        pull_s = ttft_ms / 1e3 - computed_tokens / rate
-        if pull_s > 0:
-            self.transfer_rate.observe(transferred_tokens * self.kv_bytes_per_token, pull_s)
+        if status.transfer_rate_source == "measured" and status.transfer_bytes_per_s > 0:
+            self.transfer_rate.adopt(status.transfer_bytes_per_s, status.transfer_setup_s)
 
     def _expect_events(self, prompt_tokens: int, cached_tokens: int, since: float) -> None:
         """A turn that filled new vLLM blocks makes vLLM publish: start the stall clock

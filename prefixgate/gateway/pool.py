@@ -231,12 +231,23 @@ class Lease:
             w.prefilled_since_status += pending
             self.pending = 0
 
-    def transferred(self, num_bytes: int, holder: WorkerHandle | None) -> None:
+    def transferred(self, num_bytes: int, holder: WorkerHandle | None,
+                    computed_tokens: int = 0) -> None:
         """The reply's first token came after `num_bytes` of KV were pulled from `holder`
-        to this lease's worker: the rate both ends were seen to deliver at (at least)."""
+        to this lease's worker and `computed_tokens` of the prompt were prefilled there:
+        the rate both ends were seen to deliver at (at least). The time to first token
+        less the prefill it waited for (this gateway's queued ahead and the turn's own
+        computed tokens, at the worker's prefill rate as the gateway counts it) is the
+        pull's. Without that subtraction a pull into a busy worker read as a link of
+        hundreds of KB/s (a 1.5 MB pull behind 5 s of others' prefill), and clamped so,
+        no pull was offered again; a pull that hid wholly behind the prefill says nothing
+        of the link."""
         if not (self.first_at and num_bytes > 0):
             return
         elapsed = self.first_at - self.sent_at
+        prefill = self.worker.prefill_tokens_per_s
+        if prefill > 0:
+            elapsed -= (self.ahead + computed_tokens) / prefill
         if elapsed <= 0:
             return
         rate = num_bytes / elapsed

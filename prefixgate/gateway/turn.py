@@ -341,9 +341,11 @@ class TurnCore:
                             continue
                         if reply.worker is worker:  # not resumed elsewhere: its own pace
                             placed.lease.decoded(sent_tokens)
-                            placed.lease.transferred(ev.final.usage.transferred_tokens
-                                                     * worker.kv_bytes_per_token,
-                                                     placed.holder)
+                            usage = ev.final.usage
+                            placed.lease.transferred(
+                                usage.transferred_tokens * worker.kv_bytes_per_token,
+                                placed.holder, usage.prompt_tokens - usage.cached_tokens
+                                - usage.transferred_tokens)
                         yield self.account(turn, decision, reply.worker, ev.final, arrival,
                                            ttft_ms, attempt, placed.expected_pulled_tokens,
                                            reply.num_resumes)

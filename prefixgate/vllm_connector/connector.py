@@ -83,6 +83,7 @@ from prefixgate.vllm_connector.pages import PagedLayout
 from prefixgate.vllm_connector.params import DEFAULT_STORE_MIB, ShiftParams, TransferParams
 from prefixgate.vllm_connector.shift import UnsupportedRope, choose_layout, rope_of, shifted_kv
 from prefixgate.vllm_connector.store import HostStore, Page
+from prefixgate.workerapi.rates import TransferRate
 from prefixgate.workerapi.transfer import KVFormat, TransferError
 
 if TYPE_CHECKING:
@@ -178,6 +179,7 @@ class PrefixgateConnector(KVConnectorBase_V1):
         self._running: dict[str, threading.Thread] = {}
         self._done: dict[str, list[int]] = {}  # req id -> block ids it could not fill
         self._failed_blocks: set[int] = set()
+        self._link = TransferRate()  # this server's loads: bytes and seconds (GetStatus)
 
     # ================================================================ scheduler side
 
@@ -300,7 +302,8 @@ class PrefixgateConnector(KVConnectorBase_V1):
         if self._export_port:
             keys = ticket_keys_of(self._keyring, self._worker_id) if self._keyring else ()
             self._server = ExportServer(self._store, self._worker_id, self._export_host,
-                                        self._export_port, self._dims(), ticket_keys=keys)
+                                        self._export_port, self._dims(), ticket_keys=keys,
+                                        link=self._link)
             self._server.start()
 
     def _isa(self, layer_name: str, cache: torch.Tensor) -> str:
@@ -403,11 +406,13 @@ class PrefixgateConnector(KVConnectorBase_V1):
         vbs = self._block_size
         unfilled = spec.block_ids[written // vbs: -(-spec.to_token // vbs)] \
             if written < spec.to_token else []
+        seconds = time.monotonic() - began
         log.info("prefixgate connector: %s loaded %d of %d tokens from %s (%.1f MB in %.3f s)%s",
                  spec.req_id, written - spec.from_token, spec.to_token - spec.from_token,
-                 spec.peer, num_bytes / 1e6, time.monotonic() - began,
-                 f": {error}" if error else "")
+                 spec.peer, num_bytes / 1e6, seconds, f": {error}" if error else "")
         with self._lock:
+            if not error:
+                self._link.observe(num_bytes, seconds)
             self._running.pop(spec.req_id, None)
             self._done[spec.req_id] = unfilled
 

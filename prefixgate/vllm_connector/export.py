@@ -4,9 +4,14 @@ connector, or a prefixgate worker).
 
 Contract
 --------
-`ExportServer(store, worker_id, host, port, dims, ticket_keys).start()` serves
-WorkerService.ExportBlocks (the rest of the Worker API is UNIMPLEMENTED there) on its own
-gRPC threads, so an export never waits for vLLM's engine steps: header, then chunks of
+`ExportServer(store, worker_id, host, port, dims, ticket_keys, link).start()` serves
+WorkerService.ExportBlocks and GetStatus (the rest of the Worker API is UNIMPLEMENTED there)
+on its own gRPC threads. GetStatus carries only the link this server's own loads measured
+(`link`, a workerapi/rates.TransferRate the connector feeds with each load's bytes and
+seconds: `transfer_bytes_per_s`, `transfer_setup_s`, `transfer_rate_source`; zeros before
+a load): the figures the adapter in front of this server reports for routing, measured
+where the bytes move, not inferred from a turn's time to first token (which, on a busy
+server, is mostly other requests' work). ExportBlocks runs so an export never waits for vLLM's engine steps: header, then chunks of
 whole blocks of about `CHUNK_BYTES`, as prefixgate's workers send them
 (workerapi/transfer.py `export_events`: the same `KVFormat` header and `encode_chunk` wire
 form), of blocks [from_block, max_blocks) of the chain (max_blocks 0: to its end).
@@ -54,6 +59,7 @@ from prefixgate.security.kv_pages import verify_chunk
 from prefixgate.security.tickets import check_ticket
 from prefixgate.v1 import worker_pb2, worker_pb2_grpc
 from prefixgate.vllm_connector.store import HostStore, Page
+from prefixgate.workerapi.rates import TransferRate
 from prefixgate.workerapi.transfer import (
     CHUNK_BYTES,
     MAX_MESSAGE_BYTES,
@@ -97,8 +103,9 @@ class ExportServer:
 
     def __init__(self, store: HostStore, worker_id: str, host: str, port: int,
                  dims: tuple[int, int, int, str], chunk_bytes: int = CHUNK_BYTES,
-                 ticket_keys: tuple = ()) -> None:
+                 ticket_keys: tuple = (), link: TransferRate | None = None) -> None:
         self.store, self.worker_id, self.dims = store, worker_id, dims
+        self.link = link if link is not None else TransferRate()
         self.ticket_keys = tuple(ticket_keys)
         self.address = f"{host}:{port}"
         self.chunk_bytes = chunk_bytes
@@ -110,8 +117,11 @@ class ExportServer:
         handler = grpc.unary_stream_rpc_method_handler(
             self._export, request_deserializer=worker_pb2.ExportBlocksRequest.FromString,
             response_serializer=lambda m: m if isinstance(m, bytes) else m.SerializeToString())
+        status = grpc.unary_unary_rpc_method_handler(
+            self._status, request_deserializer=worker_pb2.GetStatusRequest.FromString,
+            response_serializer=worker_pb2.WorkerStatus.SerializeToString)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            _SERVICE, {"ExportBlocks": handler}),))
+            _SERVICE, {"ExportBlocks": handler, "GetStatus": status}),))
         if not server.add_insecure_port(self.address):
             raise OSError(f"cannot listen on {self.address}")
         server.start()
@@ -122,6 +132,13 @@ class ExportServer:
         if self._server is not None:
             self._server.stop(grace=1)
             self._server = None
+
+    def _status(self, request: worker_pb2.GetStatusRequest, context: grpc.ServicerContext
+                ) -> worker_pb2.WorkerStatus:
+        link = self.link
+        return worker_pb2.WorkerStatus(transfer_bytes_per_s=link.bytes_per_s,
+                                       transfer_setup_s=link.setup_s,
+                                       transfer_rate_source=link.source)
 
     def format_of(self, page: Page) -> KVFormat:
         layers, heads, dim, dtype = self.dims

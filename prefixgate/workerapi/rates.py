@@ -81,6 +81,12 @@ class TransferRate:
             return
         self.bytes_per_s, self.setup_s, self.source = bytes_per_s, setup_s, source
 
+    def adopt(self, bytes_per_s: float, setup_s: float) -> None:
+        """Take figures measured where the pulls ran (a vLLM server's connector fits its own
+        loads with a TransferRate of its own): source "measured", as if observed here."""
+        if bytes_per_s > 0 and setup_s >= 0:
+            self.bytes_per_s, self.setup_s, self.source = bytes_per_s, setup_s, "measured"
+
     def observe(self, num_bytes: int, seconds: float) -> None:
         if num_bytes <= 0 or seconds <= 0:
             return

@@ -331,24 +331,45 @@ def test_the_adapter_relays_its_connectors_export(smollm2_spec) -> None:
 
 def test_status_prices_transfers_declared_then_measured(smollm2_spec) -> None:
     """With a connector the adapter's status says what the router prices a pull into it
-    with: KV bytes per token, and a rate declared until a pulled turn measures it (its time
-    to first token less its computed tokens at the measured prefill rate). Without one:
-    zeros (never planned)."""
+    with: KV bytes per token, and a rate declared until pulls measure it (after a pulled
+    turn, the figures its connector fitted to its own loads, read from the export's
+    GetStatus). Without one: zeros (never planned)."""
+    import asyncio
+
     from prefixgate.engines.vllm import VLLMWorker
     from prefixgate.model.tokenizer import ChatTokenizer
+    from prefixgate.workerapi.rates import TransferRate
     from prefixgate.workerapi.server import WorkerConfig
 
     tokenizer = ChatTokenizer(smollm2_spec)
+    link, port = TransferRate(), free_port()
+    server = ExportServer(HostStore(1 << 20), "w", "127.0.0.1", port,
+                          (LAYERS, HEADS, DIM, "float32"), link=link)
+    server.start()
     w = VLLMWorker(smollm2_spec, tokenizer, WorkerConfig("w", block_size=16),
-                   VLLMConfig("http://127.0.0.1:1", "tcp://127.0.0.1:2", export="127.0.0.1:3",
-                              transfer_bytes_per_s=5e8))
+                   VLLMConfig("http://127.0.0.1:1", "tcp://127.0.0.1:2",
+                              export=f"127.0.0.1:{port}", transfer_bytes_per_s=5e8))
     status = w._status()
     assert status.kv_bytes_per_token == 46080
     assert (status.transfer_bytes_per_s, status.transfer_rate_source) == (5e8, "declared")
-    w._observe_pull(100, 4000, 2000.0)  # no prefill rate measured yet: nothing learnt
-    assert w._status().transfer_rate_source == "declared"
-    w.rates.prefill_tokens_per_s = 200.0
-    w._observe_pull(100, 4000, 1500.0)  # 1.5 s - 100 / 200 s = 1 s for 4,000 tokens
+
+    async def refreshed() -> None:
+        w._refresh_link()
+        await w._link_refresh
+
+    async def main() -> None:
+        try:
+            await refreshed()  # the connector has loaded nothing: still declared
+            assert w._status().transfer_rate_source == "declared"
+            link.observe(4000 * 46080, 1.0)  # 4,000 tokens in 1 s
+            await refreshed()
+        finally:
+            await w._export().close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()
     status = w._status()
     assert status.transfer_rate_source == "measured"
     assert status.transfer_bytes_per_s == pytest.approx(4000 * 46080 / 1.0)
@@ -384,3 +405,40 @@ def test_a_chunk_whose_pages_miss_their_holders_digests_is_refused() -> None:
                                                       v=bytes(poisoned), block_digests=digests))
     assert refused.value.code == grpc.StatusCode.DATA_LOSS
     assert "digest" in str(refused.value)
+
+
+def test_export_reports_the_link_its_loads_measured() -> None:
+    """GetStatus on a connector's export carries the set-up and rate fitted to the loads
+    that server made (bytes and seconds where they moved), zeros before any; the adapter
+    in front of the server takes them as measured (TransferRate.adopt)."""
+    from prefixgate.v1 import worker_pb2, worker_pb2_grpc
+    from prefixgate.workerapi.rates import TransferRate
+
+    link = TransferRate()
+    port = free_port()
+    server = ExportServer(HostStore(1 << 20), "holder", "127.0.0.1", port,
+                          (LAYERS, HEADS, DIM, "float32"), link=link)
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            before = stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=10)
+            assert before.transfer_bytes_per_s == 0 and before.transfer_rate_source == ""
+            # Loads of 1.5 MB in 0.05 s and 93 MB in 0.53 s: 0.0411 s of set-up, then
+            # ~190 MB/s (a busy server's time to first token once read ~6 MB/s here).
+            link.observe(1_474_560, 0.05)
+            link.observe(92_897_280, 0.534)
+            status = stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=10)
+    finally:
+        server.stop()
+    assert status.transfer_rate_source == "measured"
+    assert status.transfer_bytes_per_s == pytest.approx(
+        (92_897_280 - 1_474_560) / (0.534 - 0.05), rel=1e-6)
+    assert status.transfer_setup_s == pytest.approx(
+        0.05 - 1_474_560 / status.transfer_bytes_per_s, rel=1e-6)
+    adopted = TransferRate()
+    adopted.assume(1e9, 0.0, "declared")
+    adopted.adopt(status.transfer_bytes_per_s, status.transfer_setup_s)
+    assert (adopted.bytes_per_s, adopted.source) == (status.transfer_bytes_per_s, "measured")
+    adopted.assume(1e9, 0.0, "declared")  # a declaration never outranks a measurement
+    assert adopted.source == "measured"

@@ -107,3 +107,35 @@ def test_a_reported_transfer_rate_counts_only_up_to_the_pulls_the_gateway_saw() 
     assert receiver.transfer_bytes_per_s == holder.transfer_bytes_per_s == seen
     receiver.set_status(worker_pb2.WorkerStatus(transfer_bytes_per_s=seen / 4))  # slower
     assert receiver.transfer_bytes_per_s == seen / 4
+
+
+def test_the_seen_transfer_rate_leaves_out_the_prefill_the_turn_waited_for() -> None:
+    """A pull into a busy worker: the time to its first token is mostly the prefill queued
+    ahead and its own computed tokens, at the worker's prefill rate; only the rest is the
+    pull's. A pull that hid wholly behind that prefill measures nothing."""
+    import time
+
+    receiver, holder = _handle(), _handle()
+    for h in (receiver, holder):
+        h.set_status(worker_pb2.WorkerStatus(transfer_bytes_per_s=1e15,
+                                             prefill_tokens_per_s=1000.0))
+        h.observed_prefill_tokens_per_s = 1000.0
+    with receiver.lease(50) as ahead, receiver.lease(10) as lease:  # 50 tokens queued ahead
+        assert lease.ahead == 50
+        time.sleep(0.1)  # 0.06 s of prefill (50 + 10 tokens at 1000/s), >= 0.04 s of pull
+        lease.first_token()
+        ahead.first_token()
+        lease.transferred(1 << 20, holder, computed_tokens=10)
+    seen = receiver.observed_transfer_bytes_per_s
+    elapsed = lease.first_at - lease.sent_at
+    assert seen == pytest.approx((1 << 20) / (elapsed - 0.06))
+    assert seen > (1 << 20) / elapsed  # what the whole time to first token would say
+    assert holder.observed_transfer_bytes_per_s == seen
+    fresh = _handle()
+    fresh.set_status(worker_pb2.WorkerStatus(transfer_bytes_per_s=1e15,
+                                             prefill_tokens_per_s=10.0))
+    fresh.observed_prefill_tokens_per_s = 10.0
+    with fresh.lease(10) as lease:  # 1 s of its own prefill: the pull hid behind it
+        lease.first_token()
+        lease.transferred(1 << 20, None, computed_tokens=10)
+    assert fresh.observed_transfer_bytes_per_s == 0
