@@ -398,16 +398,19 @@ class Router:
         such measurement, and the reuses per average computed token stand in (at most the
         window's length in turns): duplicates stored then fill the caches whose evictions
         come later. Counted in tokens, over at most `reuse_window_turns` turns; a block
-        routed counts as seen until twice the blocks the fleet holds (at least
-        MAX_TRACKED_TURNS) have been routed after it: one asked for later than that counts
-        as new, and the memory stays in proportion to the fleet's."""
+        computed counts as seen until twice the blocks the fleet holds (at least
+        MAX_TRACKED_TURNS) have been computed after it: one asked for later than that
+        counts as new, and the memory stays in proportion to the fleet's. Only the
+        computed part of a prompt is looked at (a 12k-token follow-up: its new blocks,
+        not the 750 of its history), so the cost per turn is that of its prefill's
+        blocks."""
         hashes, bs = turn.block_hashes, turn.block_size
         first = min(len(hashes), cached // bs) if bs > 0 else len(hashes)
         seen = self._seen
         again = 0
-        for i, h in enumerate(hashes):
+        for h in hashes[first:]:  # the cached run is held: only what is computed is new
             if h in seen:
-                again += i >= first
+                again += 1
                 seen.move_to_end(h)  # most recent last
             else:
                 seen[h] = None
