@@ -92,6 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          help="simulate every routing policy (or the --sim-policies) on each --trace (several "
               "separated by commas) and report each rule's TTFT p50/p90/p99, goodput, tokens "
               "not recomputed and load side by side (docs/bench/routing-policies.md)")
+    flag(p, "--seeds", type=int, default=1,
+         help="--compare-policies: run every policy under this many arrival seeds (--seed, "
+              "--seed+1, ...) and report each figure's mean and range over them (open loop: "
+              "seed 0 plays the trace's timestamps, another seed resamples them)")
     flag(p, "--ttft-target", type=float, default=1.0,
          help="--compare-policies: goodput counts the turns whose TTFT is within this many "
               "(emulated) seconds")
@@ -254,8 +258,11 @@ def _compare(args: argparse.Namespace) -> int:
         except TraceError as exc:
             raise SystemExit(f"prefixgate replay: {exc}") from None
         traces.append((path, trace.head(args.max_conversations)))
+    if args.seeds < 1:
+        raise SystemExit("prefixgate replay: --seeds must be at least 1")
     doc = compare.compare(traces, fleet_plan(args), lambda t: arrival_config(args, t),
-                          limits(args), args.ttft_target)
+                          limits(args), args.ttft_target,
+                          range(args.seed, args.seed + args.seeds))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     written = [out / f"{args.name}.json", out / f"{args.name}.md"]

@@ -237,11 +237,14 @@ class Router:
         # whose worker claimed cached tokens (gateway metrics).
         self.on_claim = on_claim
         self._last_worker: OrderedDict[str, str] = OrderedDict()
-        # Reuses per computed token over the last reuse_window_turns turns: best predicted
-        # cached tokens / the rest of the prompt tokens (docs/routing.md, miss_s).
+        # Re-prefills per evicted token over the last reuse_window_turns turns: tokens
+        # computed again that this router saw before / tokens computed (docs/routing.md,
+        # miss_s; _measure_reuse).
         self.reuse = 0.0
-        self._reuse_window: deque[tuple[int, int]] = deque()  # (cached, uncached) tokens
-        self._reuse_cached = self._reuse_uncached = 0
+        self._reuse_window: deque[tuple[int, int, int]] = deque()  # again, computed, cached
+        self._reuse_again = self._reuse_computed = self._reuse_cached = 0
+        self._evicted = False  # a token was computed again: caches have evicted
+        self._seen: OrderedDict[int, None] = OrderedDict()  # blocks routed, oldest first
         self._claims: OrderedDict[int, dict[str, int]] = OrderedDict()  # id(turn) -> certain
         self._active: OrderedDict[int, tuple[str, int]] = OrderedDict()  # id(turn) -> (w, n)
         self._active_tokens: dict[str, int] = {}
@@ -258,9 +261,9 @@ class Router:
         self._claims.move_to_end(id(turn))
         if len(self._claims) > self.MAX_TRACKED_TURNS:
             self._claims.popitem(last=False)
-        prompt = turn.num_prompt_tokens
-        if prompt > 0 and workers:
-            self._measure_reuse(min(prompt, max(c.cached.values(), default=0)), prompt)
+        if turn.num_prompt_tokens > 0 and workers:
+            self._measure_reuse(turn, max(c.cached.values(), default=0),
+                                sum(c.occupancy.values()))
         return Decision(ranking.ranked, self.config.policy, c.cached,
                         bool(c.match and c.match.shared), c.certain, ranking.cost_s,
                         ranking.pulls)
@@ -374,20 +377,62 @@ class Router:
         else:
             self._active_tokens.pop(wid, None)
 
-    def _measure_reuse(self, cached: int, prompt: int) -> None:
-        """Reuses per computed token: in steady state every token computed is stored once
-        and then served from cache `reuse` times on average, so a cached token that a
-        duplicate evicts costs that many re-prefills. Counted in tokens (a turn-mean of hit
-        ratios would let many short cold prompts outweigh the long ones that carry the
-        reuse), over the best predicted hit (what the fleet holds, whoever is chosen), at
-        most the window's length in turns (a token cannot be reused more often than turns
-        arrived)."""
+    def _measure_reuse(self, turn: Turn, cached: int, held_blocks: int) -> None:
+        """Re-prefills per evicted token: what the miss cost charges for each cached token
+        a duplicate evicts. A token is worth keeping only if it is asked for again before
+        it would be evicted anyway, and a duplicate evicts the least recently used tokens
+        of its worker, not average ones: the reuses of an average cached token (what this
+        measured before: cached / computed tokens, 1.9-4.2 on Mooncake, whose shared
+        prefixes are hot while its one-turn requests leave cold tails) overprice the
+        eviction many times over, enough to turn a turn away from an idle worker that
+        would pull its prefix in 0.3 s towards a 2.8 s queue.
+
+        So it is measured where it happens: of the tokens a turn must compute (beyond the
+        best predicted cached run, whoever is chosen), those in blocks this router routed
+        before were computed once and evicted since: each is a re-prefill an eviction
+        caused. In steady state every computed token is stored and evicts one once caches
+        are full (the cost's kv_fill scales that), so re-prefills / computed tokens over
+        the window is how often an evicted token is asked for again. One-turn traffic
+        that never comes back measures 0 and pays nothing for a miss. Until a token was
+        computed again (nothing evicted yet, or nothing evicted was wanted) there is no
+        such measurement, and the reuses per average computed token stand in (at most the
+        window's length in turns): duplicates stored then fill the caches whose evictions
+        come later. Counted in tokens, over at most `reuse_window_turns` turns; a block
+        computed counts as seen until twice the blocks the fleet holds (at least
+        MAX_TRACKED_TURNS) have been computed after it: one asked for later than that
+        counts as new, and the memory stays in proportion to the fleet's. Only the
+        computed part of a prompt is looked at (a 12k-token follow-up: its new blocks,
+        not the 750 of its history), so the cost per turn is that of its prefill's
+        blocks."""
+        hashes, bs = turn.block_hashes, turn.block_size
+        first = min(len(hashes), cached // bs) if bs > 0 else len(hashes)
+        seen = self._seen
+        again = 0
+        for h in hashes[first:]:  # the cached run is held: only what is computed is new
+            if h in seen:
+                again += 1
+                seen.move_to_end(h)  # most recent last
+            else:
+                seen[h] = None
+        limit = max(self.MAX_TRACKED_TURNS, 2 * held_blocks)
+        while len(seen) > limit:
+            seen.popitem(last=False)
+        computed = max(0, turn.num_prompt_tokens - cached)
+        again = min(computed, again * bs)
         window = self._reuse_window
-        window.append((cached, prompt - cached))
-        self._reuse_cached += cached
-        self._reuse_uncached += prompt - cached
+        hit = min(cached, turn.num_prompt_tokens)
+        window.append((again, computed, hit))
+        self._reuse_again += again
+        self._reuse_computed += computed
+        self._reuse_cached += hit
+        self._evicted = self._evicted or again > 0
         if len(window) > self.config.reuse_window_turns:
-            old_cached, old_uncached = window.popleft()
-            self._reuse_cached -= old_cached
-            self._reuse_uncached -= old_uncached
-        self.reuse = min(float(len(window)), self._reuse_cached / max(1, self._reuse_uncached))
+            old_again, old_computed, old_hit = window.popleft()
+            self._reuse_again -= old_again
+            self._reuse_computed -= old_computed
+            self._reuse_cached -= old_hit
+        if self._evicted:
+            self.reuse = self._reuse_again / max(1, self._reuse_computed)
+        else:
+            self.reuse = min(float(len(window)),
+                             self._reuse_cached / max(1, self._reuse_computed))

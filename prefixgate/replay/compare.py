@@ -1,13 +1,17 @@
 """Routing report: every policy on every trace, side by side (`prefixgate replay
 --compare-policies`).
 
-Contract: `compare(traces, plan, arrival_of, limits, ttft_target_s)` simulates each trace
-(`[(path, Trace)]`) under every policy of `plan.policies` (default: all the gateway has)
-with `run_simulations` (replay/simulate.py: the gateway's own router and policy classes
-over simulated workers), and returns one JSON-serialisable document:
+Contract: `compare(traces, plan, arrival_of, limits, ttft_target_s, seeds)` simulates
+each trace (`[(path, Trace)]`) under every policy of `plan.policies` (default: all the
+gateway has) with `run_simulations` (replay/simulate.py: the gateway's own router and
+policy classes over simulated workers), once per arrival seed of `seeds` (default: the
+arrival's own seed only; open loop: seed 0 plays the trace's timestamps, another seed
+resamples them, loadgen.open_arrival_times), and returns one JSON-serialisable document:
 
-  {"ttft_target_s": float, "traces": [{"trace": path, "turns": int,
+  {"ttft_target_s": float, "seeds": [int], "traces": [{"trace": path, "turns": int,
      "bounds": {"infinite_cache", "combined_lru"},       hit-rate bounds (simulate.py)
+     "leads": {"ttft_p99": [[policy...] per seed],       at the lowest p99 of each seed's run
+               "goodput": [[policy...] per seed]},       at the highest goodput (ties: all)
      "policies": [{"policy", "source",
         "ttft_s": {"p50", "p90", "p99"},                 seconds, turns that answered
         "goodput": float,                                turns with TTFT <= target / all
@@ -15,9 +19,15 @@ over simulated workers), and returns one JSON-serialisable document:
         "not_recomputed_rate": float,                    (cached + pulled) / prompt
         "tokens_not_recomputed": int,                    cached + pulled tokens
         "load": {"prompt_tokens_max_over_mean",          per worker, 1.0 = even
-                 "computed_tokens_max_over_mean"}}]}]}
+                 "computed_tokens_max_over_mean"},
+        "per_seed": {"ttft_p99_s": [...], "goodput": [...], "hit_rate": [...]}}]}]}
 
-`markdown(doc)` is one table per trace (the best TTFT p99 and goodput in bold);
+A policy's figures are means over the seeds (each seed's run is one fleet; its p99 is that
+run's), `per_seed` the figures of each run in `seeds` order. Routing rules within a percent
+of each other swap places with the arrivals alone: "leads" is meant over seeds.
+
+`markdown(doc)` is one table per trace (the best mean TTFT p99 and goodput in bold; with
+several seeds, each with its range over them, and how many seeds each rule led in);
 `plot(doc, out_dir, name)` writes `<name>-policies.png`: a row per trace, TTFT p99,
 goodput and hit per policy (the combined-LRU bound dashed).
 """
@@ -55,23 +65,68 @@ def _row(run: dict, ttft_target_s: float) -> dict:
     }
 
 
+def _mean(rows: list[dict]) -> dict:
+    """One policy's rows (one per seed, same order of seeds) as one: every figure the mean,
+    `per_seed` the p99s, goodputs and hits of each."""
+    n = len(rows)
+
+    def avg(get) -> float:
+        return sum(get(r) for r in rows) / n
+
+    first = rows[0]
+    return {
+        "policy": first["policy"], "source": first["source"],
+        "ttft_s": {k: avg(lambda r, k=k: r["ttft_s"][k]) for k in ("p50", "p90", "p99")},
+        "goodput": avg(lambda r: r["goodput"]),
+        "hit_rate": avg(lambda r: r["hit_rate"]),
+        "not_recomputed_rate": avg(lambda r: r["not_recomputed_rate"]),
+        "tokens_not_recomputed": round(avg(lambda r: r["tokens_not_recomputed"])),
+        "load": {k: avg(lambda r, k=k: r["load"][k]) for k in first["load"]},
+        "per_seed": {"ttft_p99_s": [r["ttft_s"]["p99"] for r in rows],
+                     "goodput": [r["goodput"] for r in rows],
+                     "hit_rate": [r["hit_rate"] for r in rows]},
+    }
+
+
+def _leads(runs: list[list[dict]]) -> dict:
+    """Per seed (`runs`: each seed's rows), the policies at the lowest TTFT p99 and those at
+    the highest goodput (every one tied at the best; p99s to the microsecond, below which
+    two runs differ only by float rounding)."""
+    def p99(r: dict) -> float:
+        return round(r["ttft_s"]["p99"], 6)
+
+    return {"ttft_p99": [[r["policy"] for r in rows if p99(r) == min(map(p99, rows))]
+                         for rows in runs],
+            "goodput": [[r["policy"] for r in rows
+                         if r["goodput"] == max(x["goodput"] for x in rows)]
+                        for rows in runs]}
+
+
 def compare(traces: Sequence[tuple[str, Trace]], plan: FleetPlan,
             arrival_of: Callable[[Trace], ArrivalConfig], limits: Limits,
-            ttft_target_s: float) -> dict:
+            ttft_target_s: float, seeds: Sequence[int] = ()) -> dict:
     from prefixgate.replay.simulate import run_simulations
 
     names = tuple(plan.policies) or tuple(policies.POLICIES)
     out = []
     for path, trace in traces:
-        runs = run_simulations(trace, dataclasses.replace(plan, trace_path=path,
-                                                          policies=names),
-                               arrival_of(trace), limits)
-        rows = [_row(r, ttft_target_s) for r in runs]
-        out.append({"trace": path, "turns": trace.num_turns,
-                    "arrival": vars(arrival_of(trace)),
-                    "bounds": runs[0]["bounds"] if runs else {}, "policies": rows})
+        arrival = arrival_of(trace)
+        per_seed: list[list[dict]] = []
+        bounds: list[dict] = []
+        for seed in seeds or (arrival.seed,):
+            runs = run_simulations(trace, dataclasses.replace(plan, trace_path=path,
+                                                              policies=names),
+                                   dataclasses.replace(arrival, seed=seed), limits)
+            per_seed.append([_row(r, ttft_target_s) for r in runs])
+            bounds.append(runs[0]["bounds"] if runs else {})
+        rows = [_mean(list(by_policy)) for by_policy in zip(*per_seed, strict=True)]
+        out.append({"trace": path, "turns": trace.num_turns, "arrival": vars(arrival),
+                    "bounds": {k: sum(b.get(k, 0.0) for b in bounds) / len(bounds)
+                               for k in bounds[0]},
+                    "leads": _leads(per_seed), "policies": rows})
     return {"ttft_target_s": ttft_target_s,
             "workers": (list(plan.worker_counts) or [8])[0],
+            "seeds": list(seeds) or [out[0]["arrival"]["seed"] if out else 0],
             "traces": out}
 
 
@@ -88,7 +143,9 @@ def markdown(doc: dict, title: str = "routing policies") -> str:
         lines += [f"**{Path(tr['trace']).name}** ({tr['turns']} turns, "
                   f"{tr['arrival']['mode']} arrivals; hit bounds: infinite cache "
                   f"{b.get('infinite_cache', 0):.1%}, combined LRU "
-                  f"{b.get('combined_lru', 0):.1%})", "",
+                  f"{b.get('combined_lru', 0):.1%}" + (
+                      f"; mean (range) over seeds {', '.join(map(str, doc['seeds']))}"
+                      if len(doc.get("seeds", ())) > 1 else "") + ")", "",
                   f"| policy | TTFT p50 / p90 / p99 ms | goodput (TTFT ≤ {target:g} s) | hit "
                   "| not recomputed (tokens) | load max/mean (prompt, computed) |",
                   "|---|---|---|---|---|---|"]
@@ -96,6 +153,11 @@ def markdown(doc: dict, title: str = "routing policies") -> str:
             t = r["ttft_s"]
             p99 = f"{t['p99'] * 1e3:.0f}"
             good = f"{r['goodput']:.1%}"
+            seeds = r.get("per_seed") or {}
+            if len(seeds.get("goodput", ())) > 1:  # the range over the seeds beside the mean
+                p99 += (f" ({min(seeds['ttft_p99_s']) * 1e3:.0f}–"
+                        f"{max(seeds['ttft_p99_s']) * 1e3:.0f})")
+                good += f" ({min(seeds['goodput']):.1%}–{max(seeds['goodput']):.1%})"
             lines.append(
                 f"| {r['policy']} | {t['p50'] * 1e3:.0f} / {t['p90'] * 1e3:.0f} / "
                 f"{'**' + p99 + '**' if t['p99'] == best_p99 else p99} | "
@@ -104,6 +166,13 @@ def markdown(doc: dict, title: str = "routing policies") -> str:
                 f"({r['tokens_not_recomputed']:,}) | "
                 f"{r['load']['prompt_tokens_max_over_mean']:.2f}, "
                 f"{r['load']['computed_tokens_max_over_mean']:.2f} |")
+        leads = tr.get("leads") or {}
+        if len(leads.get("goodput", ())) > 1:  # seeds each policy was at the best in
+            for key, what in (("ttft_p99", "lowest TTFT p99"), ("goodput", "highest goodput")):
+                won = [name for seed in leads[key] for name in seed]
+                lines += ["", f"At the {what} (ties included), of {len(leads[key])} seeds: "
+                          + ", ".join(f"{name} {won.count(name)}"
+                                      for name in dict.fromkeys(won)) + "."]
         lines.append("")
     return "\n".join(lines)
 
@@ -128,11 +197,17 @@ def plot(doc: dict, out_dir: str | Path, name: str) -> list[Path]:
         ys = range(len(rows))
         colors = ["tab:orange" if r["policy"].startswith("prefix") else "tab:blue"
                   for r in rows]
-        panels = (("TTFT p99 (s)", [r["ttft_s"]["p99"] for r in rows]),
-                  (f"goodput (TTFT ≤ {doc['ttft_target_s']:g} s)", [r["goodput"] for r in rows]),
-                  ("hit rate", [r["hit_rate"] for r in rows]))
-        for ax, (title, values) in zip(row, panels, strict=True):
-            ax.barh(list(ys), values, color=colors)
+        panels = (("TTFT p99 (s)", [r["ttft_s"]["p99"] for r in rows], "ttft_p99_s"),
+                  (f"goodput (TTFT ≤ {doc['ttft_target_s']:g} s)", [r["goodput"] for r in rows],
+                   "goodput"),
+                  ("hit rate", [r["hit_rate"] for r in rows], "hit_rate"))
+        for ax, (title, values, key) in zip(row, panels, strict=True):
+            spread = [(r.get("per_seed") or {}).get(key) or [v] for r, v in zip(rows, values,
+                                                                              strict=True)]
+            err = ([[max(0.0, v - min(x)) for v, x in zip(values, spread, strict=True)],
+                    [max(0.0, max(x) - v) for v, x in zip(values, spread, strict=True)]]
+                   if any(len(x) > 1 for x in spread) else None)  # the seeds' range
+            ax.barh(list(ys), values, color=colors, xerr=err, error_kw={"linewidth": 0.8})
             ax.set_title(f"{Path(tr['trace']).name}: {title}", fontsize=9)
             ax.grid(alpha=0.3, axis="x")
             ax.set_yticks(list(ys), labels if ax is row[0] else [""] * len(rows), fontsize=8)

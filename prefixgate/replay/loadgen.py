@@ -5,7 +5,9 @@ Contract: `await run_load(trace, target, arrival, limits)` sends turns and retur
 send time from the run's start). Arrival modes (`ArrivalConfig.mode`):
 
   open     every turn at its trace timestamp divided by `speedup`, whether or not earlier
-           turns have finished (needs a trace with timestamps: Mooncake, recorded);
+           turns have finished (needs a trace with timestamps: Mooncake, recorded); with
+           a `seed` other than 0, at resampled times (`open_arrival_times`): the trace's
+           order and local rate, arrivals Poisson within it;
   closed   `concurrency` simulated users, each taking the next conversation and sending its
            turns one after another, `think_time_s` after each reply;
   poisson  conversations start at Poisson times (`rate_per_s`, seeded), each then plays its
@@ -24,6 +26,7 @@ import asyncio
 import random
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from prefixgate.replay.targets import Target, TurnRecord, TurnRequest
@@ -39,7 +42,7 @@ class ArrivalConfig:
     concurrency: int = 8  # closed: simultaneous conversations
     rate_per_s: float = 1.0  # poisson: conversation starts per second
     think_time_s: float = 0.0  # closed, poisson: pause after a reply before the next turn
-    seed: int = 0
+    seed: int = 0  # poisson: the starts; open: 0 plays the timestamps, others resample
 
     def __post_init__(self) -> None:
         if self.mode not in ARRIVAL_MODES:
@@ -74,6 +77,30 @@ def build_request(trace: Trace, conv: Conversation, index: int, limits: Limits) 
         return TurnRequest(conv.conversation_id, index, max_tokens, messages=conv.messages(index))
     ids = synth_prompt_array(turn, trace.block_size, limits.vocab_size, limits.max_prompt_tokens)
     return TurnRequest(conv.conversation_id, index, max_tokens, prompt_token_ids=ids)
+
+
+def open_arrival_times(timestamps_s: Sequence[float], speedup: float = 1.0,
+                       seed: int = 0) -> list[float]:
+    """Open-loop arrival times for turns recorded at `timestamps_s` (sorted), in seconds
+    from the start: the timestamps / `speedup` for seed 0; for another seed, each gap
+    between consecutive arrivals multiplied by its own Exp(1) draw (seeded).
+
+    One recording is one draw of its arrivals: routing rules that differ by a percent can
+    swap places with the arrival times alone. A resampled run keeps what the trace says
+    about load (the order of turns, the mean gap in every stretch of it, so bursts stay
+    bursts and quiet spells quiet; turns recorded together stay together) and draws when
+    within it each turn arrives, as a Poisson process whose rate follows the trace's. No
+    constant is chosen: the scale of each draw is the recorded gap."""
+    times = [t / speedup for t in timestamps_s]
+    if seed == 0 or not times:
+        return times
+    rng = random.Random(f"open:{seed}")
+    out, at, prev = [], 0.0, 0.0
+    for t in times:
+        at += (t - prev) * rng.expovariate(1.0)
+        out.append(at)
+        prev = t
+    return out
 
 
 class _Run:
@@ -135,9 +162,10 @@ async def run_load(trace: Trace, target: Target, arrival: ArrivalConfig, limits:
             if not trace.has_timestamps:
                 raise ValueError(f"{trace.kind} traces have no timestamps: use --arrival closed "
                                  "or --arrival poisson")
-            schedule = sorted(((t.timestamp_s / arrival.speedup, i, c)
-                               for c in trace.conversations for i, t in enumerate(c.turns)),
-                              key=lambda x: (x[0], x[1]))
+            order = sorted(((t.timestamp_s, i, c) for c in trace.conversations
+                            for i, t in enumerate(c.turns)), key=lambda x: (x[0], x[1]))
+            times = open_arrival_times([x[0] for x in order], arrival.speedup, arrival.seed)
+            schedule = [(at, i, c) for at, (_, i, c) in zip(times, order, strict=True)]
             tasks = []
             for at, i, conv in schedule:
                 await run.sleep_until(at)

@@ -52,10 +52,11 @@ second): the gateway's wall-clock constants (prediction TTL, status interval) ar
 multiplied by it.
 
 Arrivals (ArrivalConfig, as the load generator's, in emulated time): open loop at trace
-timestamps / speedup; closed loop (`concurrency` conversations, `think_time_s`); Poisson
-conversation starts. A user's next turn arrives `think_time_s` plus a turnaround after
-its reply ends: one of `turnaround_s` (wall seconds x time_scale, drawn per turn), what the
-fleet's client and gateway take to read a reply, send the next turn and route it; with
+timestamps / speedup (resampled for a seed other than 0: loadgen.open_arrival_times);
+closed loop (`concurrency` conversations, `think_time_s`); Poisson conversation starts.
+A user's next turn arrives `think_time_s` plus a turnaround after its reply ends: one of
+`turnaround_s` (wall seconds x time_scale, drawn per turn), what the fleet's client and
+gateway take to read a reply, send the next turn and route it; with
 events delayed (`event_delay_s`), it decides whether a follow-up is routed knowing its
 previous turn's blocks.
 
@@ -96,7 +97,7 @@ from prefixgate.gateway.routing import (
     queued_prefill_tokens,
 )
 from prefixgate.radix import BlockHasher, packed
-from prefixgate.replay.loadgen import ArrivalConfig, Limits
+from prefixgate.replay.loadgen import ArrivalConfig, Limits, open_arrival_times
 from prefixgate.replay.metrics import summarize
 from prefixgate.replay.plan import FleetPlan, fleet_model, status_interval_ms
 from prefixgate.replay.targets import TurnRecord
@@ -598,12 +599,17 @@ class _Sim:
         a = self.cfg.arrival
         convs = [c for c in self.convs if c]
         if a.mode == "open":
+            order = []
             for c in convs:
                 for i, t in enumerate(c):
                     if t.timestamp_s is None:
                         raise ValueError("open-loop simulation needs a trace with timestamps: "
                                          "use --arrival closed or poisson")
-                    self.at(t.timestamp_s / a.speedup, self.arrive, c, i, False)
+                    order.append((t.timestamp_s, i, c))
+            order.sort(key=lambda x: x[0])  # stable: equal times keep the trace's order
+            times = open_arrival_times([x[0] for x in order], a.speedup, a.seed)
+            for at, (_, i, c) in zip(times, order, strict=True):
+                self.at(at, self.arrive, c, i, False)
         elif a.mode == "closed":
             self._users = deque(convs)
             for _ in range(min(a.concurrency, len(convs))):

@@ -14,6 +14,7 @@ from prefixgate.gateway.routing import (
     LoadSnapshot,
     Router,
     RoutingConfig,
+    Turn,
     make_turn,
     reusable_tokens,
 )
@@ -270,22 +271,53 @@ def test_a_miss_costs_the_re_prefill_of_what_it_evicts() -> None:
     assert d.ranked[0].worker_id == "w1"
 
 
-def test_reuse_is_the_reuses_per_computed_token_over_the_window() -> None:
-    """reuse = best predicted cached tokens / the tokens left to compute, counted in tokens
-    over the last `reuse_window_turns` turns: a 128-token prompt with 64 cached is one
-    reuse per computed token; beside cold prompts, the long one weighs by its tokens."""
+def test_reuse_is_the_re_prefills_per_evicted_token() -> None:
+    """A hot prefix (w0 holds its 512 tokens) followed by tails asked for once: each turn
+    serves 512 cached tokens per 128 computed (4 reuses per computed token), but what a
+    duplicate would evict is a cold tail, asked for again once in four turns. Until a
+    token was computed again (nothing evicted yet) the reuses per computed token stand in;
+    afterwards reuse = tokens computed again that were routed before / tokens computed,
+    over the last `reuse_window_turns` turns."""
     index = PrefixIndex()
     router = Router(RoutingConfig(reuse_window_turns=4), index)
-    serve(index, "w0", list(range(64)))
-    for _ in range(8):
-        router.decide(workers(2), make_turn(list(range(128)), HASHER, "c"))
-    assert router.reuse == pytest.approx(1.0)
-    for _ in range(3):
-        router.decide(workers(2), make_turn(list(range(1000, 1128)), HASHER, "d"))
-    router.decide(workers(2), make_turn(list(range(2000, 3024)), HASHER, "e"))
-    assert router.reuse == pytest.approx(0.0)  # the window holds only cold turns now
-    router.decide(workers(2), make_turn(list(range(128)), HASHER, "c"))
-    assert router.reuse == pytest.approx(64 / (64 + 2 * 128 + 1024))
+    hot = list(range(512))
+    serve(index, "w0", hot)
+
+    def tail(k: int) -> Turn:
+        return make_turn(hot + list(range(10_000 * (k + 1), 10_000 * (k + 1) + 128)), HASHER,
+                         f"c{k}")
+
+    for k in range(4):
+        router.decide(workers(2), tail(k))
+    assert router.reuse == pytest.approx(4.0)  # no eviction seen: cached / computed
+    router.decide(workers(2), tail(0))  # tail 0 again: its 128 tokens were evicted
+    assert router.reuse == pytest.approx(128 / (4 * 128))
+    for k in range(4, 8):
+        router.decide(workers(2), tail(k))
+    assert router.reuse == 0.0  # the window holds tails never asked for again
+
+
+def test_a_cold_tail_does_not_outweigh_an_idle_worker() -> None:
+    """The turn above's next tail on w0 (its prefix cached, 2.8 s of queue) or on idle w1
+    (a cold prefill): with the eviction priced at the measured re-prefills of what it
+    evicts (cold tails, asked for again once in four turns) w1 wins; priced at the
+    reuses of an average cached token (4), w0 did."""
+    index = PrefixIndex()
+    router = Router(RoutingConfig(reuse_window_turns=4, transfer=False), index)
+    hot = list(range(512))
+    serve(index, "w0", hot)
+
+    def tail(k: int) -> Turn:
+        return make_turn(hot + list(range(10_000 * (k + 1), 10_000 * (k + 1) + 128)), HASHER,
+                         f"c{k}")
+
+    for k in (0, 1, 2, 3, 0):
+        router.decide(workers(2), tail(k))
+    loads = [LoadSnapshot("w0", 2_000), LoadSnapshot("w1")]
+    d = router.decide(loads, tail(9))
+    assert router.reuse == pytest.approx(128 / (4 * 128))
+    assert d.ranked[0].worker_id == "w1"
+    assert d.cost_s["w1"] == pytest.approx((640 + 512 * 0.25) / 10_000)
 
 
 def test_measured_rates_rank_workers_and_unmeasured_count_at_the_mean() -> None:

@@ -125,7 +125,7 @@ class Candidates:
     match: PrefixMatch | None = None
     previous: str | None = None
     occupancy: dict[str, int] = field(default_factory=dict)  # indexed blocks per worker
-    reuse: float = 0.0  # measured reuses per computed token (prefix policy, miss_s)
+    reuse: float = 0.0  # measured re-prefills per evicted token (prefix policy, miss_s)
     trust: dict[str, float] = field(default_factory=dict)  # worker id -> confidence 0..1
     # worker id -> prompt tokens of this router's turns active there (dispatched, not ended)
     active_tokens: dict[str, int] = field(default_factory=dict)

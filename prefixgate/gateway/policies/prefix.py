@@ -14,7 +14,9 @@ The rule (docs/routing.md, "The scoring rule"), per worker, at its measured rate
   miss_s     what the choice costs later: the cached tokens it forgoes against the
              best-cached worker are prefilled again here and evict as many of this
              worker's once its cache is full; each evicted token costs its prefill again
-             as often as a cached token is reused (`Candidates.reuse`, measured):
+             as often as evicted tokens are asked for again (`Candidates.reuse`, measured
+             by the router: re-prefills per evicted token, Router._measure_reuse; the
+             evicted ones are the least recently used, not average cached ones):
                miss_s = (best - credited) / rate x reuse x kv_fill
   pull       a third way to serve on a worker: pull the leading blocks it lacks from a
              holder (block transfer), then prefill the rest; the queue ahead drains while
