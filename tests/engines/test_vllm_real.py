@@ -19,7 +19,6 @@ import time
 import grpc
 import pytest
 
-from prefixgate.engines.local import LocalWorker
 from prefixgate.engines.vllm import VLLMConfig, VLLMWorker
 from prefixgate.engines.vllm_events import VLLMEventMapper
 from prefixgate.engines.vllm_http import VLLMClient, VLLMError
@@ -31,6 +30,7 @@ from prefixgate.radix import BlockHasher, Hashers
 from prefixgate.radix.hashing import packed, tokens_to_bytes
 from prefixgate.registry import make_registry
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2, worker_pb2
+from prefixgate.workerapi.client import InProcessWorkerClient
 from prefixgate.workerapi.server import WorkerConfig
 from prefixgate.workerapi.startup import RegistryLease, serve_worker
 from tests.engines.test_vllm_events import SetSink
@@ -144,7 +144,7 @@ def test_mapping_equals_vllm_hits_and_keeps_namespaces_apart(vllm, smollm2_spec)
         w = VLLMWorker(smollm2_spec, ChatTokenizer(smollm2_spec), WorkerConfig("v", block_size=16),
                        VLLMConfig.parse(vllm.spec))
         await w.start(wait_s=30)
-        stub = LocalWorker(w)
+        stub = InProcessWorkerClient(w)
         try:
             base = [rng.randrange(1000, 20000) for _ in range(150)]
             prompts = [(base, ""), (base[:100] + [7] * 60, ""), (base + [9] * 40, ""),
@@ -183,7 +183,7 @@ def test_log_probabilities(vllm, smollm2_spec) -> None:
         await w.start(wait_s=30)
         chunks = []
         try:
-            async for ev in LocalWorker(w).Generate(worker_pb2.GenerateRequest(
+            async for ev in InProcessWorkerClient(w).Generate(worker_pb2.GenerateRequest(
                     request_id="lp", prompt_token_ids=list(range(100, 140)),
                     sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0,
                                                        top_logprobs=3)), timeout=120):
@@ -206,7 +206,7 @@ def test_a_server_with_another_model_is_refused(vllm, tiny_spec) -> None:
                        VLLMConfig.parse(vllm.spec))
         await w.start(wait_s=30)
         try:
-            info = await LocalWorker(w).GetInfo(worker_pb2.GetInfoRequest())
+            info = await InProcessWorkerClient(w).GetInfo(worker_pb2.GetInfoRequest())
         finally:
             await w.close()
         assert info.model_fingerprint != tiny_spec.fingerprint
@@ -341,7 +341,7 @@ def test_another_tenants_salt_cannot_be_computed(vllm, smollm2_spec) -> None:
         client = VLLMClient(vllm.url)
         prompt = _prompt(rng)
         try:
-            async for _ in LocalWorker(w).Generate(worker_pb2.GenerateRequest(
+            async for _ in InProcessWorkerClient(w).Generate(worker_pb2.GenerateRequest(
                     request_id="acme-1", prompt_token_ids=prompt, namespace="acme",
                     sampling=common_pb2.SamplingParams(max_tokens=1)), timeout=120):
                 pass
@@ -440,7 +440,7 @@ def test_a_restarted_server_loses_its_blocks(vllm, smollm2_spec) -> None:
         old = list(range(200, 300))
         try:
             await f.subscribe()
-            async for _ in LocalWorker(w).Generate(worker_pb2.GenerateRequest(
+            async for _ in InProcessWorkerClient(w).Generate(worker_pb2.GenerateRequest(
                     request_id="r", prompt_token_ids=old,
                     sampling=common_pb2.SamplingParams(max_tokens=1)), timeout=120):
                 pass
