@@ -34,7 +34,7 @@ from prefixgate.workerapi.client import InProcessWorkerClient
 from prefixgate.workerapi.server import WorkerConfig
 from prefixgate.workerapi.startup import RegistryLease, serve_worker
 from tests.engines.test_vllm_events import SetSink
-from tests.engines.vllm_server import VLLMServer, vllm_python
+from tests.engines.vllm_server import VLLMServer, in_process_gateway, vllm_python
 
 VLLM_BLOCK = 32
 
@@ -97,15 +97,8 @@ def _reused_and_predicted(f1, f2, worker_id: str) -> None:
 
 def test_two_turns_through_the_gateway(vllm, smollm2_spec) -> None:
     async def main():
-        stop = asyncio.Event()
-        started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        gw = asyncio.create_task(serve(smollm2_spec, make_registry(None), GatewayConfig(
-            vllm_workers=(vllm.spec,), refresh_interval_s=0.2), stop, started))
-        try:
-            f1, f2 = await _two_turns(await asyncio.wait_for(started, 60))
-        finally:
-            stop.set()
-            await gw
+        async with in_process_gateway(smollm2_spec, vllm) as port:
+            f1, f2 = await _two_turns(port)
         _reused_and_predicted(f1, f2, "vllm-" + vllm.url.split("://")[1])
     asyncio.run(main())
 
@@ -368,14 +361,11 @@ def test_a_paused_server_is_listed_again_within_seconds(vllm, smollm2_spec) -> N
     took ~170 s: a /metrics poll that timed out set the next poll 200 s later), its
     blocks back in the index (the event stream proved continuity with the replay)."""
     async def main():
-        stop = asyncio.Event()
-        started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        gw = asyncio.create_task(serve(smollm2_spec, make_registry(None), GatewayConfig(
-            vllm_workers=(vllm.spec,)), stop, started))
         group = os.getpgid(vllm.proc.pid)
         try:
-            port = await asyncio.wait_for(started, 60)
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            async with in_process_gateway(
+                    smollm2_spec, vllm, GatewayConfig().refresh_interval_s) as port, \
+                    grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 chat = chat_pb2_grpc.ChatServiceStub(ch)
 
                 async def listed() -> int:
@@ -414,8 +404,6 @@ def test_a_paused_server_is_listed_again_within_seconds(vllm, smollm2_spec) -> N
                 again = await turn()
         finally:
             os.killpg(group, signal.SIGCONT)
-            stop.set()
-            await gw
         assert relisted_s < 10
         assert again.usage.cached_tokens > 0
         assert again.predicted_cached_tokens == again.usage.cached_tokens
