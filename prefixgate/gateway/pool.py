@@ -5,26 +5,27 @@ within `connect_timeout_s`) and closes the clients of workers that left it (turn
 streaming get `close_grace_s` to finish). Each worker is called through its
 `WorkerHandle.client` (workerapi/client.py `WorkerClient`): a `GrpcWorkerClient` over a
 channel, or, for a worker served in this process (`local`: e.g. a vLLM server behind its
-adapter), the `InProcessWorkerClient` given for its registry address. A worker registered again at the same address
-(a new epoch) keeps its connection and in-flight turns. A worker whose
-model fingerprint differs from the gateway's is refused: logged, listed in `refused`,
-never routed to (so is one whose block size differs: its block hashes would never match).
-A worker's load (`WorkerHandle.status`) is pushed to it by gateway/status.py; this
-gateway's own turns there count through `WorkerHandle.lease(prompt_tokens)` (a `Lease`
-held from sending a turn until it ends), never through counters updated by hand.
-`healthy()` lists the workers a turn may be routed to, sorted by id.
+adapter), the `InProcessWorkerClient` given for its registry address. A worker
+registered again at the same address (a new epoch) keeps its connection and in-flight
+turns. A worker whose model fingerprint differs from the gateway's is refused: logged,
+listed in `refused`, never routed to (so is one whose block size differs: its block
+hashes would never match). A worker's load (`WorkerHandle.status`) is pushed to it by
+gateway/status.py; this gateway's own turns there count through
+`WorkerHandle.lease(prompt_tokens)` (a `Lease` held from sending a turn until it ends),
+never through counters updated by hand. `healthy()` lists the workers a turn may be
+routed to, sorted by id.
 
 Health comes from probes and transport errors only, never from one request's outcome:
-a worker is down when its probe (GetInfo, then the grpc.health.v1 check of the worker
-service, NOT_SERVING while it drains; an in-process worker's own `serving()`) fails, or when the gateway's call to it fails at the
-transport (`mark_down`, for UNAVAILABLE); the next successful probe brings it back. A
-probe that only times out (DEADLINE_EXCEEDED) does not take down a worker that pushed its
-status within the probe timeout: it is alive and busy (a host saturated by a burst answers
+a worker is down when its probe (GetInfo, then `WorkerClient.serving`: the
+grpc.health.v1 check of the worker service, NOT_SERVING while it drains, or an in-process
+worker's own `serving()`) fails, or when the gateway's call to it fails at the transport
+(`mark_down`, for UNAVAILABLE); the next successful probe brings it back. A probe that
+only times out (DEADLINE_EXCEEDED) does not take down a worker that pushed its status
+within the probe timeout: it is alive and busy (a host saturated by a burst answers
 probes late), and taking it down would send its conversations elsewhere to recompute. A
-worker that neither answers nor pushes is down. A
-worker missing from the registry is dropped once it is down or has been missing for
-`absent_grace_s`: a registry that comes back empty (Redis restarted) never drops live
-workers before they register again.
+worker that neither answers nor pushes is down. A worker missing from the registry is
+dropped once it is down or has been missing for `absent_grace_s`: a registry that comes
+back empty (Redis restarted) never drops live workers before they register again.
 """
 
 from __future__ import annotations

@@ -98,7 +98,6 @@ class GrpcWorkerClient:
     def __init__(self, channel: grpc.aio.Channel) -> None:
         self.channel = channel
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
-        self.stub = stub
         self.GetInfo = stub.GetInfo
         self.GetStatus = stub.GetStatus
         self.FlushCache = stub.FlushCache
