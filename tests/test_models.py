@@ -51,7 +51,7 @@ def test_gateway_side_never_imports_torch(tiny_spec) -> None:
             "import prefixgate.cli; import prefixgate.radix; "
             "import prefixgate.gateway.redis_feed, prefixgate.gateway.feeds, prefixgate.registry; "
             "import prefixgate.workerapi.events; import prefixgate.model.overflow; "
-            "import prefixgate.engines.vllm, prefixgate.engines.local; "
+            "import prefixgate.engines.vllm, prefixgate.workerapi.client; "
             "import prefixgate.replay.simulate, prefixgate.replay.targets, prefixgate.replay.report; "
             f"ChatTokenizer(resolve_model('tiny-random', __import__('pathlib').Path({str(tiny_spec.model_dir.parent.parent)!r})))"
             ".encode_messages([('user', 'hi')]); "

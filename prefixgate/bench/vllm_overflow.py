@@ -97,16 +97,16 @@ def _pick(args, tok, turn_prefix) -> list[tuple[str, list[int], list[int]]]:
 async def _measure(args, spec, tok, server, turns) -> list[dict]:
     from tqdm import tqdm
 
-    from prefixgate.engines.local import LocalWorker
     from prefixgate.engines.vllm import VLLMConfig, VLLMWorker
     from prefixgate.v1 import common_pb2
+    from prefixgate.workerapi.client import InProcessWorkerClient
     from prefixgate.workerapi.server import WorkerConfig
 
     worker = VLLMWorker(spec, tok, WorkerConfig(server.worker_id, block_size=args.block_size),
                         VLLMConfig(server.url, server.events, server.replay,
                                    export=server.export.removeprefix("grpc://")))
     await worker.start(wait_s=60)
-    local = LocalWorker(worker)
+    local = InProcessWorkerClient(worker)
     modes = {"shift": common_pb2.SHIFTED_REUSE_SHIFT,
              "recompute": common_pb2.SHIFTED_REUSE_RECOMPUTE}
     rows = []

@@ -5,5 +5,7 @@
   vllm_http.py     its OpenAI-compatible HTTP API (completions, tokenizer, metrics)
   vllm_events.py   its KV cache events mapped onto prefixgate's block hashes (no I/O)
   vllm_stream.py   following its ZMQ event publisher
-  local.py         a Worker API servicer held in the gateway's process
+
+Held in the gateway's process, an engine's Worker API service is called directly
+(workerapi/client.py `InProcessWorkerClient`).
 """

@@ -11,8 +11,9 @@ unchanged, so a fleet may mix vLLM servers and prefixgate workers, and routing, 
 ownership, failover, limits, auth and namespaces apply to both. The one object serves two
 ways:
   - in the gateway's process (`prefixgate gateway --vllm-worker URL,tcp://HOST:5557`):
-    wrapped in engines/local.LocalWorker, held by gateway/pool.py in place of a gRPC stub
-    (no extra hop); the gateway follows its WatchEvents like any worker's;
+    its call-level methods called directly through workerapi/client.py
+    `InProcessWorkerClient`, which gateway/pool.py holds as the worker's client (no gRPC,
+    no extra hop); the gateway follows its WatchEvents like any worker's;
   - as its own process (`prefixgate worker --engine vllm --vllm-url URL --vllm-events
     tcp://HOST:5557`, the Kubernetes form: a sidecar of the vLLM pod): served over gRPC
     by workerapi/server.serve like any worker, so it registers in Redis under a lease,
@@ -138,9 +139,10 @@ from prefixgate.radix import packed as packed_ids
 from prefixgate.telemetry.tracing import trace_context
 from prefixgate.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from prefixgate.vllm_connector.params import PullParams, ShiftParams, TransferParams
-from prefixgate.wire.protocol import REQUEST_SCOPED, InvalidRequest, clip
+from prefixgate.wire.protocol import InvalidRequest, clip
 from prefixgate.wire.token_ids import repeated_token_ids
 from prefixgate.workerapi.api import FinalEvent, FinishReason
+from prefixgate.workerapi.calls import CallScope, Refused
 from prefixgate.workerapi.handoff import HandoffChain
 from prefixgate.workerapi.rates import ServiceRates, TransferRate
 from prefixgate.workerapi.server import FINISH_TO_PROTO, WorkerConfig, WorkerServiceBase
@@ -424,10 +426,11 @@ class VLLMWorker(WorkerServiceBase):
 
     # ------------------------------------------------------------------ Worker API
 
-    async def GetInfo(self, request, context) -> worker_pb2.WorkerInfo:
+    async def get_info(self, request: worker_pb2.GetInfoRequest,
+                       scope: CallScope) -> worker_pb2.WorkerInfo:
         if not self.reachable:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"vLLM at {self.vllm.url} is not reachable (yet)")
+            raise Refused(grpc.StatusCode.UNAVAILABLE,
+                          f"vLLM at {self.vllm.url} is not reachable (yet)")
         refused = bool(self.refusal)
         return worker_pb2.WorkerInfo(
             worker_id=self.config.worker_id,
@@ -461,31 +464,32 @@ class VLLMWorker(WorkerServiceBase):
             transfer_setup_s=self.transfer_rate.setup_s if self.kv_bytes_per_token else 0,
             transfer_rate_source=self.transfer_rate.source if self.kv_bytes_per_token else "")
 
-    async def FlushCache(self, request, context) -> worker_pb2.FlushCacheResponse:
+    async def flush_cache(self, request: worker_pb2.FlushCacheRequest,
+                          scope: CallScope) -> worker_pb2.FlushCacheResponse:
         held = self.mapper.num_held_blocks * self.config.block_size
         try:
             done = await self.client.reset_prefix_cache()
         except VLLMError as exc:
-            await context.abort(exc.code, exc.message)
+            raise Refused(exc.code, exc.message) from None
         if not done:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                                f"vLLM at {self.vllm.url} does not offer /reset_prefix_cache: "
-                                "start it with VLLM_SERVER_DEV_MODE=1 to let prefixgate flush it")
+            raise Refused(grpc.StatusCode.UNIMPLEMENTED,
+                          f"vLLM at {self.vllm.url} does not offer /reset_prefix_cache: "
+                          "start it with VLLM_SERVER_DEV_MODE=1 to let prefixgate flush it")
         return worker_pb2.FlushCacheResponse(num_flushed_tokens=held)
 
-    async def ExportBlocks(self, request, context):
+    async def export_blocks(self, request: worker_pb2.ExportBlocksRequest, scope: CallScope):
         """The connector's export stream, relayed as it comes."""
         if not self.vllm.export:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                                f"vLLM at {self.vllm.url} runs no prefixgate KV connector, so it "
-                                "cannot export KV blocks; the caller computes them")
+            raise Refused(grpc.StatusCode.UNIMPLEMENTED,
+                          f"vLLM at {self.vllm.url} runs no prefixgate KV connector, so it "
+                          "cannot export KV blocks; the caller computes them")
         stub = worker_pb2_grpc.WorkerServiceStub(self._export())
-        call = stub.ExportBlocks(request, timeout=context.time_remaining())
+        call = stub.ExportBlocks(request, timeout=scope.time_remaining())
         try:
             async for event in call:
                 yield event
         except grpc.aio.AioRpcError as exc:
-            await context.abort(exc.code(), f"{self.config.worker_id}: {exc.details()}")
+            raise Refused(exc.code(), f"{self.config.worker_id}: {exc.details()}") from None
 
     def _export(self) -> grpc.aio.Channel:
         """The channel to this server's connector export (opened on first use)."""
@@ -532,22 +536,22 @@ class VLLMWorker(WorkerServiceBase):
                                        namespace))
         return chains
 
-    async def PullBlocks(self, request: worker_pb2.PullBlocksRequest, context
-                         ) -> worker_pb2.PullBlocksResponse:
+    async def pull_blocks(self, request: worker_pb2.PullBlocksRequest,
+                          scope: CallScope) -> worker_pb2.PullBlocksResponse:
         """Load a peer's chain into vLLM's cache: vLLM loads KV only for a request, so
         this is a one-token request over the chain's tokens with the pull attached (the
         connector loads what the holder exports; vLLM computes the rest)."""
         if not self.vllm.export:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                                f"vLLM at {self.vllm.url} runs no prefixgate KV connector, so it "
-                                "cannot load KV blocks from peers")
+            raise Refused(grpc.StatusCode.UNIMPLEMENTED,
+                          f"vLLM at {self.vllm.url} runs no prefixgate KV connector, so it "
+                          "cannot load KV blocks from peers")
         if not request.peer_address or not request.block_hashes:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "PullBlocks needs peer_address and block_hashes")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          "PullBlocks needs peer_address and block_hashes")
         bs = self.config.block_size
         num_blocks = len(request.block_hashes)
         if len(request.token_ids) < num_blocks * bs:
-            await context.abort(
+            raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"a vLLM worker loads KV only for a request: PullBlocks needs the chain's "
                 f"token ids (token_ids: {bs} per block hash, {num_blocks * bs} here; "
@@ -556,25 +560,25 @@ class VLLMWorker(WorkerServiceBase):
             tokens = repeated_token_ids(request.token_ids[:num_blocks * bs],
                                         self.tokenizer.vocab_size, "token_ids")
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         namespace = request.namespace
         hashes = self._memo.hash_blocks(self.hashers.get(namespace), tokens)
         if list(request.block_hashes) != hashes:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "the token ids do not hash to the chain's block hashes (another "
-                                "namespace, block size or model?)")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          "the token ids do not hash to the chain's block hashes (another "
+                          "namespace, block size or model?)")
         if not self.reachable or self.refusal:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"vLLM worker {self.config.worker_id} at {self.vllm.url} is not "
-                                "serving")
+            raise Refused(grpc.StatusCode.UNAVAILABLE,
+                          f"vLLM worker {self.config.worker_id} at {self.vllm.url} is not "
+                          "serving")
         held = self.mapper.held_prefix_blocks(hashes)
         if held >= num_blocks:
             return worker_pb2.PullBlocksResponse(num_cached_blocks=num_blocks)
         peer = self.peers.get(request.peer_address) or self.peers.get(request.peer_worker_id) \
             or ("" if request.peer_address.startswith("vllm+") else request.peer_address)
         if not peer:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"no ExportBlocks address for {request.peer_worker_id}")
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"no ExportBlocks address for {request.peer_worker_id}")
         prompt = tokens.tolist()
         self._remember_namespace(prompt, namespace)
         params = TransferParams(bs, self.spec.fingerprint, tuple(hashes), PullParams(
@@ -589,12 +593,11 @@ class VLLMWorker(WorkerServiceBase):
         self._in_flight += 1
         try:
             async with contextlib.aclosing(self.client.completions(
-                    body, context.time_remaining(),
-                    trace_context(context.invocation_metadata() or ()))) as chunks:
+                    body, scope.time_remaining(), trace_context(scope.metadata))) as chunks:
                 async for chunk in chunks:
                     usage = chunk.get("usage") or usage
         except VLLMError as exc:
-            await context.abort(exc.code, exc.message)
+            raise Refused(exc.code, exc.message) from None
         finally:
             self._in_flight -= 1
         seconds = time.monotonic() - started
@@ -707,25 +710,25 @@ class VLLMWorker(WorkerServiceBase):
             self._salts[salt] = namespace
         return salt
 
-    async def Generate(self, request: worker_pb2.GenerateRequest, context):
-        packed, sampling = await self._checked_generate(
-            request, context, vocab_size=self.tokenizer.vocab_size,
+    async def generate(self, request: worker_pb2.GenerateRequest, scope: CallScope):
+        packed, sampling = self._checked_generate(
+            request, vocab_size=self.tokenizer.vocab_size,
             max_context_tokens=self.max_context_tokens, context_overflow="fail")
         plan = None
         if len(packed) + sampling.max_tokens > self.max_context_tokens:
             if sampling.context_overflow != "keep-system-drop-oldest":
-                await context.abort(
+                raise Refused(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"the prompt is {len(packed)} tokens and max_tokens {sampling.max_tokens}, "
                     f"over the context window of {self.max_context_tokens}: shorten the "
                     "conversation, or ask for context_overflow keep-system-drop-oldest to "
-                    "drop its oldest turns", REQUEST_SCOPED)
+                    "drop its oldest turns", request_scoped=True)
             plan = plan_overflow(packed.tolist(), sampling.max_tokens,
                                  self.max_context_tokens, self.turn_prefix)
         if not self.reachable or self.refusal:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"vLLM worker {self.config.worker_id} at {self.vllm.url} is not "
-                                "serving; retrying on another worker is safe")
+            raise Refused(grpc.StatusCode.UNAVAILABLE,
+                          f"vLLM worker {self.config.worker_id} at {self.vllm.url} is not "
+                          "serving; retrying on another worker is safe")
         prompt = packed.tolist()
         namespace = request.namespace
         self._remember_namespace(prompt, namespace)
@@ -766,8 +769,7 @@ class VLLMWorker(WorkerServiceBase):
             # aclosing: a client that went away closes the HTTP stream at once (vLLM aborts).
             async with contextlib.aclosing(self.client.completions(
                     self._body(prompt, sampling, namespace, params, salt),
-                    context.time_remaining(),
-                    trace_context(context.invocation_metadata()))) as chunks:
+                    scope.time_remaining(), trace_context(scope.metadata))) as chunks:
                 async for chunk in chunks:
                     for choice in chunk.get("choices") or ():
                         ids = choice.get("token_ids") or ()
@@ -786,15 +788,15 @@ class VLLMWorker(WorkerServiceBase):
                     if chunk.get("usage"):
                         usage = chunk["usage"]
         except VLLMError as exc:
-            scope = REQUEST_SCOPED if exc.code == grpc.StatusCode.INVALID_ARGUMENT else ()
-            await context.abort(exc.code, exc.message, scope)
+            raise Refused(exc.code, exc.message,
+                          request_scoped=exc.code == grpc.StatusCode.INVALID_ARGUMENT) from None
         finally:
             self._in_flight -= 1
             self._queued_prefill_tokens -= pending
         if not usage:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"vLLM at {self.vllm.url} ended request {clip(request.request_id)} "
-                                "without its usage (is it a vLLM OpenAI server?)")
+            raise Refused(grpc.StatusCode.UNAVAILABLE,
+                          f"vLLM at {self.vllm.url} ended request {clip(request.request_id)} "
+                          "without its usage (is it a vLLM OpenAI server?)")
         total_ms = (time.monotonic() - started) * 1e3
         prompt_tokens = int(usage.get("prompt_tokens") or len(prompt))
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)

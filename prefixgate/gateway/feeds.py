@@ -188,7 +188,7 @@ class WorkerStreamFeed(EventFeed):
         it failed or ended before any batch."""
         progressed = False
         try:
-            stream = w.stub.WatchEvents(worker_pb2.WatchEventsRequest(
+            stream = w.client.WatchEvents(worker_pb2.WatchEventsRequest(
                 incarnation=cursor[0], after_seq=cursor[1]))
             async for batch in stream:
                 if batch.snapshot or batch.incarnation != cursor[0]:

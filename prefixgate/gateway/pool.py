@@ -1,27 +1,31 @@
 """The gateway's view of its workers: connections, identity checks, load counters.
 
 Contract: `WorkerPool.refresh()` reads the registry, connects to new workers (GetInfo
-within `connect_timeout_s`) and closes channels of workers that left it (turns already
-streaming get `close_grace_s` to finish). A worker registered again at the same address
-(a new epoch) keeps its connection and in-flight turns. A worker whose
-model fingerprint differs from the gateway's is refused: logged, listed in `refused`,
-never routed to (so is one whose block size differs: its block hashes would never match).
-A worker's load (`WorkerHandle.status`) is pushed to it by gateway/status.py; this
-gateway's own turns there count through `WorkerHandle.lease(prompt_tokens)` (a `Lease`
-held from sending a turn until it ends), never through counters updated by hand.
-`healthy()` lists the workers a turn may be routed to, sorted by id.
+within `connect_timeout_s`) and closes the clients of workers that left it (turns already
+streaming get `close_grace_s` to finish). Each worker is called through its
+`WorkerHandle.client` (workerapi/client.py `WorkerClient`): a `GrpcWorkerClient` over a
+channel, or, for a worker served in this process (`local`: e.g. a vLLM server behind its
+adapter), the `InProcessWorkerClient` given for its registry address. A worker
+registered again at the same address (a new epoch) keeps its connection and in-flight
+turns. A worker whose model fingerprint differs from the gateway's is refused: logged,
+listed in `refused`, never routed to (so is one whose block size differs: its block
+hashes would never match). A worker's load (`WorkerHandle.status`) is pushed to it by
+gateway/status.py; this gateway's own turns there count through
+`WorkerHandle.lease(prompt_tokens)` (a `Lease` held from sending a turn until it ends),
+never through counters updated by hand. `healthy()` lists the workers a turn may be
+routed to, sorted by id.
 
 Health comes from probes and transport errors only, never from one request's outcome:
-a worker is down when its probe (GetInfo, then the grpc.health.v1 check of the worker
-service, NOT_SERVING while it drains) fails, or when the gateway's call to it fails at the
-transport (`mark_down`, for UNAVAILABLE); the next successful probe brings it back. A
-probe that only times out (DEADLINE_EXCEEDED) does not take down a worker that pushed its
-status within the probe timeout: it is alive and busy (a host saturated by a burst answers
+a worker is down when its probe (GetInfo, then `WorkerClient.serving`: the
+grpc.health.v1 check of the worker service, NOT_SERVING while it drains, or an in-process
+worker's own `serving()`) fails, or when the gateway's call to it fails at the transport
+(`mark_down`, for UNAVAILABLE); the next successful probe brings it back. A probe that
+only times out (DEADLINE_EXCEEDED) does not take down a worker that pushed its status
+within the probe timeout: it is alive and busy (a host saturated by a burst answers
 probes late), and taking it down would send its conversations elsewhere to recompute. A
-worker that neither answers nor pushes is down. A
-worker missing from the registry is dropped once it is down or has been missing for
-`absent_grace_s`: a registry that comes back empty (Redis restarted) never drops live
-workers before they register again.
+worker that neither answers nor pushes is down. A worker missing from the registry is
+dropped once it is down or has been missing for `absent_grace_s`: a registry that comes
+back empty (Redis restarted) never drops live workers before they register again.
 """
 
 from __future__ import annotations
@@ -32,18 +36,16 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prefixgate.gateway.routing import queued_prefill_tokens
 from prefixgate.registry import Registry, WorkerRecord
 from prefixgate.security import identity
 from prefixgate.security.auth import InternalCredential
-from prefixgate.v1 import worker_pb2, worker_pb2_grpc
+from prefixgate.v1 import worker_pb2
 from prefixgate.wire import rpc
+from prefixgate.workerapi.client import GrpcWorkerClient, WorkerClient
 
 log = logging.getLogger(__name__)
-
-WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
 # A worker channel that lost its connection reconnects after at most 1 s. gRPC's default
 # backoff grows to 120 s; while it waits, every call (probes included) fails at once, so a
@@ -57,8 +59,7 @@ WORKER_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200),
 @dataclass
 class WorkerHandle:
     record: WorkerRecord
-    channel: grpc.aio.Channel
-    stub: worker_pb2_grpc.WorkerServiceStub
+    client: WorkerClient  # how the gateway calls it (workerapi/client.py)
     info: worker_pb2.WorkerInfo | None = None
     up: bool = False
     # Turns this gateway routed here and not finished yet, and the prompt tokens of those
@@ -304,9 +305,9 @@ class WorkerPool:
     # Registered workers must have signed their registration with their key from this
     # keyring (prefixgate.security.identity); others are refused before any connection is made.
     keyring: identity.Keyring | None = None
-    # Workers served inside this process (engines/local.LocalWorker: e.g. a vLLM server
-    # behind its adapter), by registry address: held as both channel and stub.
-    local: dict[str, object] = field(default_factory=dict)
+    # Workers served inside this process (workerapi/client.py InProcessWorkerClient: e.g.
+    # a vLLM server behind its adapter), by registry address.
+    local: dict[str, WorkerClient] = field(default_factory=dict)
     _closing: set[asyncio.Task] = field(default_factory=set, repr=False)
 
     def healthy(self) -> list[WorkerHandle]:
@@ -340,19 +341,18 @@ class WorkerPool:
             log.info("worker %s at %s left (deregistered, lease expired or replaced); turns "
                      "streaming from it may finish", wid, w.record.address)
             # Turns already streaming from it may finish; new ones no longer go there.
-            task = asyncio.create_task(w.channel.close(grace=self.close_grace_s))
+            task = asyncio.create_task(w.client.close(grace=self.close_grace_s))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
         for wid, record in records.items():
             if wid not in self.workers and record.address in self.local:
-                held = self.local[record.address]
-                self.workers[wid] = WorkerHandle(record, held, held)  # type: ignore[arg-type]
+                self.workers[wid] = WorkerHandle(record, self.local[record.address])
             elif wid not in self.workers:
                 channel = rpc.channel(record.address, self.tls,
                                       self.credential.metadata if self.credential else (),
                                       options=WORKER_CHANNEL_OPTIONS)
                 self.workers[wid] = WorkerHandle(
-                    record, channel, worker_pb2_grpc.WorkerServiceStub(channel),
+                    record, GrpcWorkerClient(channel),
                     tickets=self.keyring.ticket_signer() if self.keyring is not None else None)
         await asyncio.gather(*(self._probe(w) for w in self.workers.values()))
 
@@ -371,9 +371,9 @@ class WorkerPool:
 
     async def _probe(self, w: WorkerHandle) -> None:
         try:
-            info = await w.stub.GetInfo(worker_pb2.GetInfoRequest(),
-                                        timeout=self.connect_timeout_s)
-            serving = await self._serving(w)
+            info = await w.client.GetInfo(worker_pb2.GetInfoRequest(),
+                                          timeout=self.connect_timeout_s)
+            serving = await w.client.serving(timeout=self.connect_timeout_s)
         except grpc.aio.AioRpcError as exc:
             if (exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and w.up
                     and time.monotonic() - w.heard_at < self.connect_timeout_s):
@@ -405,26 +405,9 @@ class WorkerPool:
                      info.model_name)
         w.info, w.up, w.said_down = info, True, False
 
-    async def _serving(self, w: WorkerHandle) -> bool:
-        """The worker's grpc.health.v1 status for the worker service (a worker without
-        the health service counts as serving once it answered GetInfo; a local worker
-        answers its own `serving()`)."""
-        local_check = getattr(w.stub, "serving", None)
-        if local_check is not None:
-            return await local_check()
-        try:
-            health = await health_pb2_grpc.HealthStub(w.channel).Check(
-                health_pb2.HealthCheckRequest(service=WORKER_SERVICE),
-                timeout=self.connect_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                return True
-            raise
-        return health.status == health_pb2.HealthCheckResponse.SERVING
-
     async def close(self) -> None:
         for w in self.workers.values():
-            await w.channel.close()
+            await w.client.close()
         self.workers.clear()
         for task in list(self._closing):
             task.cancel()

@@ -3,7 +3,7 @@ another worker, as one unbroken stream.
 
 Contract: `Reply(resumer, worker, gen, remaining_s, opt_out)` is the worker event stream
 (GenerateEvent: chunks, then one final) of one turn attempt, as the turn path relays it
-(gateway/turn.py), plus the resume: iterate it like `worker.stub.Generate(gen)`.
+(gateway/turn.py), plus the resume: iterate it like `worker.client.Generate(gen)`.
 `Resumer` is what a resume needs of the gateway, typed: the turn core's `Placer`
 (gateway/placement.py: route, place, mark down, the very step the turn path takes), the
 tokenizer the seam is decoded with, and the model's context window.
@@ -110,7 +110,7 @@ class Reply:
 
     async def _stream(self, worker: WorkerHandle, gen: worker_pb2.GenerateRequest):
         extra = {"metadata": self.metadata} if self.metadata else {}
-        call = worker.stub.Generate(gen, timeout=self.remaining_s(), **extra)
+        call = worker.client.Generate(gen, timeout=self.remaining_s(), **extra)
         try:
             async for ev in call:
                 yield ev

@@ -134,7 +134,7 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
             await asyncio.to_thread(core.recorder.close)
         core.close()
         await pool.close()
-        await asyncio.gather(*(w.servicer.close() for w in local.values()))
+        await asyncio.gather(*(w.service.close() for w in local.values()))
         await registry.close()
 
 
@@ -142,11 +142,11 @@ async def _start_vllm_workers(spec: ModelSpec, tokenizer: ChatTokenizer, registr
                               config: GatewayConfig) -> dict:
     """The vLLM servers of `config.vllm_workers`, each behind an in-process adapter
     (engines/vllm.py), listed in the registry like static workers: address -> the
-    engines/local.LocalWorker the pool holds in place of a gRPC stub."""
+    workerapi/client.py InProcessWorkerClient the pool holds as its client."""
     if not config.vllm_workers:
         return {}
-    from prefixgate.engines.local import LocalWorker
     from prefixgate.engines.vllm import VLLMConfig, cache_salt_key, start_local_workers
+    from prefixgate.workerapi.client import InProcessWorkerClient
 
     # Tenants' cache salts keyed by the gateways' shared key when there is one (every
     # gateway sending to a server then salts alike); else each adapter draws its own.
@@ -159,7 +159,7 @@ async def _start_vllm_workers(spec: ModelSpec, tokenizer: ChatTokenizer, registr
                           for text in config.vllm_workers], config.block_size)
     for address in workers:
         await registry.register(WorkerRecord(address, address), lease_ms=2**62)
-    return {address: LocalWorker(w) for address, w in workers.items()}
+    return {address: InProcessWorkerClient(w) for address, w in workers.items()}
 
 
 def _drop_predictions_of_lost_workers(index: PrefixIndex, healthy: list) -> None:

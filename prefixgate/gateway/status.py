@@ -55,7 +55,7 @@ class StatusFollower:
         interval_s = self.interval_ms / 1e3
         while True:
             try:
-                async for status in w.stub.WatchStatus(
+                async for status in w.client.WatchStatus(
                         worker_pb2.WatchStatusRequest(min_interval_ms=self.interval_ms)):
                     w.set_status(status)
             except grpc.aio.AioRpcError as exc:
@@ -69,8 +69,8 @@ class StatusFollower:
     async def _poll(self, w: WorkerHandle, interval_s: float) -> None:
         while True:
             try:
-                w.set_status(await w.stub.GetStatus(worker_pb2.GetStatusRequest(),
-                                                    timeout=max(1.0, 10 * interval_s)))
+                w.set_status(await w.client.GetStatus(worker_pb2.GetStatusRequest(),
+                                                      timeout=max(1.0, 10 * interval_s)))
             except grpc.aio.AioRpcError:
                 w.set_status(None)
             await asyncio.sleep(interval_s)

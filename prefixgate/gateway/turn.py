@@ -39,10 +39,10 @@ deadline; only UNAVAILABLE (the transport) marks the worker down; after some tex
 ends with UNAVAILABLE saying how many tokens were sent and that a retry is safe; the
 deadline passing is DEADLINE.
 
-Worker seam: `WorkerHandle.stub.Generate(GenerateRequest, timeout=s)` returns an async
-iterator of `GenerateEvent`s and fails with `grpc.aio.AioRpcError` (a gRPC stub, or an
-in-process object shaped like one): the worker's status codes are read here, and only
-here, into `Failure` kinds.
+Worker seam: `WorkerHandle.client.Generate(GenerateRequest, timeout=s)` returns an async
+iterator of `GenerateEvent`s and fails with `grpc.aio.AioRpcError`, over gRPC or in
+process alike (workerapi/client.py `WorkerClient`): the worker's status codes are read
+here, and only here, into `Failure` kinds.
 """
 
 from __future__ import annotations

@@ -6,8 +6,12 @@ torch and of the torch engine.
 
   api.py       the `Engine` contract: requests in, token and final events out, status,
                `EngineConfig`
+  calls.py     the calls' scope (`CallScope`), their typed refusal (`Refused`), and the
+               one adapter serving a service's call-level methods over gRPC
   server.py    WorkerServiceBase (Generate's validation, GetInfo, the health service)
                and WorkerService (the whole Worker gRPC service over an `Engine`)
+  client.py    how a gateway calls a worker (`WorkerClient`): over gRPC, or a service
+               held in its own process, called directly
   events.py    the KV event log behind WatchEvents, and the Redis publisher
   transfer.py  block transfer between workers: the `BlockTransfer` contract an engine's
                paged side implements, the wire (chunks, digests) and the pull

@@ -2,6 +2,11 @@
 
 Contract
 --------
+- Each RPC is a call-level method taking (request, `CallScope`) and refusing with
+  `Refused` (workerapi/calls.py: `generate`, `get_info`, `pull_blocks`, ...); `serve()`
+  registers them through `calls.grpc_servicer`, which turns a refusal into the call's
+  status, message and trailing metadata; the gateway calls a service held in its own
+  process through workerapi/client.py `InProcessWorkerClient`, with no gRPC.
 - Generate validates the request with `prefixgate.wire.protocol` (INVALID_ARGUMENT on bad
   input; `WorkerServiceBase._checked_generate`, which the vLLM adapter calls too),
   submits it to the engine and streams one GenerateChunk per engine TokenEvent,
@@ -51,7 +56,6 @@ from prefixgate.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from prefixgate.wire import rpc
 from prefixgate.wire.events import OwnershipEvent
 from prefixgate.wire.protocol import (
-    REQUEST_SCOPED,
     InvalidRequest,
     RequestLimits,
     SamplingConfig,
@@ -64,6 +68,7 @@ from prefixgate.wire.protocol import (
 from prefixgate.wire.status import watch_status
 from prefixgate.wire.token_ids import prompt_token_ids
 from prefixgate.workerapi.api import Engine, FinalEvent, FinishReason, Request, TokenEvent
+from prefixgate.workerapi.calls import CallScope, Refused, grpc_servicer
 from prefixgate.workerapi.events import EventLog
 from prefixgate.workerapi.handoff import HandoffChain, hand_off
 from prefixgate.workerapi.rates import ServiceRates, TransferRate
@@ -124,18 +129,6 @@ class WorkerConfig:
     # (tests/faults/test_burst.py), while a queue of prompts at the 131,072-token limit
     # stays within 2 GiB of packed ids.
     max_waiting_requests: int = 4096
-
-
-def caller_names(context: grpc.aio.ServicerContext) -> set[str]:
-    """The names (common name, subject alternative names) in the caller's TLS client
-    certificate; empty without one."""
-    try:
-        ctx = context.auth_context() or {}
-    except Exception:  # noqa: BLE001 (no transport security context)
-        return set()
-    return {v.decode(errors="replace") for key in ("x509_common_name",
-                                                  "x509_subject_alternative_name")
-            for v in ctx.get(key, ())}
 
 
 @dataclass(frozen=True)
@@ -210,9 +203,11 @@ class PeerTrust:
 class WorkerServiceBase:
     """What every implementation of the Worker API shares, and all `serve()` needs: its
     configuration, model, Generate's validation (`_checked_generate`), KV event log with
-    the WatchEvents streams over it, GetStatus and WatchStatus over the subclass's
-    `_status()`, and `shutdown()` (after the server drained). Subclasses answer the other
-    calls: `WorkerService` over an `Engine`, engines/vllm.py over a vLLM server."""
+    the WatchEvents streams over it (`watch_events`), GetStatus and WatchStatus over the
+    subclass's `_status()` (`get_status`, `watch_status`), and `shutdown()` (after the
+    server drained). Subclasses answer the other calls (`get_info`, `generate`,
+    `flush_cache`, `export_blocks`, `pull_blocks`; workerapi/calls.py): `WorkerService`
+    over an `Engine`, engines/vllm.py over a vLLM server."""
 
     def __init__(self, spec: ModelSpec, config: WorkerConfig,
                  events: EventLog | None = None) -> None:
@@ -263,17 +258,17 @@ class WorkerServiceBase:
             await channel.close()
         self._peers.clear()
 
-    async def _checked_generate(self, request: worker_pb2.GenerateRequest,
-                                context: grpc.aio.ServicerContext, *, vocab_size: int,
-                                max_context_tokens: int,
-                                context_overflow: str) -> tuple[memoryview, SamplingConfig]:
+    def _checked_generate(self, request: worker_pb2.GenerateRequest, *, vocab_size: int,
+                          max_context_tokens: int,
+                          context_overflow: str) -> tuple[memoryview, SamplingConfig]:
         """Generate's validation, one for every implementation: the request's fields
         within `config.limits`, its prompt (repeated or packed ids, each below
         `vocab_size`), its sampling with the model's generation defaults filled in for
         unset fields, within `max_context_tokens` (prompt and reply together;
         `context_overflow`: the policy of a request that leaves it unset). Returns (the
-        prompt's token ids, the sampling); bad input ends the call INVALID_ARGUMENT, marked REQUEST_SCOPED (the
-        gateway returns it to its client and never retries it on another worker)."""
+        prompt's token ids, the sampling); bad input is `Refused` INVALID_ARGUMENT,
+        request-scoped (the gateway returns it to its client and never retries it on
+        another worker)."""
         try:
             check_generate_fields(request, self.config.limits)
             prompt = prompt_token_ids(request.prompt_token_ids,
@@ -283,24 +278,24 @@ class WorkerServiceBase:
                 with_generation_defaults(request.sampling, self.spec.generation), len(prompt),
                 max_context_tokens, context_overflow)
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), REQUEST_SCOPED)
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), request_scoped=True) from None
         return prompt, sampling
 
     def _status(self) -> worker_pb2.WorkerStatus:
         """The load now (what GetStatus and WatchStatus send)."""
         raise NotImplementedError
 
-    async def GetStatus(self, request, context) -> worker_pb2.WorkerStatus:
+    async def get_status(self, request: worker_pb2.GetStatusRequest,
+                         scope: CallScope) -> worker_pb2.WorkerStatus:
         return self._status()
 
-    async def WatchStatus(self, request: worker_pb2.WatchStatusRequest, context):
+    async def watch_status(self, request: worker_pb2.WatchStatusRequest, scope: CallScope):
         """Push the load: now, then on change (prefixgate/wire/status.py)."""
         async for status in watch_status(self._status, request.min_interval_ms,
                                          lambda: self._closing):
             yield status
 
-    async def WatchEvents(self, request: worker_pb2.WatchEventsRequest,
-                          context: grpc.aio.ServicerContext):
+    async def watch_events(self, request: worker_pb2.WatchEventsRequest, scope: CallScope):
         """Stream the event log: a snapshot first unless the subscriber's cursor is of this
         incarnation and still held, then live batches (see workerapi/events.py)."""
         events = self.events
@@ -387,22 +382,21 @@ class WorkerService(WorkerServiceBase):
         chains = await asyncio.to_thread(self.engine.transfer.hot_chains)
         return [HandoffChain(tuple(c)) for c in chains]
 
-    async def Generate(self, request: worker_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext):
+    async def generate(self, request: worker_pb2.GenerateRequest, scope: CallScope):
         """`_generate`, traced (when tracing is on: telemetry/tracing.py) as a span that
         continues the gateway's trace context from the call's metadata."""
         if not tracing.enabled():
-            async for ev in self._generate(request, context):
+            async for ev in self._generate(request, scope):
                 yield ev
             return
         span = tracing.start("prefixgate.worker.generate",
-                             tracing.incoming(context.invocation_metadata()), "server",
+                             tracing.incoming(scope.metadata), "server",
                              {"prefixgate.worker_id": self.config.worker_id,
                               "prefixgate.request_id": request.request_id})
         error: BaseException | None = None
         figures: dict = {}
         try:
-            async for ev in self._generate(request, context):
+            async for ev in self._generate(request, scope):
                 if ev.HasField("final"):
                     usage = ev.final.usage
                     figures = {"prefixgate.prompt_tokens": usage.prompt_tokens,
@@ -415,31 +409,30 @@ class WorkerService(WorkerServiceBase):
         finally:
             tracing.end(span, error, figures)
 
-    async def _generate(self, request: worker_pb2.GenerateRequest,
-                        context: grpc.aio.ServicerContext):
-        # Failures that belong to this request carry REQUEST_SCOPED in their trailing
-        # metadata: the gateway returns them to the client, never retries them elsewhere.
-        prompt, sampling = await self._checked_generate(
-            request, context, vocab_size=self.vocab_size,
+    async def _generate(self, request: worker_pb2.GenerateRequest, scope: CallScope):
+        # Failures that belong to this request are refused request-scoped: the gateway
+        # returns them to the client, never retries them elsewhere.
+        prompt, sampling = self._checked_generate(
+            request, vocab_size=self.vocab_size,
             max_context_tokens=self.spec.max_context_tokens,
             context_overflow=self.engine.context_overflow)
         if sampling.top_logprobs is not None and not self.engine.reports_logprobs:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"worker {self.config.worker_id} is emulated (no model): it has "
-                                "no log probabilities; leave sampling.top_logprobs unset",
-                                REQUEST_SCOPED)
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"worker {self.config.worker_id} is emulated (no model): it has "
+                          "no log probabilities; leave sampling.top_logprobs unset",
+                          request_scoped=True)
         # An over-long prompt accepted under context overflow is cut to fit the context.
         need = min(len(prompt) + sampling.max_tokens, self.spec.max_context_tokens)
         if need > self.engine.capacity_tokens:
-            await context.abort(
+            raise Refused(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the request needs KV for {need} tokens (prompt {len(prompt)} + max_tokens "
                 f"{sampling.max_tokens}) but worker {self.config.worker_id} holds "
                 f"{self.engine.capacity_tokens}: lower max_tokens or shorten the prompt",
-                REQUEST_SCOPED)
+                request_scoped=True)
         limit = self.config.max_waiting_requests
         if limit and self._waiting >= limit:
-            await context.abort(
+            raise Refused(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"worker {self.config.worker_id} has {self._waiting} requests waiting for their "
                 f"first token, its limit (--max-waiting-requests {limit}): retry later or "
@@ -452,7 +445,7 @@ class WorkerService(WorkerServiceBase):
             if request.HasField("pull") and need == len(prompt) + sampling.max_tokens:
                 pulled = await self._pull_prompt(request_id, prompt, request.namespace,
                                                  request.pull)
-            async for ev in self._run(request, context, request_id, prompt, sampling, pulled):
+            async for ev in self._run(request, request_id, prompt, sampling, pulled):
                 if waiting:
                     waiting = False
                     self._waiting -= 1
@@ -461,9 +454,8 @@ class WorkerService(WorkerServiceBase):
             if waiting:
                 self._waiting -= 1
 
-    async def _run(self, request: worker_pb2.GenerateRequest,
-                   context: grpc.aio.ServicerContext, request_id: str, prompt, sampling,
-                   pulled: PullResult | None):
+    async def _run(self, request: worker_pb2.GenerateRequest, request_id: str, prompt,
+                   sampling, pulled: PullResult | None):
         """Run an admitted request in the engine and stream its events."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent | FinalEvent] = asyncio.Queue()
@@ -487,14 +479,14 @@ class WorkerService(WorkerServiceBase):
                     # The engine attributed the failure to this request (it retried the
                     # step without it and the others went on): retrying elsewhere would
                     # fail the same way.
-                    await context.abort(
+                    raise Refused(
                         grpc.StatusCode.INTERNAL,
                         f"worker {self.config.worker_id} failed on this request alone (its log "
                         f"has request {clip(request_id)}); other requests went on. It is not "
-                        "retried: the same request would fail again", REQUEST_SCOPED)
+                        "retried: the same request would fail again", request_scoped=True)
                 if ev.finish_reason is FinishReason.FAILED:  # not this request's: retry once
                     finished = True
-                    await context.abort(
+                    raise Refused(
                         grpc.StatusCode.INTERNAL,
                         f"worker {self.config.worker_id} failed a step of every running request "
                         "(see its log); retrying on another worker is safe")
@@ -522,7 +514,8 @@ class WorkerService(WorkerServiceBase):
             if not finished:  # client gone or deadline passed: free the engine's resources
                 self.engine.cancel(request_id)
 
-    async def GetInfo(self, request, context) -> worker_pb2.WorkerInfo:
+    async def get_info(self, request: worker_pb2.GetInfoRequest,
+                       scope: CallScope) -> worker_pb2.WorkerInfo:
         status = self.engine.status()
         return worker_pb2.WorkerInfo(
             worker_id=self.config.worker_id, model_name=self.spec.name,
@@ -547,49 +540,48 @@ class WorkerService(WorkerServiceBase):
 
     # --- block transfer (workerapi/transfer.py) ---------------------------------------------
 
-    async def ExportBlocks(self, request: worker_pb2.ExportBlocksRequest,
-                           context: grpc.aio.ServicerContext):
+    async def export_blocks(self, request: worker_pb2.ExportBlocksRequest, scope: CallScope):
         """Stream the KV pages of the longest cached run of a chain of blocks."""
         transfer = self.engine.transfer
         if transfer is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                                f"worker {self.config.worker_id} cannot export KV blocks "
-                                "(its prefix cache is off, or its engine has none)")
+            raise Refused(grpc.StatusCode.UNIMPLEMENTED,
+                          f"worker {self.config.worker_id} cannot export KV blocks "
+                          "(its prefix cache is off, or its engine has none)")
         if self._trust.ticket_keys:
             try:
                 check_ticket(request.ticket, self._trust.ticket_keys, self.config.worker_id,
-                             request.block_hashes, caller_names(context))
+                             request.block_hashes, scope.caller_names)
             except auth.PermissionDenied as exc:
                 log.warning("worker %s: export refused: %s", self.config.worker_id, exc)
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+                raise Refused(grpc.StatusCode.PERMISSION_DENIED, str(exc)) from None
         try:
             async for event in export_events(transfer, request, self.config.worker_id):
                 yield event
         except TransferError as exc:
-            await context.abort(exc.code, str(exc))
+            raise Refused(exc.code, str(exc)) from None
 
-    async def PullBlocks(self, request: worker_pb2.PullBlocksRequest,
-                         context: grpc.aio.ServicerContext) -> worker_pb2.PullBlocksResponse:
+    async def pull_blocks(self, request: worker_pb2.PullBlocksRequest,
+                          scope: CallScope) -> worker_pb2.PullBlocksResponse:
         """Fetch a chain of blocks from a peer into the prefix cache."""
         if self.engine.transfer is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                                f"worker {self.config.worker_id} cannot import KV blocks")
+            raise Refused(grpc.StatusCode.UNIMPLEMENTED,
+                          f"worker {self.config.worker_id} cannot import KV blocks")
         if not request.peer_address or not request.block_hashes:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "PullBlocks needs peer_address and block_hashes")
-        if (self._trust.guard is not None and self._trust.guard(
-                "PullBlocks", context.invocation_metadata() or ()) == auth.PEER
-                and request.peer_worker_id not in caller_names(context)):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          "PullBlocks needs peer_address and block_hashes")
+        if (self._trust.guard is not None
+                and self._trust.guard("PullBlocks", scope.metadata) == auth.PEER
+                and request.peer_worker_id not in scope.caller_names):
             # A peer may hand off its own blocks (the drain), never make this worker pull
             # from a third one.
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                "with the peer credential, PullBlocks may only hand off the "
-                                "caller's own blocks: peer_worker_id must be the worker its "
-                                "certificate names")
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED,
+                          "with the peer credential, PullBlocks may only hand off the "
+                          "caller's own blocks: peer_worker_id must be the worker its "
+                          "certificate names")
         got = await self.pull(request.peer_address, request.peer_worker_id,
                               request.block_hashes, ticket=request.ticket)
         if got.error is not None and not got.num_cached:
-            await context.abort(got.error.code, str(got.error))
+            raise Refused(got.error.code, str(got.error))
         return worker_pb2.PullBlocksResponse(
             num_cached_blocks=got.num_cached, num_pulled_blocks=got.num_pulled,
             num_bytes=got.num_bytes, seconds=got.seconds)
@@ -725,7 +717,8 @@ class WorkerService(WorkerServiceBase):
                           max(0, cached_tokens - pulled.num_cached_before * bs))
         return transferred, pulled.seconds * 1e3
 
-    async def FlushCache(self, request, context) -> worker_pb2.FlushCacheResponse:
+    async def flush_cache(self, request: worker_pb2.FlushCacheRequest,
+                          scope: CallScope) -> worker_pb2.FlushCacheResponse:
         return worker_pb2.FlushCacheResponse(num_flushed_tokens=self.engine.flush_cache())
 
 def _chunks(chains: list[OwnershipEvent], max_hashes: int = 65536) -> list[list[OwnershipEvent]]:
@@ -765,7 +758,7 @@ async def serve(service: WorkerServiceBase, stop: asyncio.Event,
     peer = auth.load_peer(service.config.auth)
     service._credential = internal
     guard = None if internal is None and peer is None else auth.worker_guard(internal, peer)
-    rpc.add_service(server, SERVICE, service, guard)
+    rpc.add_service(server, SERVICE, grpc_servicer(service, SERVICE), guard)
     health = rpc.add_health_and_reflection(server, [SERVICE.full_name])
     cfg = service.config
     port = rpc.bind(server, cfg.host, cfg.port, cfg.tls,

@@ -19,12 +19,10 @@ import urllib.request
 import grpc
 import pytest
 
-from prefixgate.gateway.server import GatewayConfig, serve
 from prefixgate.model.overflow import plan_overflow, user_turn_prefix
 from prefixgate.model.tokenizer import ChatTokenizer
-from prefixgate.registry import make_registry
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2
-from tests.engines.vllm_server import VLLMServer, vllm_python
+from tests.engines.vllm_server import VLLMServer, in_process_gateway, vllm_python
 
 CONTEXT = 2048
 _WORDS = ("river mountain library engine garden signal harbor lantern copper meadow "
@@ -96,30 +94,18 @@ def test_an_overflowing_conversation_moves_its_kept_turns(vllm, smollm2_spec) ->
     messages.append(("user", "Notes 4: " + _text(4, 360)))
 
     async def main():
-        stop = asyncio.Event()
-        started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        gw = asyncio.create_task(serve(smollm2_spec, make_registry(None), GatewayConfig(
-            vllm_workers=(vllm.spec,), refresh_interval_s=0.2), stop, started))
-        try:
-            port = await asyncio.wait_for(started, 60)
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                chat = chat_pb2_grpc.ChatServiceStub(ch)
-                for _ in range(300):  # the pool's first probe
-                    if (await chat.ListModels(chat_pb2.ListModelsRequest())).models[0].num_workers:
-                        break
-                    await asyncio.sleep(0.1)
-                first_text, _, _, first = await _turn(chat, messages, 16)
-                await asyncio.sleep(0.5)  # vLLM's events of the first turn reach the index
-                nxt = messages + [("assistant", first_text),
-                                  ("user", "Notes 5: " + _text(5, 360) + " Summarise all notes.")]
-                loaded = _loaded(vllm.url)
-                shifted = await _turn(chat, nxt, 24, common_pb2.SHIFTED_REUSE_SHIFT)
-                loaded = _loaded(vllm.url) - loaded
-                exact = await _turn(chat, nxt, 24, common_pb2.SHIFTED_REUSE_RECOMPUTE)
-            return first, nxt, shifted, exact, loaded
-        finally:
-            stop.set()
-            await gw
+        async with in_process_gateway(smollm2_spec, vllm) as port, \
+                grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            chat = chat_pb2_grpc.ChatServiceStub(ch)
+            first_text, _, _, first = await _turn(chat, messages, 16)
+            await asyncio.sleep(0.5)  # vLLM's events of the first turn reach the index
+            nxt = messages + [("assistant", first_text),
+                              ("user", "Notes 5: " + _text(5, 360) + " Summarise all notes.")]
+            loaded = _loaded(vllm.url)
+            shifted = await _turn(chat, nxt, 24, common_pb2.SHIFTED_REUSE_SHIFT)
+            loaded = _loaded(vllm.url) - loaded
+            exact = await _turn(chat, nxt, 24, common_pb2.SHIFTED_REUSE_RECOMPUTE)
+        return first, nxt, shifted, exact, loaded
 
     first, nxt, (_, s_ids, s_lp, s_final), (_, e_ids, e_lp, e_final), loaded = asyncio.run(main())
     full = tokenizer.encode_messages(nxt)

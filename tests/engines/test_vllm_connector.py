@@ -291,10 +291,10 @@ def test_the_adapter_relays_its_connectors_export(smollm2_spec) -> None:
     import asyncio
 
     async def main() -> None:
-        from prefixgate.engines.local import LocalWorker
         from prefixgate.engines.vllm import VLLMWorker
         from prefixgate.model.tokenizer import ChatTokenizer
         from prefixgate.v1 import worker_pb2
+        from prefixgate.workerapi.client import InProcessWorkerClient
         from prefixgate.workerapi.server import WorkerConfig
 
         store = HostStore(64 << 20)
@@ -311,7 +311,7 @@ def test_the_adapter_relays_its_connectors_export(smollm2_spec) -> None:
                              VLLMConfig("http://127.0.0.1:1", "tcp://127.0.0.1:2"))
         try:
             request = worker_pb2.ExportBlocksRequest(block_hashes=[7, 8, 9], from_block=1)
-            events = [e async for e in LocalWorker(with_connector).ExportBlocks(request)]
+            events = [e async for e in InProcessWorkerClient(with_connector).ExportBlocks(request)]
             assert events[0].header.num_blocks == 2 and events[0].header.worker_id == "holder"
             chunks = [e.chunk for e in events[1:]]
             assert [c.first_block for c in chunks][0] == 1
@@ -319,7 +319,7 @@ def test_the_adapter_relays_its_connectors_export(smollm2_spec) -> None:
             expected = torch.cat([_page(1).k, _page(2).k], dim=1).numpy().tobytes()
             assert k == expected
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                [e async for e in LocalWorker(without).ExportBlocks(request)]
+                [e async for e in InProcessWorkerClient(without).ExportBlocks(request)]
             assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
         finally:
             await with_connector.close()

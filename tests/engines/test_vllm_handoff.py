@@ -12,13 +12,13 @@ import random
 import grpc
 import pytest
 
-from prefixgate.engines.local import LocalWorker
 from prefixgate.engines.vllm import VLLMConfig, VLLMWorker
 from prefixgate.engines.vllm_events import decode_batch
 from prefixgate.model.tokenizer import ChatTokenizer
 from prefixgate.radix import packed, tokens_to_bytes
 from prefixgate.v1 import worker_pb2
 from prefixgate.wire.rpc import free_port
+from prefixgate.workerapi.client import InProcessWorkerClient
 from prefixgate.workerapi.server import WorkerConfig
 from tests.engines.vllm_wire import encode, stored_chain, vhash
 
@@ -76,7 +76,7 @@ def test_a_vllm_worker_refuses_a_pull_it_cannot_make(tiny_spec, case: str) -> No
         hashes = w.hashers.get("").hash_blocks(packed(tokens_to_bytes(tokens)))
         sent = {"no tokens": [], "other tokens": tokens[::-1]}.get(case, tokens)
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await LocalWorker(w).PullBlocks(worker_pb2.PullBlocksRequest(
+            await InProcessWorkerClient(w).PullBlocks(worker_pb2.PullBlocksRequest(
                 peer_address="127.0.0.1:2", peer_worker_id="p", block_hashes=hashes,
                 token_ids=sent), timeout=5)
         await w.close()

@@ -19,7 +19,6 @@ import time
 import grpc
 import pytest
 
-from prefixgate.engines.local import LocalWorker
 from prefixgate.engines.vllm import VLLMConfig, VLLMWorker
 from prefixgate.engines.vllm_events import VLLMEventMapper
 from prefixgate.engines.vllm_http import VLLMClient, VLLMError
@@ -31,10 +30,11 @@ from prefixgate.radix import BlockHasher, Hashers
 from prefixgate.radix.hashing import packed, tokens_to_bytes
 from prefixgate.registry import make_registry
 from prefixgate.v1 import chat_pb2, chat_pb2_grpc, common_pb2, worker_pb2
+from prefixgate.workerapi.client import InProcessWorkerClient
 from prefixgate.workerapi.server import WorkerConfig
 from prefixgate.workerapi.startup import RegistryLease, serve_worker
 from tests.engines.test_vllm_events import SetSink
-from tests.engines.vllm_server import VLLMServer, vllm_python
+from tests.engines.vllm_server import VLLMServer, in_process_gateway, vllm_python
 
 VLLM_BLOCK = 32
 
@@ -97,15 +97,8 @@ def _reused_and_predicted(f1, f2, worker_id: str) -> None:
 
 def test_two_turns_through_the_gateway(vllm, smollm2_spec) -> None:
     async def main():
-        stop = asyncio.Event()
-        started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        gw = asyncio.create_task(serve(smollm2_spec, make_registry(None), GatewayConfig(
-            vllm_workers=(vllm.spec,), refresh_interval_s=0.2), stop, started))
-        try:
-            f1, f2 = await _two_turns(await asyncio.wait_for(started, 60))
-        finally:
-            stop.set()
-            await gw
+        async with in_process_gateway(smollm2_spec, vllm) as port:
+            f1, f2 = await _two_turns(port)
         _reused_and_predicted(f1, f2, "vllm-" + vllm.url.split("://")[1])
     asyncio.run(main())
 
@@ -144,7 +137,7 @@ def test_mapping_equals_vllm_hits_and_keeps_namespaces_apart(vllm, smollm2_spec)
         w = VLLMWorker(smollm2_spec, ChatTokenizer(smollm2_spec), WorkerConfig("v", block_size=16),
                        VLLMConfig.parse(vllm.spec))
         await w.start(wait_s=30)
-        stub = LocalWorker(w)
+        stub = InProcessWorkerClient(w)
         try:
             base = [rng.randrange(1000, 20000) for _ in range(150)]
             prompts = [(base, ""), (base[:100] + [7] * 60, ""), (base + [9] * 40, ""),
@@ -183,7 +176,7 @@ def test_log_probabilities(vllm, smollm2_spec) -> None:
         await w.start(wait_s=30)
         chunks = []
         try:
-            async for ev in LocalWorker(w).Generate(worker_pb2.GenerateRequest(
+            async for ev in InProcessWorkerClient(w).Generate(worker_pb2.GenerateRequest(
                     request_id="lp", prompt_token_ids=list(range(100, 140)),
                     sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0,
                                                        top_logprobs=3)), timeout=120):
@@ -206,7 +199,7 @@ def test_a_server_with_another_model_is_refused(vllm, tiny_spec) -> None:
                        VLLMConfig.parse(vllm.spec))
         await w.start(wait_s=30)
         try:
-            info = await LocalWorker(w).GetInfo(worker_pb2.GetInfoRequest())
+            info = await InProcessWorkerClient(w).GetInfo(worker_pb2.GetInfoRequest())
         finally:
             await w.close()
         assert info.model_fingerprint != tiny_spec.fingerprint
@@ -341,7 +334,7 @@ def test_another_tenants_salt_cannot_be_computed(vllm, smollm2_spec) -> None:
         client = VLLMClient(vllm.url)
         prompt = _prompt(rng)
         try:
-            async for _ in LocalWorker(w).Generate(worker_pb2.GenerateRequest(
+            async for _ in InProcessWorkerClient(w).Generate(worker_pb2.GenerateRequest(
                     request_id="acme-1", prompt_token_ids=prompt, namespace="acme",
                     sampling=common_pb2.SamplingParams(max_tokens=1)), timeout=120):
                 pass
@@ -368,14 +361,11 @@ def test_a_paused_server_is_listed_again_within_seconds(vllm, smollm2_spec) -> N
     took ~170 s: a /metrics poll that timed out set the next poll 200 s later), its
     blocks back in the index (the event stream proved continuity with the replay)."""
     async def main():
-        stop = asyncio.Event()
-        started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        gw = asyncio.create_task(serve(smollm2_spec, make_registry(None), GatewayConfig(
-            vllm_workers=(vllm.spec,)), stop, started))
         group = os.getpgid(vllm.proc.pid)
         try:
-            port = await asyncio.wait_for(started, 60)
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            async with in_process_gateway(
+                    smollm2_spec, vllm, GatewayConfig().refresh_interval_s) as port, \
+                    grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 chat = chat_pb2_grpc.ChatServiceStub(ch)
 
                 async def listed() -> int:
@@ -414,8 +404,6 @@ def test_a_paused_server_is_listed_again_within_seconds(vllm, smollm2_spec) -> N
                 again = await turn()
         finally:
             os.killpg(group, signal.SIGCONT)
-            stop.set()
-            await gw
         assert relisted_s < 10
         assert again.usage.cached_tokens > 0
         assert again.predicted_cached_tokens == again.usage.cached_tokens
@@ -440,7 +428,7 @@ def test_a_restarted_server_loses_its_blocks(vllm, smollm2_spec) -> None:
         old = list(range(200, 300))
         try:
             await f.subscribe()
-            async for _ in LocalWorker(w).Generate(worker_pb2.GenerateRequest(
+            async for _ in InProcessWorkerClient(w).Generate(worker_pb2.GenerateRequest(
                     request_id="r", prompt_token_ids=old,
                     sampling=common_pb2.SamplingParams(max_tokens=1)), timeout=120):
                 pass

@@ -89,9 +89,9 @@ def test_the_gateway_keys_its_vllm_adapters_with_the_gateways_key(tiny_spec, tmp
                                           make_registry(None),
                                           GatewayConfig(vllm_workers=servers, auth=auth))
         try:
-            return [w.servicer._salt_key for w in local.values()]
+            return [w.service._salt_key for w in local.values()]
         finally:
-            await asyncio.gather(*(w.servicer.close() for w in local.values()))
+            await asyncio.gather(*(w.service.close() for w in local.values()))
 
     keyed = asyncio.run(salt_keys(AuthConfig(worker_keyring_file=str(path))))
     assert keyed == [cache_salt_key(Keyring.from_file(path).gateway_key)] * 2

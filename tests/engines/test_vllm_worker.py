@@ -1,6 +1,6 @@
 """The vLLM worker adapter without a vLLM server: configuration, vLLM's metrics text, and
-what the gateway sees while the server is down (through the in-process LocalWorker, as
-the pool holds it). With a real vLLM server: tests/engines/test_vllm_real.py."""
+what the gateway sees while the server is down (through the InProcessWorkerClient the
+pool holds it by). With a real vLLM server: tests/engines/test_vllm_real.py."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from prefixgate.engines.local import LocalWorker
 from prefixgate.engines.vllm import VLLMConfig, VLLMWorker, worker_id_of
 from prefixgate.engines.vllm_http import parse_metrics
 from prefixgate.model.tokenizer import ChatTokenizer
 from prefixgate.v1 import worker_pb2
 from prefixgate.wire.protocol import ERROR_SCOPE_KEY
 from prefixgate.wire.rpc import free_port
+from prefixgate.workerapi.client import InProcessWorkerClient
 from prefixgate.workerapi.server import WorkerConfig
 
 DATA = Path(__file__).parent / "data"
@@ -61,7 +61,7 @@ def test_a_server_that_is_down(tiny_spec) -> None:
         w = VLLMWorker(tiny_spec, ChatTokenizer(tiny_spec), WorkerConfig("v", block_size=16),
                        VLLMConfig(f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{free_port()}"))
         await w.start(wait_s=5)
-        stub = LocalWorker(w)
+        stub = InProcessWorkerClient(w)
         try:
             assert not await stub.serving()
             with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -87,12 +87,13 @@ def test_a_server_that_is_down(tiny_spec) -> None:
 def test_a_worker_and_the_vllm_adapter_refuse_bad_requests_alike(tiny_spec) -> None:
     """Generate's validation is one (workerapi/server.py `_checked_generate`): each bad
     request gets the same request-scoped INVALID_ARGUMENT, word for word, from a worker's
-    service (over an emulated engine) and from the vLLM adapter (whose server is down, so
-    a request it lets through is UNAVAILABLE). A prompt over the context window under
+    service (over an emulated engine; called in process and over gRPC alike) and from the
+    vLLM adapter (whose server is down, so a request it lets through is UNAVAILABLE). A prompt over the context window under
     keep-system-drop-oldest is taken by both: the adapter drops old turns too."""
     from prefixgate.emulate.engine import EmulatedEngine, EmulationConfig
     from prefixgate.v1 import common_pb2
-    from prefixgate.workerapi.server import WorkerService
+    from prefixgate.workerapi.client import GrpcWorkerClient
+    from prefixgate.workerapi.server import WorkerService, serve
 
     tok = ChatTokenizer(tiny_spec)
     context = tiny_spec.max_context_tokens
@@ -126,8 +127,14 @@ def test_a_worker_and_the_vllm_adapter_refuse_bad_requests_alike(tiny_spec) -> N
             capacity_blocks=4 * context // 16, block_size=16,
             model_fingerprint=tiny_spec.fingerprint, vocab_size=tok.vocab_size,
             max_context_tokens=context))
-        worker = LocalWorker(WorkerService(engine, tiny_spec, WorkerConfig("w", block_size=16),
-                                           vocab_size=tok.vocab_size))
+        service = WorkerService(engine, tiny_spec, WorkerConfig("w", block_size=16,
+                                                                drain_seconds=0),
+                                vocab_size=tok.vocab_size)
+        worker = InProcessWorkerClient(service)
+        stop = asyncio.Event()
+        started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        served = asyncio.create_task(serve(service, stop, started))
+        remote = GrpcWorkerClient(grpc.aio.insecure_channel(f"127.0.0.1:{await started}"))
         v = VLLMWorker(tiny_spec, tok, WorkerConfig("v", block_size=16),
                        VLLMConfig(f"http://127.0.0.1:{free_port()}",
                                   f"tcp://127.0.0.1:{free_port()}"))
@@ -137,41 +144,69 @@ def test_a_worker_and_the_vllm_adapter_refuse_bad_requests_alike(tiny_spec) -> N
                 got = await refusal(worker, request)
                 assert got is not None and got[:2] == (grpc.StatusCode.INVALID_ARGUMENT, True), \
                     (request, got)
-                assert await refusal(LocalWorker(v), request) == got
+                assert await refusal(remote, request) == got
+                assert await refusal(InProcessWorkerClient(v), request) == got
             assert await refusal(worker, overflow) is None
-            assert (await refusal(LocalWorker(v), overflow))[:2] == \
+            assert (await refusal(InProcessWorkerClient(v), overflow))[:2] == \
                 (grpc.StatusCode.UNAVAILABLE, False)
             fine = worker_pb2.GenerateRequest(request_id="f", prompt_token_ids=[1, 2, 3])
-            assert (await refusal(LocalWorker(v), fine))[:2] == \
+            assert (await refusal(InProcessWorkerClient(v), fine))[:2] == \
                 (grpc.StatusCode.UNAVAILABLE, False)
         finally:
+            await remote.close()
+            stop.set()
+            await served
             await v.close()
-            engine.shutdown()
     asyncio.run(main())
 
 
-def test_local_worker_reports_servicer_failures_as_grpc_would() -> None:
-    class Broken:
-        async def GetInfo(self, request, context):
+def test_in_process_calls_fail_as_grpc_calls_do() -> None:
+    """A service called in process fails as the same call over gRPC would: a `Refused`
+    arrives with its code, message and request scope, after the events already yielded;
+    any other exception as UNKNOWN; a deadline that passes as DEADLINE_EXCEEDED, the
+    service's generator closed."""
+    from prefixgate.workerapi.calls import CallScope, Refused
+
+    closed: list[str] = []
+
+    class Service:
+        async def get_info(self, request, scope: CallScope):
             raise RuntimeError("boom")
 
-        async def Generate(self, request, context):
-            yield worker_pb2.GenerateEvent()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "full",
-                                ((ERROR_SCOPE_KEY, "request"),))
+        async def get_status(self, request, scope: CallScope):
+            await asyncio.sleep(10)
+
+        async def generate(self, request, scope: CallScope):
+            try:
+                yield worker_pb2.GenerateEvent()
+                if request.request_id == "slow":
+                    await asyncio.sleep(10)
+                raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, "full", request_scoped=True)
+            finally:
+                closed.append(request.request_id)
 
     async def main():
-        stub = LocalWorker(Broken())
+        client = InProcessWorkerClient(Service())
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await stub.GetInfo(worker_pb2.GetInfoRequest())
+            await client.GetInfo(worker_pb2.GetInfoRequest())
         assert info.value.code() == grpc.StatusCode.UNKNOWN and "boom" in info.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as late:
+            await client.GetStatus(worker_pb2.GetStatusRequest(), timeout=0.05)
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         got = []
         with pytest.raises(grpc.aio.AioRpcError) as gen:
-            async for ev in stub.Generate(worker_pb2.GenerateRequest()):
+            async for ev in client.Generate(worker_pb2.GenerateRequest(request_id="r")):
                 got.append(ev)
         assert len(got) == 1
         assert _codes(gen.value) == (grpc.StatusCode.RESOURCE_EXHAUSTED, True)
-        assert await stub.serving()
+        assert gen.value.details() == "full"
+        with pytest.raises(grpc.aio.AioRpcError) as slow:
+            async for _ in client.Generate(worker_pb2.GenerateRequest(request_id="slow"),
+                                           timeout=0.05):
+                pass
+        assert _codes(slow.value) == (grpc.StatusCode.DEADLINE_EXCEEDED, False)
+        assert closed == ["r", "slow"]
+        assert await client.serving()
     asyncio.run(main())
 
 

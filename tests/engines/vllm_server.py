@@ -5,14 +5,18 @@ cached-token usage on, eager mode (no compile: starts in about a minute on a CPU
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import os
 import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from prefixgate.launch.processes import ProcessGroup
@@ -103,3 +107,38 @@ class VLLMServer:
     def stop(self) -> None:
         if self.group is not None:
             self.group.stop(timeout_s=30)
+
+
+@contextlib.asynccontextmanager
+async def in_process_gateway(spec, server: VLLMServer, refresh_interval_s: float = 0.2,
+                             timeout_s: float = 60) -> AsyncIterator[int]:
+    """A gateway (`gateway/server.serve`, the embedded registry) on this event loop,
+    holding `server` in its process (`--vllm-worker`): yields its gRPC port once it lists
+    the server's worker (within `timeout_s`); stopped on exit. `refresh_interval_s`: the
+    pool's (0.2 s: a worker dropped or back is seen at once; the gateway's default is
+    `up`'s)."""
+    from prefixgate.gateway.server import GatewayConfig, serve
+    from prefixgate.registry import make_registry
+    from prefixgate.v1 import chat_pb2, chat_pb2_grpc
+
+    stop = asyncio.Event()
+    started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    gateway = asyncio.create_task(serve(spec, make_registry(None), GatewayConfig(
+        vllm_workers=(server.spec,), refresh_interval_s=refresh_interval_s), stop, started))
+    try:
+        done, _ = await asyncio.wait({started, gateway}, timeout=timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if gateway in done:
+            gateway.result()  # what stopped it
+        assert started in done, f"the gateway did not start within {timeout_s:.0f} s"
+        port = started.result()
+        deadline = time.monotonic() + timeout_s
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            chat = chat_pb2_grpc.ChatServiceStub(channel)
+            while not (await chat.ListModels(chat_pb2.ListModelsRequest())).models[0].num_workers:
+                assert time.monotonic() < deadline, "the gateway did not list the vLLM worker"
+                await asyncio.sleep(0.1)
+        yield port
+    finally:
+        stop.set()
+        await gateway

@@ -85,7 +85,7 @@ def test_snapshot_then_resume_then_snapshot_again(event_worker) -> None:
 @dataclass
 class _Handle:  # what WorkerStreamFeed needs of a WorkerHandle
     record: WorkerRecord
-    stub: worker_pb2_grpc.WorkerServiceStub
+    client: worker_pb2_grpc.WorkerServiceStub  # a workerapi.client.WorkerClient
     worker_id: str
 
 

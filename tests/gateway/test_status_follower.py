@@ -12,8 +12,9 @@ import grpc
 from prefixgate.gateway.pool import WorkerHandle
 from prefixgate.gateway.status import StatusFollower
 from prefixgate.registry import WorkerRecord
-from prefixgate.v1 import worker_pb2, worker_pb2_grpc
+from prefixgate.v1 import worker_pb2
 from prefixgate.wire.status import watch_status
+from prefixgate.workerapi.client import GrpcWorkerClient
 
 SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"]
 
@@ -57,8 +58,7 @@ async def follow(push: bool) -> None:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    handle = WorkerHandle(WorkerRecord("w", f"127.0.0.1:{port}"), channel,
-                          worker_pb2_grpc.WorkerServiceStub(channel))
+    handle = WorkerHandle(WorkerRecord("w", f"127.0.0.1:{port}"), GrpcWorkerClient(channel))
     follower = StatusFollower(interval_ms=20)
     try:
         follower.sync([handle])
@@ -106,8 +106,7 @@ async def stream_breaks_and_resumes() -> None:
 
     server, port = await start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    handle = WorkerHandle(WorkerRecord("w", f"127.0.0.1:{port}"), channel,
-                          worker_pb2_grpc.WorkerServiceStub(channel))
+    handle = WorkerHandle(WorkerRecord("w", f"127.0.0.1:{port}"), GrpcWorkerClient(channel))
     follower = StatusFollower(interval_ms=20)
     try:
         load.status = worker_pb2.WorkerStatus(num_running_requests=4)

@@ -295,7 +295,7 @@ def test_the_gateways_planned_pull_carries_a_ticket_the_holder_accepts(ticketed,
 
     def handle(wid: str, signer) -> WorkerHandle:
         return WorkerHandle(WorkerRecord(wid, started[wid][0], tiny_spec.fingerprint), None,
-                            None, info=worker_pb2.WorkerInfo(
+                            info=worker_pb2.WorkerInfo(
                                 worker_id=wid, block_size=16,
                                 model_fingerprint=tiny_spec.fingerprint), tickets=signer)
     decision = Decision(ranked=[], policy="prefix",
