@@ -304,3 +304,96 @@ def test_the_check_sees_lazy_and_relative_imports(tmp_path, monkeypatch) -> None
         "prefixgate/emulate/rel.py:1 imports prefixgate.cli",
         "prefixgate/emulate/rel.py:1 imports prefixgate.cli.flags",
     ]
+
+
+def _load_time_imports(path: Path, modules: set[str]) -> set[str]:
+    """The prefixgate modules `path` imports at module level: inside top-level if/try
+    too, `if TYPE_CHECKING:` included (a type is part of the contract), never in a
+    function (a lazy import is a run-time choice, not a layer). `from package import
+    submodule` is an import of the submodule alone."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out: set[str] = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.If):
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body + node.orelse + node.finalbody)
+                for handler in node.handlers:
+                    visit(handler.body)
+            elif isinstance(node, ast.Import):
+                out.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                names = [f"{base}.{alias.name}" for alias in node.names]
+                subs = [n for n in names if n in modules]
+                out.update(subs if len(subs) == len(names) else [base, *subs])
+
+    visit(ast.parse(path.read_text(), str(path)).body)
+    return {m for m in out if m in modules and m != module}
+
+
+def import_cycles() -> list[list[str]]:
+    """Groups of prefixgate modules that import each other at module level (strongly
+    connected components of more than one module)."""
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {m: _load_time_imports(p, set(paths)) for m, p in paths.items()}
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def connect(v: str) -> None:  # Tarjan's algorithm
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in order:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in order:
+            connect(v)
+    return cycles
+
+
+def test_no_modules_import_each_other() -> None:
+    """The gateway's old circle (http -> server -> turn -> server's config) is gone, and
+    no module of the package is in a module-level import cycle: each module's contract
+    can be read knowing only what it imports."""
+    assert import_cycles() == []
+
+
+def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch) -> None:
+    pkg = tmp_path / "prefixgate"
+    (pkg / "gateway").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "gateway" / "__init__.py").write_text("")
+    (pkg / "gateway" / "http.py").write_text("from prefixgate.gateway.server import serve\n")
+    (pkg / "gateway" / "server.py").write_text("from prefixgate.gateway import turn\n")
+    (pkg / "gateway" / "turn.py").write_text(
+        "def f():\n    from prefixgate.gateway.http import x\n")  # lazy: no cycle
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
+    assert import_cycles() == []
+    (pkg / "gateway" / "turn.py").write_text(  # a type-only import closes it too
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from prefixgate.gateway.http import x\n")
+    assert import_cycles() == [["prefixgate.gateway.http", "prefixgate.gateway.server",
+                                "prefixgate.gateway.turn"]]

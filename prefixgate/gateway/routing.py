@@ -60,6 +60,7 @@ from typing import TypeVar
 from prefixgate.gateway import policies
 from prefixgate.gateway.index import PrefixIndex
 from prefixgate.gateway.policies import Candidates, Pull, RoutingPolicy, Turn, WorkerLoad
+from prefixgate.gateway.policies.base import RoutingConfig
 from prefixgate.radix import BlockHasher
 
 __all__ = ["POLICIES", "Decision", "LoadSnapshot", "Pull", "Router", "RoutingConfig", "Turn",
@@ -100,60 +101,6 @@ class LoadSnapshot:
 
 
 W = TypeVar("W", bound=WorkerLoad)
-
-
-@dataclass(frozen=True)
-class RoutingConfig:
-    """Policy and scoring weights (see the module docstring for the rule)."""
-
-    policy: str = "prefix"
-    seed: int | None = None
-    # Multipliers of the two halves of the cost, both in seconds (1: a second of waiting
-    # counts as much as a second of prefill, now or later):
-    prefix_weight: float = 1.0  # x (prefill_s + miss_s): this turn's and later prefill
-    load_weight: float = 1.0  # x (queue_s + decode_s): the work ahead of it on the worker
-    # Prompt tokens of prefill one running sequence stands for, where a worker reports no
-    # measured decode step (decode_s = running_weight x running / rate).
-    running_weight: float = 64.0
-    shared_prefix_weight: float = 0.0  # credit per cached token of a shared prefix ...
-    # ... on a worker whose cache holds more than (1 + occupancy_slack) x the mean
-    # indexed blocks; at or below that, a shared prefix is credited in full.
-    occupancy_slack: float = 0.25
-    spread_fanout: int = 2  # continuations after which a prefix counts as shared
-    max_conversations: int = 100_000  # conversations remembered for the tie-breaker
-    # Prefill rate assumed for a worker that has not reported a measured one yet.
-    default_prefill_tokens_per_s: float = 10_000.0
-    # Use the rates workers measure and report (False: every worker at the default rate
-    # and running_weight, for identical workers whose measurement noise should not steer).
-    measured_rates: bool = True
-    # How long a routed turn's blocks count as expected on its worker without an event
-    # confirming them (0: no predictions). Longer than a prefill's queue plus event delay.
-    prediction_ttl_s: float = 30.0
-    # Turns over which the measured reuse (reuses per computed token) is counted.
-    reuse_window_turns: int = 200
-    # Offer the pull option (move KV blocks between workers) where workers report a
-    # transfer rate and their KV bytes per token (False: recompute or wait only).
-    transfer: bool = True
-    # smetric: a conversation stays on its worker while its predicted TTFT is within this
-    # (the service's TTFT target).
-    ttft_budget_s: float = 2.0
-    # Turns with a claim over which a worker's confidence is measured (Router docstring).
-    confidence_window_turns: int = 32
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown routing policy {self.policy!r}: use one of "
-                             f"{', '.join(POLICIES)}")
-        for name in ("prefix_weight", "load_weight", "running_weight", "shared_prefix_weight",
-                     "occupancy_slack", "prediction_ttl_s", "ttft_budget_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.spread_fanout < 1:
-            raise ValueError(f"spread_fanout must be >= 1, got {self.spread_fanout}")
-        if self.default_prefill_tokens_per_s <= 0 or self.reuse_window_turns < 1 \
-                or self.confidence_window_turns < 1:
-            raise ValueError("default_prefill_tokens_per_s must be > 0, reuse_window_turns "
-                             "and confidence_window_turns >= 1")
 
 
 def reusable_tokens(matched_tokens: int, max_tokens: int, unit_tokens: int) -> int:

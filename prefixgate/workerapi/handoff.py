@@ -34,17 +34,40 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
 from prefixgate.v1 import worker_pb2
 from prefixgate.workerapi.transfer import TransferError
 
-if TYPE_CHECKING:
-    from prefixgate.workerapi.server import WorkerServiceBase
-
 log = logging.getLogger(__name__)
+
+
+class _Config(Protocol):
+    worker_id: str
+    block_size: int
+
+
+class _Ticket(Protocol):
+    ticket: bytes
+
+
+class HandingOff(Protocol):
+    """What the hand-off uses of the draining worker (workerapi/server.py's
+    WorkerServiceBase provides it): whether it hands off, its id and block size, its
+    chains, its own tickets and its peers' stubs."""
+
+    config: _Config
+
+    @property
+    def hands_off(self) -> bool: ...
+
+    async def handoff_chains(self) -> list[HandoffChain]: ...
+
+    def own_ticket(self, receiver: str, chain: Sequence[int]) -> _Ticket: ...
+
+    def _peer(self, address: str, peer_id: str): ...
 
 
 @dataclass(frozen=True)
@@ -65,7 +88,7 @@ class HandoffReport:
     seconds: float = 0.0
 
 
-async def hand_off(service: WorkerServiceBase, peers: Sequence[tuple[str, str]],
+async def hand_off(service: HandingOff, peers: Sequence[tuple[str, str]],
                    own_address: str, budget_s: float) -> HandoffReport:
     report = HandoffReport()
     if not service.hands_off or not peers or budget_s <= 0:
@@ -84,7 +107,7 @@ async def hand_off(service: WorkerServiceBase, peers: Sequence[tuple[str, str]],
     return report
 
 
-async def _hand_off(service: WorkerServiceBase, peers: Sequence[tuple[str, str]],
+async def _hand_off(service: HandingOff, peers: Sequence[tuple[str, str]],
                     own_address: str, report: HandoffReport) -> None:
     bs = service.config.block_size
 

@@ -20,7 +20,6 @@ import xxhash
 
 if TYPE_CHECKING:
     from prefixgate.gateway.index import PrefixMatch
-    from prefixgate.gateway.routing import RoutingConfig
 
 
 class WorkerLoad(Protocol):
@@ -185,9 +184,77 @@ class RoutingPolicy:
 
     name: ClassVar[str] = ""
     source: ClassVar[str] = "prefixgate"
+    _named: ClassVar[list[str]] = []  # every named policy class's name, as defined
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.name and cls.name not in RoutingPolicy._named:
+            RoutingPolicy._named.append(cls.name)
+
+    @staticmethod
+    def names() -> tuple[str, ...]:
+        """The names of the policy classes defined (gateway/policies/ defines them all)."""
+        return tuple(sorted(RoutingPolicy._named))
 
     def __init__(self, config: RoutingConfig) -> None:
         self.config = config
 
     def rank(self, c: Candidates) -> Ranking:
         raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Policy and scoring weights: which policy the router ranks with (`policy`, a
+    `RoutingPolicy.name`) and what the policies read (gateway/routing.py's docstring
+    states the prefix rule these weight; docs/routing.md every rule)."""
+
+    policy: str = "prefix"
+    seed: int | None = None
+    # Multipliers of the two halves of the cost, both in seconds (1: a second of waiting
+    # counts as much as a second of prefill, now or later):
+    prefix_weight: float = 1.0  # x (prefill_s + miss_s): this turn's and later prefill
+    load_weight: float = 1.0  # x (queue_s + decode_s): the work ahead of it on the worker
+    # Prompt tokens of prefill one running sequence stands for, where a worker reports no
+    # measured decode step (decode_s = running_weight x running / rate).
+    running_weight: float = 64.0
+    shared_prefix_weight: float = 0.0  # credit per cached token of a shared prefix ...
+    # ... on a worker whose cache holds more than (1 + occupancy_slack) x the mean
+    # indexed blocks; at or below that, a shared prefix is credited in full.
+    occupancy_slack: float = 0.25
+    spread_fanout: int = 2  # continuations after which a prefix counts as shared
+    max_conversations: int = 100_000  # conversations remembered for the tie-breaker
+    # Prefill rate assumed for a worker that has not reported a measured one yet.
+    default_prefill_tokens_per_s: float = 10_000.0
+    # Use the rates workers measure and report (False: every worker at the default rate
+    # and running_weight, for identical workers whose measurement noise should not steer).
+    measured_rates: bool = True
+    # How long a routed turn's blocks count as expected on its worker without an event
+    # confirming them (0: no predictions). Longer than a prefill's queue plus event delay.
+    prediction_ttl_s: float = 30.0
+    # Turns over which the measured reuse (reuses per computed token) is counted.
+    reuse_window_turns: int = 200
+    # Offer the pull option (move KV blocks between workers) where workers report a
+    # transfer rate and their KV bytes per token (False: recompute or wait only).
+    transfer: bool = True
+    # smetric: a conversation stays on its worker while its predicted TTFT is within this
+    # (the service's TTFT target).
+    ttft_budget_s: float = 2.0
+    # Turns with a claim over which a worker's confidence is measured (Router docstring).
+    confidence_window_turns: int = 32
+
+    def __post_init__(self) -> None:
+        names = RoutingPolicy.names()
+        if self.policy not in names:
+            raise ValueError(f"unknown routing policy {self.policy!r}: use one of "
+                             f"{', '.join(names)}")
+        for name in ("prefix_weight", "load_weight", "running_weight", "shared_prefix_weight",
+                     "occupancy_slack", "prediction_ttl_s", "ttft_budget_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.spread_fanout < 1:
+            raise ValueError(f"spread_fanout must be >= 1, got {self.spread_fanout}")
+        if self.default_prefill_tokens_per_s <= 0 or self.reuse_window_turns < 1 \
+                or self.confidence_window_turns < 1:
+            raise ValueError("default_prefill_tokens_per_s must be > 0, reuse_window_turns "
+                             "and confidence_window_turns >= 1")
