@@ -157,6 +157,23 @@ class InProcessCall:
         return True
 
 
+async def _as_rpc(waiting: asyncio.Timeout, step: Awaitable):
+    """`step` awaited within `waiting`, its failures as a gRPC call's: a deadline that
+    passed is DEADLINE_EXCEEDED, a refusal or crash what `_failure` makes of it; the end
+    of a stream (StopAsyncIteration) passes through."""
+    try:
+        async with waiting:
+            return await step
+    except StopAsyncIteration:
+        raise
+    except TimeoutError as exc:
+        if waiting.expired():
+            raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, _DEADLINE) from None
+        raise _failure(exc) from exc
+    except Exception as exc:
+        raise _failure(exc) from exc
+
+
 class InProcessWorkerClient:
     """A Worker API service in this process, called directly (see the module's contract).
     `service` has the call-level methods of workerapi/calls.py."""
@@ -167,16 +184,7 @@ class InProcessWorkerClient:
     async def _unary(self, call: Callable, request, timeout: float | None,
                      metadata: Metadata | None):
         scope = CallScope.within(timeout, metadata)
-        waiting = asyncio.timeout(timeout)
-        try:
-            async with waiting:
-                return await call(request, scope)
-        except TimeoutError as exc:
-            if waiting.expired():
-                raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, _DEADLINE) from None
-            raise _failure(exc) from exc
-        except Exception as exc:
-            raise _failure(exc) from exc
+        return await _as_rpc(asyncio.timeout(timeout), call(request, scope))
 
     async def _stream(self, call: Callable, request, timeout: float | None,
                       metadata: Metadata | None) -> AsyncIterator:
@@ -189,18 +197,10 @@ class InProcessWorkerClient:
         deadline = None if timeout is None else loop.time() + timeout
         try:
             while True:
-                waiting = asyncio.timeout_at(deadline)
                 try:
-                    async with waiting:
-                        event = await anext(events)
+                    event = await _as_rpc(asyncio.timeout_at(deadline), anext(events))
                 except StopAsyncIteration:
                     return
-                except TimeoutError as exc:
-                    if waiting.expired():
-                        raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, _DEADLINE) from None
-                    raise _failure(exc) from exc
-                except Exception as exc:
-                    raise _failure(exc) from exc
                 yield event
         finally:
             await events.aclose()  # the caller stopped reading: the service cleans up now
