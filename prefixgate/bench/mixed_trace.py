@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 import random
 import sys
@@ -125,29 +126,27 @@ def generate(sharegpt: Iterable[dict], config: MixedTraceConfig, tokenizer: _Enc
     rng = random.Random(f"mixed:{config.seed}")
     records = list(sharegpt)
     chats: list[dict] = []
-    used = 0
-    for used, rec in enumerate(records, 1):
-        if len(chats) >= config.num_chats:
-            used -= 1
-            break
-        turns = _cut_chat(_turns(rec), config, tokenizer)
+    used = 0  # records read for the chats; the rest give the documents and questions
+    while len(chats) < config.num_chats and used < len(records):
+        turns = _cut_chat(_turns(records[used]), config, tokenizer)
+        used += 1
         if len(turns) >= 2:
             chats.append(_record(f"chat-{len(chats)}", "", turns))
-    rest = records[used:]
-    questions = [u for rec in rest for u, _ in _turns(rec)
+    rest = [turn for rec in records[used:] for turn in _turns(rec)]
+    questions = [u for u, _ in rest
                  if len(tokenizer.encode_text(u)) <= config.max_question_tokens]
-    replies = [r for rec in rest for _, r in _turns(rec) if len(r) > 200]
+    replies = [r for _, r in rest if len(r) > 200]
     if config.num_document_conversations and (not questions or not replies):
         raise ValueError("the ShareGPT records past the chats hold no short questions or "
                          "long replies to build documents from: give more records")
     rng.shuffle(questions)
     rng.shuffle(replies)
-    text = iter(replies * 64)  # cycling: a small input still fills the documents
+    text = itertools.cycle(replies)  # a small input still fills the documents
     docs = [_document(text, rng.randint(*config.document_tokens), tokenizer)
             for _ in range(config.num_documents)]
     weights = [1 / (k + 1) ** config.zipf_s for k in range(config.num_documents)]
-    asked = iter(questions * 64)
-    short_replies = [r for rec in rest for _, r in _turns(rec) if 40 <= len(r) <= 600] or replies
+    asked = itertools.cycle(questions)
+    short_replies = [r for _, r in rest if 40 <= len(r) <= 600] or replies
     doc_convs = []
     for i in range(config.num_document_conversations):
         d = rng.choices(range(config.num_documents), weights)[0]

@@ -117,11 +117,11 @@ def main(argv: list[str] | None = None) -> None:
                         for n, r in summary["routers"].items()},
             "comparison": summary.get("comparison")}
     (out / "summary.json").write_text(json.dumps(slim, indent=1))
-    from prefixgate.replay.report import _cdf_plot, _save
+    from prefixgate.replay.report import ttft_cdf_plot
 
     runs = [{"label": n, "ttft_samples_s": r["ttft_samples_s"]}
             for n, r in summary["routers"].items()]
-    _save(_cdf_plot(runs, "vLLM servers, routers side by side"), out / "vllm-routers-ttft-cdf.png")
+    ttft_cdf_plot(runs, "vLLM servers, routers side by side", out / "vllm-routers-ttft-cdf.png")
 
 
 if __name__ == "__main__":

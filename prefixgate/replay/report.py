@@ -119,6 +119,14 @@ def plot(runs: Sequence[dict], out_dir: Path, name: str) -> list[Path]:
     return paths
 
 
+def ttft_cdf_plot(runs: Sequence[dict], title: str, path: Path) -> Path:
+    """A TTFT CDF, one line per run (`label`, `ttft_samples_s`), saved at `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    return _save(_cdf_plot(runs, title), path)
+
+
 def _cdf_plot(runs: Sequence[dict], name: str):
     """TTFT CDF, one line per run, log time axis."""
     import matplotlib.pyplot as plt
