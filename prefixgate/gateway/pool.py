@@ -126,10 +126,20 @@ class WorkerHandle:
     # the status (less what ended here since) and the own count.
     @property
     def num_queued_prefill_tokens(self) -> int:
-        polled = self.status.num_queued_prefill_tokens if self.status is not None else 0
-        return queued_prefill_tokens(polled, self.prefilled_since_status,
+        if self.status is None:
+            return queued_prefill_tokens(0, self.prefilled_since_status,
+                                         self.in_flight_prompt_tokens,
+                                         self.in_flight_prompt_tokens_at_status)
+        # The loosest credible rate bounds what the worker computed since its status: a
+        # rate set too low would only hold a finished turn's remainder in the queue until
+        # the next status, one set too high subtracts no more than the turns that ended.
+        rate = max(self.status.prefill_tokens_per_s, self.observed_prefill_tokens_per_s)
+        computable = ((time.monotonic() - self.heard_at) * rate if rate > 0
+                      else float("inf"))
+        return queued_prefill_tokens(self.status.num_queued_prefill_tokens,
+                                     self.prefilled_since_status,
                                      self.in_flight_prompt_tokens,
-                                     self.in_flight_prompt_tokens_at_status)
+                                     self.in_flight_prompt_tokens_at_status, computable)
 
     @property
     def num_running_requests(self) -> int:

@@ -72,14 +72,23 @@ POLICIES = tuple(policies.POLICIES)  # every policy's name, the default first
 
 
 def queued_prefill_tokens(polled: int, prefilled_since: int, own: int,
-                          own_at_status: int) -> int:
+                          own_at_status: int,
+                          computable_since: float = float("inf")) -> int:
     """A worker's queued prefill tokens as one gateway sees them (gateway/pool.py
     WorkerHandle; the replay simulator): its last status `polled`, less this gateway's
     prefill in it that ended since (`prefilled_since`, of the `own_at_status` prompt
     tokens it had waiting there when the status came), plus its prompt tokens sent since
-    and still waiting for their first token (`own` waiting now)."""
-    ended = min(prefilled_since, own_at_status)  # of the turns in the status
-    return max(0, polled - ended) + max(0, own - own_at_status + ended)
+    and still waiting for their first token (`own` waiting now).
+
+    `computable_since` bounds what can have left the status: the prefill tokens the
+    worker can have computed since it was taken (its age times the worker's prefill rate;
+    unbounded when the rate is not known). The status counts a prompt being prefilled
+    with only its unfinished part, while this gateway counts the whole prompt ending at
+    its first token: subtracting the whole of it took the other turns queued behind it off
+    too, and a worker with 22,913 tokens queued read 0 until its next status."""
+    ended = min(prefilled_since, own_at_status)  # this gateway's turns in the status
+    left = polled - min(ended, computable_since)
+    return max(0, int(left)) + max(0, own - own_at_status + ended)
 
 
 @dataclass(frozen=True)

@@ -270,7 +270,7 @@ def prepare_turns(trace: Trace, block_size: int = 16, tokenizer=None,
 
 class _Worker:
     __slots__ = ("wid", "cache", "queue", "queued_tokens", "busy", "running", "status",
-                 "prefill_rate", "decode_step_s", "prefilling", "link_free_at")
+                 "prefill_rate", "decode_step_s", "prefilling", "link_free_at", "status_at")
 
     def __init__(self, wid: str, cache: BlockCache) -> None:
         self.wid = wid
@@ -284,6 +284,7 @@ class _Worker:
         self.prefill_rate = 0.0
         self.decode_step_s = 0.0
         self.status: tuple = (0, 0, 0.0, 0.0, 0.0)  # what the gateways last saw
+        self.status_at = 0.0  # when it was pushed
         self.link_free_at = 0.0  # when the pulls queued on its outbound link are done
 
 
@@ -415,7 +416,7 @@ class _Sim:
         for w in self.workers:
             live = self._live_status(w)
             if live != w.status:  # pushed on change only
-                w.status = live
+                w.status, w.status_at = live, self.now
                 for g in self.gateways:
                     g.finished_since[w.wid] = g.prefilled_since[w.wid] = 0
                     g.tokens_at_status[w.wid] = g.in_flight_tokens.get(w.wid, 0)
@@ -428,8 +429,9 @@ class _Sim:
             own = g.in_flight_tokens.get(w.wid, 0)
             if self.status_interval:  # as gateway/pool.py WorkerHandle combines them
                 queued, running, fill, rate, step_s = w.status
+                computable = (self.now - w.status_at) * rate if rate > 0 else float("inf")
                 queued = queued_prefill_tokens(queued, g.prefilled_since.get(w.wid, 0), own,
-                                               g.tokens_at_status.get(w.wid, 0))
+                                               g.tokens_at_status.get(w.wid, 0), computable)
                 running -= g.finished_since.get(w.wid, 0)
             else:
                 queued, running, fill, rate, step_s = self._live_status(w)

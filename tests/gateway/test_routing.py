@@ -16,6 +16,7 @@ from prefixgate.gateway.routing import (
     RoutingConfig,
     Turn,
     make_turn,
+    queued_prefill_tokens,
     reusable_tokens,
 )
 from prefixgate.radix import BlockHasher
@@ -413,6 +414,30 @@ def test_gateway_load_view_counts_status_plus_turns_sent_since() -> None:
     assert h.num_queued_prefill_tokens == 2000
     h.set_status(None)  # the status stream failed: the own count again
     assert h.num_queued_prefill_tokens == 300
+
+
+def test_a_finished_prompt_takes_off_no_more_than_the_worker_computed_since_status() -> None:
+    """The status counts a prompt in prefill with only its unfinished part; the gateway
+    sees the whole prompt end at its first token. What leaves the status is bounded by
+    the status's age times the worker's rate, so the turns queued behind it still count
+    (the old subtraction of the whole prompt read 0 with 20,000 tokens queued)."""
+    from prefixgate.gateway.pool import WorkerHandle
+    from prefixgate.registry import WorkerRecord
+    from prefixgate.v1 import worker_pb2
+
+    h = WorkerHandle(WorkerRecord("w", "127.0.0.1:1"), None, None)  # type: ignore[arg-type]
+    h.in_flight_prompt_tokens = 20_000  # this gateway's turn, 18,000 of it computed
+    h.set_status(worker_pb2.WorkerStatus(num_queued_prefill_tokens=22_000,
+                                         prefill_tokens_per_s=1000.0))  # 20,000 others'
+    h.heard_at -= 2.0  # the status is 2 s old: at most 2,000 tokens computed since
+    h.in_flight_prompt_tokens -= 20_000  # its first token
+    h.prefilled_since_status += 20_000
+    assert 19_900 <= h.num_queued_prefill_tokens <= 20_000
+    # Unmeasured rate: nothing bounds it, as before.
+    assert queued_prefill_tokens(22_000, 20_000, 0, 20_000) == 2_000
+    assert queued_prefill_tokens(22_000, 20_000, 0, 20_000, 2_000.0) == 20_000
+    # The own turns sent since the status still count in full.
+    assert queued_prefill_tokens(22_000, 20_000, 500, 20_000, 2_000.0) == 20_500
 
 
 def _link(wid: str, queued: int = 0, bps: float = 1e6, bpt: int = 100,
