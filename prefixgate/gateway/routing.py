@@ -23,7 +23,19 @@ Interface (shared by the gateway and the replay simulator)
   was served (the conversation tie-breaker) and what the worker found cached (its
   confidence). `rank` = decide().ranked. The router never calls Redis or the network;
   its state is the conversation map (bounded LRU), the measured reuse (a window of turns),
-  the turns in flight per worker and each worker's confidence.
+  the turns in flight per worker, each worker's confidence and the measured arrival rate.
+
+Arrival rate (`Router.arrival_rate_per_s`, turns per second)
+------------------------------------------------------------
+The last `arrival_window_turns` + 1 turns `decide` saw, on the index's `clock` (the
+simulator's simulated clock; the gateway's monotonic clock; `time.monotonic` without an
+index): (gaps - 1) / the seconds from the oldest of them to now, the unbiased estimate of
+a Poisson stream's rate from that many gaps (gaps / seconds overstates it, without bound
+over two turns a moment apart); 0 until three turns have come, apart in time. A gap of
+quiet before a turn lowers the rate at once. It is the whole fleet's rate as this router
+sees it: behind several gateway replicas, each measures its own share of the turns (about
+1/replicas of them) and so charges the prefix policy's work cost (policies/prefix.py) for
+that share of the turns delayed: less than their whole delay, never more.
 
 What every policy is given (`policies.Candidates`)
 --------------------------------------------------
@@ -52,6 +64,7 @@ a worker's confidence falls below or recovers above 1/2.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -206,11 +219,14 @@ class Router:
         self._active_tokens: dict[str, int] = {}
         # worker id -> its last confidence_window_turns (claimed, confirmed) tokens, sums
         self._confidence: dict[str, tuple[deque, list[int]]] = {}
+        self.clock: Callable[[], float] = index.clock if index is not None else time.monotonic
+        self._arrivals: deque[float] = deque()  # clock() of the last turns decided, oldest first
 
     # ------------------------------------------------------------------ per turn
 
     def decide(self, workers: Sequence[W], turn: Turn) -> Decision:
         workers = list(workers)
+        self._arrive()
         c = self._candidates(workers, turn)
         ranking = self.policy.rank(c)
         self._claims[id(turn)] = c.certain
@@ -262,6 +278,16 @@ class Router:
     def previous_worker(self, conversation_id: str) -> str | None:
         return self._last_worker.get(conversation_id) if conversation_id else None
 
+    def arrival_rate_per_s(self) -> float:
+        """Turns per second arriving at this router (module docstring; 0: not measured)."""
+        arrivals = self._arrivals
+        gaps = len(arrivals) - 1
+        span_s = self.clock() - arrivals[0] if arrivals else 0.0
+        # k gaps of a Poisson stream sum to a Gamma(k, rate) span, E[1/span] = rate/(k-1):
+        # (k-1)/span is unbiased where k/span overstates a short window (two turns a
+        # millisecond apart are no rate of 1,000 turns a second).
+        return (gaps - 1) / span_s if gaps > 1 and span_s > 0 else 0.0
+
     def confidence(self, worker_id: str) -> float:
         """Share of its claimed cached tokens that `worker_id`'s served turns confirmed
         (module docstring; 1 before any claim)."""
@@ -297,7 +323,14 @@ class Router:
                      else 0 for w in workers}
         return Candidates(turn, workers, cached, certain, credit, match,
                           self.previous_worker(turn.conversation_id), occupancy, self.reuse,
-                          trust, self._active_tokens)
+                          trust, self._active_tokens, self.arrival_rate_per_s())
+
+    def _arrive(self) -> None:
+        """Count a turn's arrival now (arrival_rate_per_s)."""
+        arrivals = self._arrivals
+        arrivals.append(self.clock())
+        if len(arrivals) > self.config.arrival_window_turns + 1:
+            arrivals.popleft()
 
     def _confirm(self, worker_id: str, claimed: int, confirmed: int) -> None:
         before = self.confidence(worker_id)

@@ -253,8 +253,9 @@ def test_router_benchmark_smoke() -> None:
 def test_a_miss_costs_the_re_prefill_of_what_it_evicts() -> None:
     """A (512 cached, 600 queued) against B (idle, empty) for a 1024-token prompt: on TTFT
     alone B wins (1024 < 600 + 512 tokens of prefill); once reuse is measured, the 512
-    tokens B would store again (evicting as many from its full cache) tip it to A."""
-    index = PrefixIndex()
+    tokens B would store again (evicting as many from its full cache) tip it to A. The
+    turns come at one instant (no arrival rate measured: the work cost is 0)."""
+    index = PrefixIndex(clock=lambda: 0.0)
     router = Router(RoutingConfig(), index)
     serve(index, "w0", list(range(512)))
     turn = make_turn(list(range(1024)), HASHER, "c")
@@ -302,8 +303,9 @@ def test_a_cold_tail_does_not_outweigh_an_idle_worker() -> None:
     """The turn above's next tail on w0 (its prefix cached, 2.8 s of queue) or on idle w1
     (a cold prefill): with the eviction priced at the measured re-prefills of what it
     evicts (cold tails, asked for again once in four turns) w1 wins; priced at the
-    reuses of an average cached token (4), w0 did."""
-    index = PrefixIndex()
+    reuses of an average cached token (4), w0 did. The turns come at one instant (no
+    arrival rate measured: the work cost is 0)."""
+    index = PrefixIndex(clock=lambda: 0.0)
     router = Router(RoutingConfig(reuse_window_turns=4, transfer=False), index)
     hot = list(range(512))
     serve(index, "w0", hot)

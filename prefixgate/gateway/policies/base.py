@@ -128,6 +128,9 @@ class Candidates:
     trust: dict[str, float] = field(default_factory=dict)  # worker id -> confidence 0..1
     # worker id -> prompt tokens of this router's turns active there (dispatched, not ended)
     active_tokens: dict[str, int] = field(default_factory=dict)
+    # Turns per second arriving at this router, the whole fleet's (Router.arrival_rate_per_s;
+    # 0: not measured yet). The prefix policy's work cost reads it.
+    arrival_rate_per_s: float = 0.0
 
     @property
     def best_credit(self) -> float:
@@ -215,6 +218,11 @@ class RoutingConfig:
     # counts as much as a second of prefill, now or later):
     prefix_weight: float = 1.0  # x (prefill_s + miss_s): this turn's and later prefill
     load_weight: float = 1.0  # x (queue_s + decode_s): the work ahead of it on the worker
+    # x work_s: the delay the prefill a choice adds imposes on the turns arriving behind it
+    # (prefix policy; 0: a choice is priced by this turn's seconds alone).
+    work_weight: float = 1.0
+    # Turns over which the router measures the arrival rate (Router.arrival_rate_per_s).
+    arrival_window_turns: int = 64
     # Prompt tokens of prefill one running sequence stands for, where a worker reports no
     # measured decode step (decode_s = running_weight x running / rate).
     running_weight: float = 64.0
@@ -248,13 +256,14 @@ class RoutingConfig:
         if self.policy not in names:
             raise ValueError(f"unknown routing policy {self.policy!r}: use one of "
                              f"{', '.join(names)}")
-        for name in ("prefix_weight", "load_weight", "running_weight", "shared_prefix_weight",
+        for name in ("prefix_weight", "load_weight", "work_weight", "running_weight",
+                     "shared_prefix_weight",
                      "occupancy_slack", "prediction_ttl_s", "ttft_budget_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.spread_fanout < 1:
             raise ValueError(f"spread_fanout must be >= 1, got {self.spread_fanout}")
         if self.default_prefill_tokens_per_s <= 0 or self.reuse_window_turns < 1 \
-                or self.confidence_window_turns < 1:
-            raise ValueError("default_prefill_tokens_per_s must be > 0, reuse_window_turns "
-                             "and confidence_window_turns >= 1")
+                or self.confidence_window_turns < 1 or self.arrival_window_turns < 1:
+            raise ValueError("default_prefill_tokens_per_s must be > 0, reuse_window_turns, "
+                             "confidence_window_turns and arrival_window_turns >= 1")

@@ -4,6 +4,7 @@ The rule (docs/routing.md, "The scoring rule"), per worker, at its measured rate
 
     cost = load_weight   * (queue_s + decode_s)
          + prefix_weight * (prefill_s + miss_s)
+         + work_weight   * work_s
 
   queue_s    prefill queued ahead: queued prefill tokens / the worker's rate
   prefill_s  this turn's uncached prompt tokens / the worker's rate
@@ -18,6 +19,34 @@ The rule (docs/routing.md, "The scoring rule"), per worker, at its measured rate
              by the router: re-prefills per evicted token, Router._measure_reuse; the
              evicted ones are the least recently used, not average cached ones):
                miss_s = (best - credited) / rate x reuse x kv_fill
+  work_s     what the choice costs the turns after it: the seconds of delay the prefill it
+             adds imposes on them. Choosing w adds W = prefill_s of work to w's queue. A
+             turn that arrives at w while w works through the wait_s (queue_s + decode_s)
+             ahead of this one queues behind W and waits all of it; one arriving during W
+             waits what is left of it, W/2 on average. With turns arriving at w at
+             lambda_w per second, that is lambda_w x wait_s turns delayed W and
+             lambda_w x W turns delayed W/2:
+               work_s = lambda_w x W x (wait_s + W/2)
+             lambda_w = the router's measured arrival rate (turns/s, Router.
+             arrival_rate_per_s) / the number of candidate workers: the fleet's share a
+             worker sees, the same for every worker, not each worker's own recent share,
+             which the routing itself sets (a worker that drew no turns lately would read
+             as free to load, whatever comes next). The term weighs only what differs
+             between choices: a turn that finds its prefix cached adds little W anywhere;
+             one that recomputes a prefix its holder is still prefilling (the holder's
+             wait_s then is about that prefill, so waiting or recomputing cost this turn
+             alike) adds the whole prefix to a second worker and is charged for every turn
+             behind it. It vanishes at low load (lambda_w -> 0 and wait_s -> 0) and grows
+             with the queue under saturation. It is first order: below saturation
+             (lambda_w x mean service = rho < 1) the delay also reaches turns arriving in
+             the rest of w's busy period, about 1/(1 - rho) times these, and at rho >= 1
+             every later turn (the queue never drains); charging that tail would make the
+             rule swing on a noisy estimate of rho near 1, while wait_s already grows with
+             the backlog that saturation builds, so the term grows with it. Behind several
+             gateway replicas, each measures the turns it routes (about 1/replicas of the
+             fleet's) and so charges that share of the delay: less than all of it, never
+             more. A pull is charged the same way for the rest it computes (its transfer
+             does not occupy the worker's prefill).
   pull       a third way to serve on a worker: pull the leading blocks it lacks from a
              holder (block transfer), then prefill the rest; the queue ahead drains while
              the blocks come, so only the part of the transfer it does not hide is paid:
@@ -25,6 +54,7 @@ The rule (docs/routing.md, "The scoring rule"), per worker, at its measured rate
                             + pulled tokens x kv_bytes_per_token / bw
                cost = load_weight x wait_s
                     + prefix_weight x (max(0, transfer_s - wait_s) + rest_s + miss_s)
+                    + work_weight x lambda_w x rest_s x (wait_s + rest_s / 2)
              bw: the slower end's rate; holders: workers whose *events* (not predictions)
              say they hold more leading blocks, at the same KV bytes per token.
 
@@ -51,6 +81,14 @@ from prefixgate.gateway.policies.base import (
     measured_rate,
     rendezvous,
 )
+
+
+def work_s(arrivals_per_s: float, prefill_s: float, wait_s: float) -> float:
+    """Seconds of delay that `prefill_s` of prefill added to a worker imposes on the turns
+    arriving there after this one (the module docstring's work_s): those arriving while
+    the `wait_s` ahead of it runs wait all of it, those arriving during it half of it on
+    average: arrivals_per_s x prefill_s x (wait_s + prefill_s / 2). 0 at no arrivals."""
+    return arrivals_per_s * prefill_s * (wait_s + 0.5 * prefill_s)
 
 
 class _Link:
@@ -81,6 +119,8 @@ class PrefixCost(RoutingPolicy):
                 if cfg.measured_rates else
                 {w.worker_id: cfg.default_prefill_tokens_per_s for w in workers})
         links, holders = self._links(c) if cfg.transfer else ({}, [])
+        # Turns per second arriving at each worker: the fleet's share (work_s).
+        per_worker = c.arrival_rate_per_s / max(1, len(workers)) * cfg.work_weight
         out = Ranking([])
         for w in workers:
             wid = w.worker_id
@@ -89,12 +129,14 @@ class PrefixCost(RoutingPolicy):
             rest = prompt - credit[wid]
             wait_s = self._wait_s(w, rest, r)
             out.cost_s[wid] = (cfg.load_weight * wait_s
-                               + cfg.prefix_weight * (rest / r + miss_s))
+                               + cfg.prefix_weight * (rest / r + miss_s)
+                               + work_s(per_worker, rest / r, wait_s))
             for pull in self._pulls(w, credit[wid], links, holders):
                 rest = prompt - credit[wid] - pull.num_tokens
                 wait_s = self._wait_s(w, rest, r)
                 cost = cfg.load_weight * wait_s + cfg.prefix_weight * (
-                    max(0.0, pull.transfer_s - wait_s) + rest / r + miss_s)
+                    max(0.0, pull.transfer_s - wait_s) + rest / r + miss_s) + work_s(
+                    per_worker, rest / r, wait_s)
                 if cost < out.cost_s[wid]:
                     out.cost_s[wid] = cost
                     out.pulls[wid] = pull
