@@ -31,7 +31,9 @@
 # vllm-router==0.1.17 and smg==1.13.0 from PyPI, each in a venv of its own; default
 # $ROUTER_VENV/bin/...; runs skipped without), TRACES (default ../shared/traces), OUT
 # (default bench-out/vllm-$WORKLOAD), SERVERS (2), CONVS (16), CONC (4), RATE (0.4),
-# THINK (3), ROUNDS (1).
+# THINK (3), ROUNDS (1), ARMS (the runs, space-separated, of: prefixgate
+# prefixgate-no-transfer prefixgate-no-work-cost round-robin vllm-router smg; default all
+# but prefixgate-no-work-cost, no-transfer on mixed only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TRACES=${TRACES:-../shared/traces}
@@ -157,6 +159,7 @@ arm() {  # name round
   case $1 in
     prefixgate) gateway_run "$label" prefix ;;
     prefixgate-no-transfer) gateway_run "$label" prefix --no-transfer ;;
+    prefixgate-no-work-cost) gateway_run "$label" prefix --work-weight 0 ;;
     round-robin) gateway_run "$label" round-robin ;;
     vllm-router) router_run "$label" "$VLLM_ROUTER" --host 127.0.0.1 --policy cache_aware \
                    --worker-urls "${URLS[@]}" ;;
@@ -165,11 +168,15 @@ arm() {  # name round
   esac
   RUNS+=("$label")
 }
-ARMS=(prefixgate)
-[[ $WORKLOAD == mixed ]] && ARMS+=(prefixgate-no-transfer)
-ARMS+=(round-robin)
-if [[ -x $VLLM_ROUTER ]]; then ARMS+=(vllm-router); else echo "no $VLLM_ROUTER: vllm-router skipped" >&2; fi
-if [[ -x $SMG ]]; then ARMS+=(smg); else echo "no $SMG: smg skipped" >&2; fi
+if [[ -n ${ARMS:-} ]]; then
+  read -r -a ARMS <<< "$ARMS"
+else
+  ARMS=(prefixgate)
+  [[ $WORKLOAD == mixed ]] && ARMS+=(prefixgate-no-transfer)
+  ARMS+=(round-robin)
+  if [[ -x $VLLM_ROUTER ]]; then ARMS+=(vllm-router); else echo "no $VLLM_ROUTER: vllm-router skipped" >&2; fi
+  if [[ -x $SMG ]]; then ARMS+=(smg); else echo "no $SMG: smg skipped" >&2; fi
+fi
 RUNS=()
 for r in $(seq 1 "$ROUNDS"); do
   n=${#ARMS[@]}

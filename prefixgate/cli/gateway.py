@@ -86,6 +86,11 @@ def policy_flags(p: argparse.ArgumentParser) -> None:
          help="prefix policy: weight of the prefill and later re-prefill seconds in the cost")
     flag(p, "--load-weight", type=float, default=d.load_weight,
          help="prefix policy: weight of the queued prefill and decode seconds in the cost")
+    flag(p, "--work-weight", type=float, default=d.work_weight,
+         help="prefix policy: weight of the delay a choice's added prefill imposes on the "
+              "turns arriving behind it (0: price a choice by this turn's seconds alone)")
+    flag(p, "--arrival-window-turns", type=int, default=d.arrival_window_turns,
+         help="prefix policy: turns over which the arrival rate of the work cost is measured")
     flag(p, "--running-weight", type=float, default=d.running_weight,
          help="prefix policy: queued-token equivalents per running sequence, for workers "
               "that report no measured decode step time")
@@ -136,6 +141,8 @@ def gateway_config(args: argparse.Namespace, workers: Sequence[str], port: int):
                          routing=RoutingConfig(
                              policy=args.policy, prefix_weight=args.prefix_weight,
                              load_weight=args.load_weight, running_weight=args.running_weight,
+                             work_weight=args.work_weight,
+                             arrival_window_turns=args.arrival_window_turns,
                              shared_prefix_weight=args.shared_prefix_weight,
                              occupancy_slack=args.occupancy_slack,
                              spread_fanout=args.spread_fanout,
