@@ -1,0 +1,204 @@
+"""Trust on vLLM's transfer path under `prefixgate up --secure --engine vllm`, on real parts
+without a vLLM server: the credentials `up` gives each server's connector (launch/vllm.py,
+security/local.py), the tickets the gateway signs for the servers it follows (its pool,
+gateway/pulls.py, the adapter's pull parameters), and the connector's real ExportBlocks
+server (vllm_connector/export.py) over real gRPC on loopback checking them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from prefixgate.engines.vllm import VLLMConfig, VLLMWorker
+from prefixgate.gateway.config import GatewayConfig
+from prefixgate.gateway.policies.base import Pull
+from prefixgate.gateway.pool import WorkerPool
+from prefixgate.gateway.pulls import attach
+from prefixgate.gateway.routing import Decision
+from prefixgate.gateway.server import _local_ticket_signer
+from prefixgate.launch.processes import ProcessGroup
+from prefixgate.launch.vllm import VLLMFleet, VLLMLaunch, VLLMServer
+from prefixgate.model.tokenizer import ChatTokenizer
+from prefixgate.radix import Hashers
+from prefixgate.registry import EmbeddedRegistry, WorkerRecord
+from prefixgate.security.auth import AuthConfig
+from prefixgate.security.local import LocalCredentials, make_local_credentials
+from prefixgate.v1 import worker_pb2
+from prefixgate.vllm_connector.export import ExportServer, pull_chain, ticket_keys_of
+from prefixgate.vllm_connector.store import HostStore, Page
+from prefixgate.workerapi.client import InProcessWorkerClient
+from prefixgate.workerapi.server import WorkerConfig
+from prefixgate.workerapi.transfer import KVFormat, TransferError
+
+LAYERS, HEADS, DIM, B = 2, 3, 4, 16
+
+
+def _page(seed: int, fingerprint: str) -> Page:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(LAYERS, B, HEADS, DIM, generator=g)
+    return Page(fingerprint, B, k, k + 1000)
+
+
+def _secure_fleet(tmp_path: Path, n: int = 2) -> tuple[LocalCredentials, list[VLLMServer],
+                                                       list[list[str]]]:
+    """`up --secure --engine vllm`'s servers as its fleet starts them (the processes not
+    run: their command lines recorded)."""
+    creds = make_local_credentials(tmp_path / "secure", ["worker-0"])
+    fleet = VLLMFleet(VLLMLaunch("/venv/bin/python", tmp_path, "m", credentials=creds),
+                      ProcessGroup(tmp_path))
+    argvs: list[list[str]] = []
+    fleet.group.start = lambda name, argv, env=None: argvs.append(list(argv))
+    return creds, fleet.start(n), argvs
+
+
+def _connector_extra(argv: list[str]) -> dict:
+    return json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+
+
+def _export_of(server: VLLMServer, store: HostStore) -> ExportServer:
+    """The server's export as its connector starts it (connector.py register_kv_caches):
+    its worker id, the keys of the keyring its --kv-transfer-config names."""
+    return ExportServer(store, server.worker_id, server.host, server.export_port,
+                        (LAYERS, HEADS, DIM, "float32"),
+                        ticket_keys=ticket_keys_of(str(server.files.keyring), server.worker_id))
+
+
+def test_up_secure_gives_each_vllm_connector_a_keyring_of_its_own(tmp_path: Path) -> None:
+    """Each server's connector gets a keyring file of its own (its worker id's private
+    key and the gateways' `@tickets` key), 0600 in the 0700 credentials directory, named
+    by path: no key on any command line."""
+    creds, servers, argvs = _secure_fleet(tmp_path)
+    assert creds.directory.stat().st_mode & 0o077 == 0
+    keyrings = set()
+    for server, argv in zip(servers, argvs, strict=True):
+        extra = _connector_extra(argv)
+        assert extra["worker_id"] == server.worker_id
+        assert extra["keyring"] == str(server.files.keyring)
+        keyrings.add(extra["keyring"])
+        path = Path(extra["keyring"])
+        assert path.parent == creds.directory and path.stat().st_mode & 0o777 == 0o600
+        text = path.read_text()
+        assert text.count("ed25519-private:") == 1 and "@tickets ed25519:" in text
+        keys = {word.split(":", 1)[1] for word in text.split() if ":" in word
+                and word.startswith("ed25519")}
+        assert not [a for a in argv for k in keys if k in a]  # never on the command line
+        assert len(ticket_keys_of(extra["keyring"], server.worker_id)) == 2
+    assert len(keyrings) == 2  # one each: a server's key signs as that server only
+
+
+def test_the_gateway_signs_pulls_between_the_vllm_servers_it_follows_and_only_those_pass(
+        tmp_path: Path, tiny_spec) -> None:
+    """The whole ticket path of `up --secure --engine vllm`, its parts real: the gateway's
+    pool gives the servers it follows in its process the signer of its keyring (the same
+    directory's gateway.keyring), a routed pull carries a ticket naming receiver, holder
+    and chain (gateway/pulls.py), the receiver's adapter passes it on unchanged in the
+    connector's parameters, and the holder's export (as its connector starts it, with its
+    own keyring) serves it over gRPC. A pull with no ticket, one signed by another
+    gateway (another `up --secure`'s directory), or one made out for another holder or
+    another chain is PERMISSION_DENIED, saying why, and no page leaves."""
+    creds, (holder, receiver), _ = _secure_fleet(tmp_path)
+    signer = _local_ticket_signer(GatewayConfig(
+        auth=AuthConfig(worker_keyring_file=str(creds.gateway_keyring))))
+    assert signer is not None
+    bs = 16
+    tokens = [(i * 7) % 200 + 3 for i in range(8 * bs + 5)]
+    chain = Hashers(bs, tiny_spec.fingerprint).get("ns").hash_blocks(tokens)
+    assert len(chain) == 8
+    store = HostStore(64 << 20)
+    for i, h in enumerate(chain[:6]):  # the holder computed 6 of the prompt's blocks
+        store.put(h, _page(i, tiny_spec.fingerprint))
+    export = _export_of(holder, store)
+    export.start()
+
+    async def route() -> worker_pb2.GenerateRequest:
+        tokenizer = ChatTokenizer(tiny_spec)
+        adapters = {s.worker_id: VLLMWorker(tiny_spec, tokenizer, WorkerConfig(
+            s.worker_id, block_size=bs), VLLMConfig.parse(s.worker_spec))
+            for s in (holder, receiver)}
+        for w in adapters.values():  # as start_local_workers links them
+            w.peers = {v.config.worker_id: v.vllm.export for v in adapters.values()}
+        registry = EmbeddedRegistry()
+        local = {}
+        for w in adapters.values():
+            await registry.register(WorkerRecord(w.vllm.address, w.vllm.address), lease_ms=2**62)
+            local[w.vllm.address] = InProcessWorkerClient(w)
+        pool = WorkerPool(registry, tiny_spec.fingerprint, connect_timeout_s=0.2, local=local,
+                          local_tickets=signer)
+        try:
+            await pool.refresh()  # the servers are not running: listed, down
+            handles = {}
+            for h in pool.workers.values():
+                assert h.tickets is signer
+                wid = next(a for a in adapters.values() if a.vllm.address == h.record.address
+                           ).config.worker_id
+                h.info = worker_pb2.WorkerInfo(worker_id=wid, block_size=bs,  # GetInfo's
+                                               model_fingerprint=tiny_spec.fingerprint)
+                handles[wid] = h
+            gen = worker_pb2.GenerateRequest(request_id="r", namespace="ns",
+                                             prompt_token_ids=tokens)
+            decision = Decision([handles[receiver.worker_id]], "prefix",
+                                pulls={receiver.worker_id: Pull(holder.worker_id, 8, 8 * bs, 0.1)})
+            charge = attach(gen, decision, handles[receiver.worker_id], list(handles.values()),
+                            block_hashes=chain)
+            charge.release()
+            params = adapters[receiver.worker_id]._pull_params(gen, chain)
+            assert params is not None and params.pull is not None
+            assert params.pull.peer == f"127.0.0.1:{holder.export_port}"
+            assert params.pull.ticket == gen.pull.ticket != b""
+            return gen
+        finally:
+            await pool.close()
+            for w in adapters.values():
+                await w.close()
+
+    fmt = KVFormat(tiny_spec.fingerprint, B, "float32", LAYERS, HEADS, DIM)
+    got: list[int] = []
+
+    def on_chunk(first: int, n: int, k: bytes, v: bytes) -> None:
+        got.extend(range(first, first + n))
+
+    peer = f"127.0.0.1:{holder.export_port}"
+    try:
+        gen = asyncio.run(route())
+        ticket = gen.pull.ticket
+        # As the receiver's connector pulls: the whole ticketed chain, cut at max_blocks.
+        assert pull_chain(peer, chain[:8], 0, ticket, fmt, on_chunk, 10, max_blocks=8) == 6
+        assert got == list(range(6))
+        other = make_local_credentials(tmp_path / "other", ["worker-0"])
+        stranger = _local_ticket_signer(GatewayConfig(
+            auth=AuthConfig(worker_keyring_file=str(other.gateway_keyring))))
+        refused = {  # what the refusal says -> (chain asked for, ticket)
+            "signed by a gateway": (chain, b""),
+            "signature does not verify": (chain, stranger.sign(
+                receiver.worker_id, holder.worker_id, "ns", chain)),
+            "for holder": (chain, signer.sign(receiver.worker_id, receiver.worker_id, "ns",
+                                              chain)),
+            "another chain": (chain[:5], ticket),
+        }
+        got.clear()
+        for why, (asked, bad) in refused.items():
+            with pytest.raises(TransferError) as exc:
+                pull_chain(peer, asked, 0, bad, fmt, on_chunk, 10)
+            assert exc.value.code == grpc.StatusCode.PERMISSION_DENIED, why
+            assert why in str(exc.value)
+        assert got == []
+    finally:
+        export.stop()
+
+
+def test_the_credentials_directory_holds_each_servers_files_private(tmp_path: Path) -> None:
+    """What `issue_worker` writes: 0600 files in the 0700 directory, the server's public
+    key added to the gateway's keyring (gateways verify what it signs)."""
+    creds, servers, _ = _secure_fleet(tmp_path, 1)
+    (server,) = servers
+    ring = creds.gateway_keyring.read_text()
+    assert f"{server.worker_id} ed25519:" in ring
+    for path in (server.files.keyring, server.files.cert, server.files.key):
+        assert path.parent == creds.directory
+        assert os.stat(path).st_mode & 0o777 == 0o600
