@@ -156,7 +156,8 @@ async def _start_vllm_workers(spec: ModelSpec, tokenizer: ChatTokenizer, registr
     salt_key = cache_salt_key(keyring.gateway_key) if keyring and keyring.gateway_key else b""
     workers = await start_local_workers(
         spec, tokenizer, [VLLMConfig.parse(text, metrics_interval_s=config.status_interval_ms / 1e3,
-                                           salt_key=salt_key)
+                                           salt_key=salt_key,
+                                           export_client_tls=config.worker_tls)
                           for text in config.vllm_workers], config.block_size)
     for address in workers:
         await registry.register(WorkerRecord(address, address), lease_ms=2**62)

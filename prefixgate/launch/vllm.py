@@ -32,7 +32,11 @@ Why each setting:
     worker id, is chosen (`issue_worker`: a keyring with its own key and the gateways'
     ticket key, 0600), so its export serves only pulls the gateway signed a ticket for
     (the gateway, holding the `@gateways` secret of the same directory, signs them for
-    the servers it follows). `connector=False`: none;
+    the servers it follows), and a certificate from that directory's CA naming its worker
+    id: its export is served over mutual TLS (`grpcs://` in the gateway's --vllm-worker
+    form: the gateway calls it with its client certificate), its pulls present that
+    certificate, so a ticket is honoured only from the receiver it names, and they check
+    the holder's certificate against the holder's worker id. `connector=False`: none;
   - `api_key`: vLLM's --api-key (from a variable, never on the command line), for
     `up --secure`; the gateway's adapter sends it;
   - the group scrubs PREFIXGATE_* variables: they are prefixgate's flags, not vLLM's;
@@ -164,8 +168,11 @@ class VLLMServer:
 
     @property
     def export(self) -> str:
-        """The connector's ExportBlocks as `grpc://HOST:PORT` ("": none)."""
-        return f"grpc://{self.host}:{self.export_port}" if self.export_port else ""
+        """The connector's ExportBlocks as `grpc://HOST:PORT`, `grpcs://HOST:PORT` when it
+        is served over TLS (its own certificate: `files`) ("": none)."""
+        if not self.export_port:
+            return ""
+        return f"{'grpcs' if self.files is not None else 'grpc'}://{self.host}:{self.export_port}"
 
     @property
     def worker_spec(self) -> str:
@@ -192,10 +199,11 @@ def vllm_argv(launch: VLLMLaunch, server: VLLMServer) -> list[str]:
     if launch.enforce_eager:
         argv.append("--enforce-eager")
     if launch.connector and server.export_port:
-        keyring = str(server.files.keyring) if server.files is not None else launch.keyring
+        files = server.files
+        tls = (str(files.cert), str(files.key), str(files.ca)) if files else ("", "", "")
         argv += ["--kv-transfer-config", connector_config(
             server.export_port, server.host, launch.connector_store_mib, server.worker_id,
-            keyring)]
+            str(files.keyring) if files is not None else launch.keyring, *tls)]
     return argv + list(launch.extra_args)
 
 

@@ -31,10 +31,13 @@ Worker side
   `worker_id` (the id the gateway knows this server by: export.py says which), checking
   pull tickets when `keyring` names a keyring file with the gateways' `@tickets` line
   (a path in `kv_connector_extra_config`, never the key itself; a keyring that cannot be
-  read, or has no `@tickets` line, stops the server at start: never an unchecked export).
+  read, or has no `@tickets` line, stops the server at start: never an unchecked export),
+  over mutual TLS when `tls_cert`, `tls_key` and `tls_ca` name PEM files (export.py
+  `ExportTLS`; one missing or unreadable stops the server at start, as a keyring does).
 - `start_load_kv`: each new load runs on a thread of its own: it pulls the chain from the
   holder (with the gateway's ticket: the whole ticketed chain and `max_blocks`, as
-  prefixgate's workers ask) and writes each chunk's tokens into the request's blocks as
+  prefixgate's workers ask; with TLS, presenting this server's certificate and checking
+  the holder's against the holder's worker id, never in plain text) and writes each chunk's tokens into the request's blocks as
   it arrives (those blocks belong to the request alone until vLLM hears the load is done,
   so no step reads them meanwhile). `get_finished` reports the loads done;
   `get_block_ids_with_load_errors` the blocks a load could not fill (holder gone, blocks
@@ -75,6 +78,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from prefixgate.vllm_connector.export import (
     ExportServer,
+    ExportTLS,
+    export_channel,
     held_blocks,
     pull_chain,
     ticket_keys_of,
@@ -108,6 +113,7 @@ class LoadSpec:
 
     req_id: str
     peer: str
+    peer_worker_id: str  # the holder's worker id (its TLS certificate names it)
     chain: list[int]  # prefixgate block hashes from the prompt's first block
     ticket: bytes
     ticket_blocks: int  # the ticket covers chain[:ticket_blocks] (the pull's num_blocks)
@@ -172,6 +178,9 @@ class PrefixgateConnector(KVConnectorBase_V1):
         self._worker_id = str(cfg.get_from_extra_config("worker_id", "") or
                               f"vllm-{self._export_host}:{self._export_port}")
         self._keyring = str(cfg.get_from_extra_config("keyring", "") or "")
+        # Raises (stopping vLLM at start) when a TLS file is missing or unreadable.
+        self._tls = ExportTLS.of(*(str(cfg.get_from_extra_config(name, "") or "")
+                                   for name in ("tls_cert", "tls_key", "tls_ca")))
         self._layers: list[tuple[str, torch.Tensor]] = []
         self._layout: PagedLayout | None = None
         self._server: ExportServer | None = None
@@ -221,7 +230,8 @@ class PrefixgateConnector(KVConnectorBase_V1):
         if not self._export_port or self._keyring:
             return 0, False
         if self._probe is None:
-            self._probe = grpc.insecure_channel(f"{self._export_host}:{self._export_port}")
+            self._probe = export_channel(f"{self._export_host}:{self._export_port}",
+                                         self._tls, self._worker_id)
         probe = self._probe
 
         def held(chain) -> range:
@@ -245,13 +255,14 @@ class PrefixgateConnector(KVConnectorBase_V1):
         self._attempted.add(request.request_id)
         if params.shift is not None:
             self._loads.append(LoadSpec(
-                request.request_id, "", [], b"", 0, params.block_size, params.fingerprint,
+                request.request_id, "", "", [], b"", 0, params.block_size, params.fingerprint,
                 start, start + num_external_tokens, list(blocks.get_block_ids()[0]),
                 shift=params.shift))
             return
         assert params.pull is not None
         self._loads.append(LoadSpec(
-            request.request_id, params.pull.peer, list(params.block_hashes),
+            request.request_id, params.pull.peer, params.pull.peer_worker_id,
+            list(params.block_hashes),
             params.pull.ticket, params.pull.num_blocks, params.block_size, params.fingerprint,
             start, start + num_external_tokens, list(blocks.get_block_ids()[0])))
 
@@ -303,7 +314,7 @@ class PrefixgateConnector(KVConnectorBase_V1):
             keys = ticket_keys_of(self._keyring, self._worker_id) if self._keyring else ()
             self._server = ExportServer(self._store, self._worker_id, self._export_host,
                                         self._export_port, self._dims(), ticket_keys=keys,
-                                        link=self._link)
+                                        link=self._link, tls=self._tls)
             self._server.start()
 
     def _isa(self, layer_name: str, cache: torch.Tensor) -> str:
@@ -394,10 +405,11 @@ class PrefixgateConnector(KVConnectorBase_V1):
 
             if spec.ticket:  # the holder checks the whole ticketed chain; max_blocks limits it
                 pull_chain(spec.peer, spec.chain[:spec.ticket_blocks], first_block, spec.ticket,
-                           fmt, on_chunk, PULL_TIMEOUT_S, max_blocks=last_block)
+                           fmt, on_chunk, PULL_TIMEOUT_S, max_blocks=last_block, tls=self._tls,
+                           peer_worker_id=spec.peer_worker_id)
             else:
                 pull_chain(spec.peer, spec.chain[:last_block], first_block, b"", fmt, on_chunk,
-                           PULL_TIMEOUT_S)
+                           PULL_TIMEOUT_S, tls=self._tls, peer_worker_id=spec.peer_worker_id)
         except TransferError as exc:
             error = str(exc)
         except Exception as exc:  # never let a load take vLLM's step loop down

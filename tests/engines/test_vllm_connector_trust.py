@@ -28,9 +28,19 @@ from prefixgate.model.tokenizer import ChatTokenizer
 from prefixgate.radix import Hashers
 from prefixgate.registry import EmbeddedRegistry, WorkerRecord
 from prefixgate.security.auth import AuthConfig
-from prefixgate.security.local import LocalCredentials, make_local_credentials
-from prefixgate.v1 import worker_pb2
-from prefixgate.vllm_connector.export import ExportServer, pull_chain, ticket_keys_of
+from prefixgate.security.local import (
+    LocalCredentials,
+    issue_worker,
+    make_local_credentials,
+    tls_name,
+)
+from prefixgate.v1 import worker_pb2, worker_pb2_grpc
+from prefixgate.vllm_connector.export import (
+    ExportServer,
+    ExportTLS,
+    pull_chain,
+    ticket_keys_of,
+)
 from prefixgate.vllm_connector.store import HostStore, Page
 from prefixgate.workerapi.client import InProcessWorkerClient
 from prefixgate.workerapi.server import WorkerConfig
@@ -202,3 +212,123 @@ def test_the_credentials_directory_holds_each_servers_files_private(tmp_path: Pa
     for path in (server.files.keyring, server.files.cert, server.files.key):
         assert path.parent == creds.directory
         assert os.stat(path).st_mode & 0o777 == 0o600
+
+
+def _pull_all(peer: str, chain, ticket: bytes, tls: ExportTLS | None, peer_worker_id: str,
+              fingerprint: str, got: list[int]) -> int:
+    fmt = KVFormat(fingerprint, B, "float32", LAYERS, HEADS, DIM)
+    return pull_chain(peer, chain, 0, ticket, fmt,
+                      lambda first, n, k, v: got.extend(range(first, first + n)), 10,
+                      tls=tls, peer_worker_id=peer_worker_id)
+
+
+def test_the_export_is_served_over_mutual_tls_and_a_ticket_only_to_the_receiver_it_names(
+        tmp_path: Path) -> None:
+    """`up --secure`'s connectors: the export listens on loopback, over mutual TLS with
+    the server's own certificate (`grpcs://` in the gateway's form). A receiver pulling
+    with its own certificate and the gateway's ticket is served; the same ticket shown by
+    another server (its certificate names another worker) is PERMISSION_DENIED, saying
+    so; a caller without a certificate from the CA (plain text, none, another
+    `up --secure`'s) does not connect at all; and a puller that expects another worker at
+    that address (the holder's certificate names the holder) does not send its ticket."""
+    creds, (holder, receiver, third), argvs = _secure_fleet(tmp_path, 3)
+    for server, argv in zip((holder, receiver, third), argvs, strict=True):
+        extra = _connector_extra(argv)
+        assert extra["export_host"] == "127.0.0.1"  # loopback, never every interface
+        assert (extra["tls_cert"], extra["tls_key"], extra["tls_ca"]) == (
+            str(server.files.cert), str(server.files.key), str(creds.ca))
+        assert server.worker_spec.endswith(f",grpcs://127.0.0.1:{server.export_port}")
+    signer = _local_ticket_signer(GatewayConfig(
+        auth=AuthConfig(worker_keyring_file=str(creds.gateway_keyring))))
+    chain = list(range(300, 306))
+    store = HostStore(64 << 20)
+    for i, h in enumerate(chain):
+        store.put(h, _page(i, "fp"))
+    files = holder.files
+    export = ExportServer(store, holder.worker_id, "127.0.0.1", holder.export_port,
+                          (LAYERS, HEADS, DIM, "float32"),
+                          ticket_keys=ticket_keys_of(str(files.keyring), holder.worker_id),
+                          tls=ExportTLS.of(str(files.cert), str(files.key), str(files.ca)))
+    export.start()
+    peer = f"127.0.0.1:{holder.export_port}"
+
+    def tls_of(server: VLLMServer) -> ExportTLS:
+        f = server.files
+        return ExportTLS.of(str(f.cert), str(f.key), str(f.ca))
+
+    ticket = signer.sign(receiver.worker_id, holder.worker_id, "ns", chain)
+    got: list[int] = []
+    try:
+        assert _pull_all(peer, chain, ticket, tls_of(receiver), holder.worker_id, "fp",
+                         got) == 6
+        assert got == list(range(6))
+        got.clear()
+        with pytest.raises(TransferError) as copied:  # the ticket, shown by another worker
+            _pull_all(peer, chain, ticket, tls_of(third), holder.worker_id, "fp", got)
+        assert copied.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert f"for worker {receiver.worker_id!r}" in str(copied.value)
+        with pytest.raises(TransferError) as plain:
+            _pull_all(peer, chain, ticket, None, "", "fp", got)
+        assert plain.value.code == grpc.StatusCode.UNAVAILABLE
+        other = make_local_credentials(tmp_path / "other", ["worker-0"])
+        stranger = issue_worker(other, receiver.worker_id)  # same name, another CA
+        with pytest.raises(TransferError) as foreign:
+            _pull_all(peer, chain, ticket, ExportTLS.of(
+                str(stranger.cert), str(stranger.key), str(creds.ca)), holder.worker_id,
+                "fp", got)
+        assert foreign.value.code == grpc.StatusCode.UNAVAILABLE
+        ca_only = grpc.secure_channel(peer, grpc.ssl_channel_credentials(creds.ca.read_bytes()),
+                                      options=[("grpc.ssl_target_name_override",
+                                                tls_name(holder.worker_id))])
+        with ca_only, pytest.raises(grpc.RpcError) as anonymous:
+            ca_only.unary_unary("/prefixgate.v1.WorkerService/GetStatus")(b"", timeout=5)
+        assert anonymous.value.code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(TransferError) as impostor:  # expects `third` at that address
+            _pull_all(peer, chain, ticket, tls_of(receiver), third.worker_id, "fp", got)
+        assert impostor.value.code == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(TransferError) as unnamed:
+            _pull_all(peer, chain, ticket, tls_of(receiver), "", "fp", got)
+        assert unnamed.value.code == grpc.StatusCode.UNAUTHENTICATED
+        assert got == []  # not a page left but for the receiver's pull
+        with pytest.raises(ValueError, match="tls_key"):
+            ExportTLS.of(str(files.cert), "", str(files.ca))
+        with pytest.raises(ValueError, match="tls_ca"):
+            ExportTLS.of(str(files.cert), str(files.key), str(tmp_path / "missing.crt"))
+    finally:
+        export.stop()
+
+
+def test_the_gateways_adapter_reaches_a_tls_export_with_its_client_certificate(
+        tmp_path: Path, tiny_spec) -> None:
+    """The adapter the gateway follows a server with calls its export (GetStatus: the
+    link the connector measured) over TLS with the gateway's worker TLS files (`up
+    --secure`'s client certificate), checking the server's certificate against its
+    worker id; without a client certificate the export refuses the connection."""
+    from prefixgate.wire.rpc import TLSConfig
+
+    creds, (holder,), _ = _secure_fleet(tmp_path, 1)
+    files = holder.files
+    export = ExportServer(HostStore(1 << 20), holder.worker_id, "127.0.0.1", holder.export_port,
+                          (LAYERS, HEADS, DIM, "float32"),
+                          tls=ExportTLS.of(str(files.cert), str(files.key), str(files.ca)))
+    export.link.observe(50_000_000, 0.1)
+    export.start()
+
+    async def status(client_tls: TLSConfig) -> worker_pb2.WorkerStatus:
+        cfg = VLLMConfig.parse(holder.worker_spec, export_client_tls=client_tls)
+        assert cfg.export_tls and cfg.export == f"127.0.0.1:{holder.export_port}"
+        w = VLLMWorker(tiny_spec, ChatTokenizer(tiny_spec), WorkerConfig(holder.worker_id), cfg)
+        try:
+            stub = worker_pb2_grpc.WorkerServiceStub(w._export())
+            return await stub.GetStatus(worker_pb2.GetStatusRequest(), timeout=5)
+        finally:
+            await w.close()
+
+    try:
+        gateway_tls = TLSConfig(str(creds.client_cert), str(creds.client_key), str(creds.ca))
+        assert asyncio.run(status(gateway_tls)).transfer_bytes_per_s > 0
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            asyncio.run(status(TLSConfig(ca_file=str(creds.ca))))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        export.stop()
