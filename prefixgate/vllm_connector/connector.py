@@ -16,9 +16,11 @@ Scheduler side
   last prompt token, past what vLLM's own cache holds), loaded the same way. The store
   lives in vLLM's worker process, so the scheduler asks this server's own ExportBlocks
   how much of each layout it holds (its header's block count; export.py `held_blocks`),
-  never claiming more than is there: vLLM counts what is claimed as cached. When that
-  cannot be asked (no export port, or an export that wants pull tickets) nothing is
-  claimed and vLLM computes the kept prompt.
+  never claiming more than is there: vLLM counts what is claimed as cached. When its
+  export checks pull tickets, each ask carries a ticket this server signs for itself with
+  its own key (its keyring's private line: export.py `StoreProbe`), over its TLS when it
+  has one. When that cannot be asked (no export port, or a keyring without this
+  server's own key) nothing is claimed and vLLM computes the kept prompt.
 - `update_state_after_alloc` / `build_connector_meta`: the load (holder, chain, token range,
   vLLM block ids) goes to the worker side once, in the next step's metadata; every step also
   names, for each request carrying prefixgate block hashes, the prompt blocks that step
@@ -79,8 +81,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from prefixgate.vllm_connector.export import (
     ExportServer,
     ExportTLS,
-    export_channel,
-    held_blocks,
+    StoreProbe,
     pull_chain,
     ticket_keys_of,
 )
@@ -169,7 +170,6 @@ class PrefixgateConnector(KVConnectorBase_V1):
         # Requests whose load was handed to the worker side: never planned again (a failed
         # load sends the request back to vLLM's queue, which asks again).
         self._attempted: set[str] = set()
-        self._probe: grpc.Channel | None = None  # this server's export, asked by the scheduler
         # Worker side.
         self._store = HostStore(int(cfg.get_from_extra_config("store_mib", DEFAULT_STORE_MIB))
                                 << 20)
@@ -181,6 +181,13 @@ class PrefixgateConnector(KVConnectorBase_V1):
         # Raises (stopping vLLM at start) when a TLS file is missing or unreadable.
         self._tls = ExportTLS.of(*(str(cfg.get_from_extra_config(name, "") or "")
                                    for name in ("tls_cert", "tls_key", "tls_ca")))
+        # This server's export, asked by the scheduler (its channel opened on first use).
+        self._probe = StoreProbe(f"{self._export_host}:{self._export_port}", self._worker_id,
+                                 self._tls, self._keyring) if self._export_port else None
+        if self._probe is not None and not self._probe.usable:
+            log.warning("prefixgate connector: its keyring %s holds no key of %s's own to "
+                        "sign for asking its export: overflowing conversations are computed",
+                        self._keyring, self._worker_id)
         self._layers: list[tuple[str, torch.Tensor]] = []
         self._layout: PagedLayout | None = None
         self._server: ExportServer | None = None
@@ -227,16 +234,12 @@ class PrefixgateConnector(KVConnectorBase_V1):
         if request.request_id in self._planned:  # asked again (not scheduled yet)
             _, start, extra = self._planned[request.request_id]
             return (extra, True) if start == num_computed_tokens else (0, False)
-        if not self._export_port or self._keyring:
-            return 0, False
-        if self._probe is None:
-            self._probe = export_channel(f"{self._export_host}:{self._export_port}",
-                                         self._tls, self._worker_id)
         probe = self._probe
+        if probe is None or not probe.usable:
+            return 0, False
 
         def held(chain) -> range:
-            n = held_blocks(probe, chain, SHIFT_PROBE_TIMEOUT_S)
-            return range(n or 0)
+            return range(probe.held(chain, SHIFT_PROBE_TIMEOUT_S) or 0)
 
         best = choose_layout(held, params.shift, params.block_size, limit)
         end = best[0] // vbs * vbs if best is not None else 0

@@ -52,6 +52,15 @@ without a worker id to check. Plain text without `tls`.
 `ticket_keys_of(keyring_path, worker_id)` -> the keys above, read from a keyring file
 (security/identity.py; ValueError when it has no `@tickets` line).
 
+`StoreProbe(address, worker_id, tls, keyring_path)`: how vLLM's scheduler asks this
+server's own export what its host store holds (the store lives in vLLM's worker process;
+context overflow's shifted loads, connector.py): `held(chain, timeout_s)` is
+`held_blocks` over `export_channel` with this server's TLS, each ask carrying a ticket
+this server signs for itself (receiver and holder `worker_id`) with its own key, the
+keyring's private line, which its export accepts (`ticket_keys_of`). `usable` is False
+when the export checks tickets (a keyring) and the keyring holds no key of its own: then
+nothing can be asked, and nothing is claimed.
+
 `pull_chain(peer, chain, from_block, ticket, format, on_chunk, timeout_s, max_blocks,
 tls, peer_worker_id)` asks `peer` (over `export_channel`) for
 `chain[from_block:max_blocks or None]` (with a ticket, `chain` is the whole ticketed
@@ -178,6 +187,40 @@ def _caller_names(context: grpc.ServicerContext) -> set[str]:
     return {v.decode(errors="replace") for key in ("x509_common_name",
                                                   "x509_subject_alternative_name")
             for v in ctx.get(key, ())}
+
+
+class StoreProbe:
+    """This server's own export, asked what its store holds (module docstring)."""
+
+    def __init__(self, address: str, worker_id: str, tls: ExportTLS | None,
+                 keyring_path: str = "") -> None:
+        from prefixgate.security.tickets import TicketSigner
+
+        self.address, self.worker_id, self.tls = address, worker_id, tls
+        self._signer: TicketSigner | None = None
+        self.usable = True
+        if keyring_path:
+            from prefixgate.security.identity import Keyring
+
+            own = Keyring.from_file(keyring_path).private_key(worker_id)
+            self._signer = TicketSigner(own) if own is not None else None
+            self.usable = own is not None
+        self._channel: grpc.Channel | None = None
+
+    def held(self, chain: Sequence[int], timeout_s: float) -> int | None:
+        """Leading blocks of `chain` the store holds (None: it cannot say)."""
+        if not self.usable:
+            return None
+        if self._channel is None:
+            self._channel = export_channel(self.address, self.tls, self.worker_id)
+        ticket = (self._signer.sign(self.worker_id, self.worker_id, "", list(chain))
+                  if self._signer is not None else b"")
+        return held_blocks(self._channel, chain, timeout_s, ticket)
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
 
 
 class ExportServer:

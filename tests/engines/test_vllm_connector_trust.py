@@ -332,3 +332,56 @@ def test_the_gateways_adapter_reaches_a_tls_export_with_its_client_certificate(
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         export.stop()
+
+
+def test_overflow_asks_its_own_ticket_checking_export_with_a_ticket_of_its_own(
+        tmp_path: Path) -> None:
+    """Context overflow on a server whose export checks tickets (`up --secure`): vLLM's
+    scheduler asks its own export what the host store holds of each earlier layout of
+    the conversation (the store lives in vLLM's worker process) with a ticket it signs
+    for itself with its own key, over its own TLS (`StoreProbe`, as connector.py makes
+    it), so the kept turns are claimed and moved instead of computed. Unticketed, the
+    export refuses the ask (nothing would be claimed); another server's self-signed ask
+    is refused too; a keyring without the server's own key cannot ask at all."""
+    from prefixgate.vllm_connector.export import StoreProbe
+    from prefixgate.vllm_connector.params import ShiftParams
+    from prefixgate.vllm_connector.shift import choose_layout
+
+    creds, (server, other), _ = _secure_fleet(tmp_path, 2)
+    f = server.files
+    tls = ExportTLS.of(str(f.cert), str(f.key), str(f.ca))
+    layout = list(range(500, 510))  # the conversation's previous prompt, 10 blocks
+    store = HostStore(64 << 20)
+    for i, h in enumerate(layout[:8]):  # what vLLM computed of it here
+        store.put(h, _page(i, "fp"))
+    export = ExportServer(store, server.worker_id, "127.0.0.1", server.export_port,
+                          (LAYERS, HEADS, DIM, "float32"),
+                          ticket_keys=ticket_keys_of(str(f.keyring), server.worker_id), tls=tls)
+    export.start()
+    address = f"127.0.0.1:{server.export_port}"
+    probes = []
+    try:
+        own = StoreProbe(address, server.worker_id, tls, str(f.keyring))
+        probes.append(own)
+        assert own.usable and own.held(layout, 5) == 8
+        # The scheduler's claim: the new prompt's kept run (2 preamble blocks kept, 2
+        # blocks' worth of the oldest turns dropped: delta 32) as far as the held layout
+        # reaches once moved back, in whole blocks of 16.
+        shift = ShiftParams(n_keep=2 * B, layouts=((2 * B, tuple(layout)),))
+        best = choose_layout(lambda chain: range(own.held(chain, 5) or 0), shift, B, 10 * B)
+        assert best is not None and best[0] == 8 * B - 2 * B
+        unticketed = StoreProbe(address, server.worker_id, tls)
+        probes.append(unticketed)
+        assert unticketed.usable and unticketed.held(layout, 5) is None  # refused
+        g = other.files
+        stranger = StoreProbe(address, other.worker_id,
+                              ExportTLS.of(str(g.cert), str(g.key), str(g.ca)), str(g.keyring))
+        probes.append(stranger)
+        assert stranger.held(layout, 5) is None  # its certificate is not the holder's
+        foreign = tmp_path / "foreign.keyring"  # the `@tickets` line, another server's key
+        foreign.write_text("\n".join(line for line in g.keyring.read_text().splitlines()))
+        assert not StoreProbe(address, server.worker_id, tls, str(foreign)).usable
+    finally:
+        for p in probes:
+            p.close()
+        export.stop()
