@@ -385,3 +385,153 @@ def test_overflow_asks_its_own_ticket_checking_export_with_a_ticket_of_its_own(
         for p in probes:
             p.close()
         export.stop()
+
+
+def _listeners(port: int) -> set:
+    """The local addresses listening on TCP `port` (/proc/net/tcp and tcp6; an IPv4 one
+    mapped into IPv6 as its IPv4 address)."""
+    import ipaddress
+
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state != "0A" or int(local.rsplit(":", 1)[1], 16) != port:
+                    continue
+                raw = bytes.fromhex(local.rsplit(":", 1)[0])  # 32-bit words, host order
+                words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                ip = ipaddress.ip_address(words)
+                found.add(getattr(ip, "ipv4_mapped", None) or ip)
+    return found
+
+
+@pytest.mark.integration
+def test_up_secure_engine_vllm_moves_kv_only_with_the_gateways_ticket_over_tls(
+        smollm2_spec, tmp_path: Path) -> None:
+    """`prefixgate up --secure --engine vllm --workers 2` with real vLLM servers: each
+    connector's export listens on loopback only, its keyring and certificate named by
+    path in its private credentials directory (no key on a command line). On the holder's
+    real export, a caller in plain text, without a ticket or with a ticket another
+    gateway signed is refused; the up's gateway key's ticket, shown with the receiver's
+    certificate, is served. Through the receiver's own connector inside vLLM: a pull with
+    a foreign ticket loads nothing (the reply is computed, greedy-equal), one with the
+    gateway's ticket loads the prompt over TLS and its greedy reply equals the holder's."""
+    import random
+    import re
+    import shutil
+    import signal
+    import threading
+    import time
+    import urllib.request
+
+    from prefixgate.security.identity import Keyring
+    from prefixgate.vllm_connector.export import export_channel, held_blocks
+    from prefixgate.vllm_connector.params import PullParams, TransferParams
+    from tests.e2e.test_up_vllm import _servers, _session_alive
+    from tests.engines.vllm_server import vllm_python
+    from tests.helpers import cli_env, start_up
+
+    secure = tmp_path / "secure"
+    env = cli_env(PREFIXGATE_VLLM_PYTHON=vllm_python(), PREFIXGATE_LOG_LEVEL="INFO")
+    proc = start_up(["--secure", "--secure-dir", str(secure), "--engine", "vllm",
+                     "--workers", "2", "--model", "smollm2-135m", "--port", "0",
+                     "--http-port", "-1", "--vllm-kv-cache-mib", "512"], env, timeout_s=900)
+    threading.Thread(target=shutil.copyfileobj,
+                     args=(proc.stdout, (tmp_path / "up.log").open("w")), daemon=True).start()
+    servers = _servers(proc.pid)
+    try:
+        logdir = Path(re.search(r"their logs: (\S+)", "".join(proc.startup_lines)).group(1))
+        found = {}
+        for port, pid in sorted(servers.items()):
+            argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+            extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])[
+                "kv_connector_extra_config"]
+            environ = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes()
+                           .decode(errors="replace").split("\0") if "=" in kv)
+            api_key = environ["VLLM_API_KEY"]
+            for name in ("keyring", "tls_cert", "tls_key", "tls_ca"):
+                assert Path(extra[name]).parent == secure
+            private = Path(extra["keyring"]).read_text().split()[1]
+            assert not [a for a in argv if api_key in a or private.split(":")[1] in a]
+            assert extra["export_host"] == "127.0.0.1"
+            listening = _listeners(extra["export_port"])
+            assert listening and all(a.is_loopback for a in listening), listening
+            found[port] = (extra, api_key)
+        (h_port, (holder, h_key)), (r_port, (receiver, r_key)) = sorted(found.items())
+
+        def complete(port: int, key: str, body: dict) -> dict:
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions",
+                json.dumps({"model": "smollm2-135m", "max_tokens": 8, "temperature": 0,
+                            **body}).encode(),
+                {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+            with urllib.request.urlopen(req, timeout=600) as resp:
+                return json.load(resp)
+
+        rnd = random.Random(5)
+        ids = [rnd.randrange(200, 20000) for _ in range(20 * 16 + 5)]
+        fp = smollm2_spec.fingerprint
+        chain = Hashers(16, fp).get("default").hash_blocks(ids)
+        reference = complete(h_port, h_key, {"prompt": ids, "kv_transfer_params":
+                                             TransferParams(16, fp, tuple(chain)).to_json()})
+        gateway = Keyring.from_file(secure / "gateway.keyring").ticket_signer()
+        other = make_local_credentials(tmp_path / "other", ["worker-0"])
+        stranger = Keyring.from_file(other.gateway_keyring).ticket_signer()
+        h_id, r_id = holder["worker_id"], receiver["worker_id"]
+        ticket = gateway.sign(r_id, h_id, "default", chain)
+        forged = stranger.sign(r_id, h_id, "default", chain)
+        h_export = f"127.0.0.1:{holder['export_port']}"
+
+        # The holder's real export, called as the receiver's connector calls it.
+        r_tls = ExportTLS.of(receiver["tls_cert"], receiver["tls_key"], receiver["tls_ca"])
+        fmt = KVFormat(fp, 16, "float32", 30, 3, 64)
+        for tls, bad, code in ((None, ticket, grpc.StatusCode.UNAVAILABLE),
+                               (r_tls, b"", grpc.StatusCode.PERMISSION_DENIED),
+                               (r_tls, forged, grpc.StatusCode.PERMISSION_DENIED)):
+            with pytest.raises(TransferError) as refused:
+                pull_chain(h_export, chain, 0, bad, fmt, lambda *a: None, 30, tls=tls,
+                           peer_worker_id=h_id)
+            assert refused.value.code == code, refused.value
+        with export_channel(h_export, r_tls, h_id) as channel:
+            deadline = time.monotonic() + 30  # the holder keeps blocks after its step
+            while held_blocks(channel, chain, 10, ticket) != len(chain):
+                assert time.monotonic() < deadline, "the holder's export never held the prompt"
+                time.sleep(0.5)
+
+        # Through the receiver's connector inside vLLM.
+        def pull_body(t: bytes) -> dict:
+            return {"prompt": ids, "kv_transfer_params": TransferParams(
+                16, fp, tuple(chain), PullParams(h_export, h_id, len(chain), t)).to_json()}
+
+        def load_lines() -> list[str]:
+            return [ln for f in sorted(logdir.glob("vllm-*.log"))
+                    for ln in f.read_text(errors="replace").splitlines()
+                    if "prefixgate connector:" in ln and f"from {h_export}" in ln]
+
+        computed = complete(r_port, r_key, {**pull_body(forged), "cache_salt": "refused"})
+        assert computed["choices"][0]["text"] == reference["choices"][0]["text"]
+        deadline = time.monotonic() + 20
+        while not load_lines() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        (refused_load,) = load_lines()
+        assert "loaded 0 of 320 tokens" in refused_load, refused_load
+        assert "signature does not verify" in refused_load, refused_load
+        pulled = complete(r_port, r_key, pull_body(ticket))
+        assert pulled["choices"][0]["text"] == reference["choices"][0]["text"]
+        deadline = time.monotonic() + 20
+        while len(load_lines()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        loaded = load_lines()[1]
+        assert "loaded 320 of 320 tokens" in loaded and loaded.rstrip().endswith("s)"), loaded
+        assert pulled["usage"]["prompt_tokens_details"]["cached_tokens"] >= 320
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(90)
+            except Exception:
+                proc.kill()
+        for sid in servers.values():
+            if _session_alive(sid):
+                os.killpg(sid, signal.SIGKILL)
