@@ -369,7 +369,8 @@ async def _start_vllm(args: argparse.Namespace, sidecars, addresses: list[str], 
     """N local vLLM servers (launch/vllm.py) as the workers: followed from the gateway's
     process (args.vllm_worker), or, with --redis-url, through one `prefixgate worker
     --engine vllm` each (started in `sidecars`, their addresses appended to `addresses`).
-    With --secure (`creds`) each server's connector gets its own keyring there."""
+    With --secure (`creds`) each server's connector gets its own keyring and certificate
+    there."""
     import secrets
     import shlex
 
