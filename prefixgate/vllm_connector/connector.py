@@ -39,9 +39,10 @@ Worker side
 - `start_load_kv`: each new load runs on a thread of its own: it pulls the chain from the
   holder (with the gateway's ticket: the whole ticketed chain and `max_blocks`, as
   prefixgate's workers ask; with TLS, presenting this server's certificate and checking
-  the holder's against the holder's worker id, never in plain text) and writes each chunk's tokens into the request's blocks as
-  it arrives (those blocks belong to the request alone until vLLM hears the load is done,
-  so no step reads them meanwhile). `get_finished` reports the loads done;
+  the holder's against the holder's worker id, never in plain text) and writes each
+  chunk's tokens into the request's blocks as it arrives (those blocks belong to the
+  request alone until vLLM hears the load is done, so no step reads them meanwhile).
+  `get_finished` reports the loads done;
   `get_block_ids_with_load_errors` the blocks a load could not fill (holder gone, blocks
   evicted there, format mismatch, a refused chunk or ticket): vLLM recomputes from the
   first of them (kv_load_failure_policy "recompute", which params.connector_config sets:

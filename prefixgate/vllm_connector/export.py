@@ -65,9 +65,9 @@ nothing can be asked, and nothing is claimed.
 tls, peer_worker_id)` asks `peer` (over `export_channel`) for
 `chain[from_block:max_blocks or None]` (with a ticket, `chain` is the whole ticketed
 chain: the holder checks its digest), checks its header against `format` (any
-difference: TransferError FAILED_PRECONDITION), passes each chunk through `accept_chunk` (the one place a received
-chunk is accepted) and hands its pages to `on_chunk(first_block, num_blocks, k, v)` (raw
-bytes in the wire layout) in chain order; returns the blocks handed over. A broken stream
+difference: TransferError FAILED_PRECONDITION), passes each chunk through `accept_chunk`
+(the one place a received chunk is accepted) and hands its pages to
+`on_chunk(first_block, num_blocks, k, v)` (raw bytes in the wire layout) in chain order; returns the blocks handed over. A broken stream
 raises TransferError after the chunks that arrived whole.
 """
 
