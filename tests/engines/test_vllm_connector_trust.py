@@ -427,7 +427,7 @@ def test_up_secure_engine_vllm_moves_kv_only_with_the_gateways_ticket_over_tls(
 
     from prefixgate.security.identity import Keyring
     from prefixgate.vllm_connector.export import export_channel, held_blocks
-    from prefixgate.vllm_connector.params import PullParams, TransferParams
+    from prefixgate.vllm_connector.params import PullParams, ShiftParams, TransferParams
     from tests.e2e.test_up_vllm import _servers, _session_alive
     from tests.engines.vllm_server import vllm_python
     from tests.helpers import cli_env, start_up
@@ -525,6 +525,27 @@ def test_up_secure_engine_vllm_moves_kv_only_with_the_gateways_ticket_over_tls(
         loaded = load_lines()[1]
         assert "loaded 320 of 320 tokens" in loaded and loaded.rstrip().endswith("s)"), loaded
         assert pulled["usage"]["prompt_tokens_details"]["cached_tokens"] >= 320
+
+        # Context overflow on the holder, whose export checks tickets: the conversation's
+        # oldest 64 tokens after a 32-token preamble dropped, the kept run's KV (the
+        # prompt above, in its host store) moved back by 64 positions. Its scheduler asks
+        # its own export with a ticket it signs itself, over its TLS, and claims them.
+        kept = ids[:32] + ids[96:] + [rnd.randrange(200, 20000) for _ in range(40)]
+        shift = ShiftParams(n_keep=32, layouts=((64, tuple(chain)),))
+        shifted = complete(h_port, h_key, {
+            "prompt": kept, "cache_salt": "shifted",  # nothing from vLLM's own cache
+            "kv_transfer_params": TransferParams(16, fp, tuple(
+                Hashers(16, fp).get("shifted").hash_blocks(kept)), shift=shift).to_json()})
+        deadline = time.monotonic() + 20
+        moves: list[str] = []
+        while not moves and time.monotonic() < deadline:
+            moves = [ln for f in sorted(logdir.glob("vllm-*.log"))
+                     for ln in f.read_text(errors="replace").splitlines()
+                     if "prefixgate connector:" in ln and "back by 64 positions" in ln]
+            time.sleep(0.5)
+        (moved,) = moves
+        assert "moved 256 of 256 tokens" in moved and moved.rstrip().endswith("s)"), moved
+        assert shifted["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
