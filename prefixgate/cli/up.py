@@ -286,7 +286,7 @@ async def _up(args: argparse.Namespace, ctrl_c: CtrlC) -> int:
                     cmd += ["--worker-keyring", str(creds.worker_keyring(f"worker-{i}"))]
             workers.start_prefixgate(f"worker-{i}", *cmd)
         if args.engine == "vllm":
-            vllm = await _start_vllm(args, workers, addresses)
+            vllm = await _start_vllm(args, workers, addresses, creds)
             probes += addresses
         else:
             log.info("starting %d workers (%s); the first start of a model may take a "
@@ -305,8 +305,10 @@ async def _up(args: argparse.Namespace, ctrl_c: CtrlC) -> int:
         static = [] if args.redis_url else addresses
         startup = gateway_cli.gateway_startup(args, static, args.port)
         if creds is not None:
-            startup = dataclasses.replace(startup, config=_secured(startup.config, creds,
-                                                                   bool(args.redis_url)))
+            # The gateway's keyring: to verify registrations in Redis, and to sign the
+            # pull tickets of the vLLM servers it follows itself.
+            startup = dataclasses.replace(startup, config=_secured(
+                startup.config, creds, bool(args.redis_url) or args.engine == "vllm"))
         gw_stop = asyncio.Event()
         ctrl_c.drain_seconds = startup.config.drain_seconds
         if args.processes > 1:  # shared ports: refuse a busy one before the first bind
@@ -363,10 +365,12 @@ async def _up(args: argparse.Namespace, ctrl_c: CtrlC) -> int:
             await asyncio.to_thread(vllm.group.stop, ctrl_c.grace(30))
 
 
-async def _start_vllm(args: argparse.Namespace, sidecars, addresses: list[str]):
+async def _start_vllm(args: argparse.Namespace, sidecars, addresses: list[str], creds=None):
     """N local vLLM servers (launch/vllm.py) as the workers: followed from the gateway's
     process (args.vllm_worker), or, with --redis-url, through one `prefixgate worker
-    --engine vllm` each (started in `sidecars`, their addresses appended to `addresses`)."""
+    --engine vllm` each (started in `sidecars`, their addresses appended to `addresses`).
+    With --secure (`creds`) each server's connector gets its own keyring and certificate
+    there."""
     import secrets
     import shlex
 
@@ -381,7 +385,8 @@ async def _start_vllm(args: argparse.Namespace, sidecars, addresses: list[str]):
                         dtype=args.vllm_dtype, kv_cache_bytes=args.vllm_kv_cache_mib << 20,
                         enforce_eager=not args.vllm_compile,
                         extra_args=tuple(shlex.split(args.vllm_args)),
-                        api_key=secrets.token_urlsafe(32) if args.secure else "")
+                        api_key=secrets.token_urlsafe(32) if args.secure else "",
+                        credentials=creds)
     try:
         fleet = await start_fleet(launch, args.workers, args.model, cache_dir(args),
                                   args.startup_timeout)
@@ -421,9 +426,9 @@ def _credentials(args: argparse.Namespace, worker_ids: list[str]):
     return creds
 
 
-def _secured(config, creds, with_redis: bool):
+def _secured(config, creds, with_keyring: bool):
     """`config` (GatewayConfig) with `up --secure`'s TLS, tokens, internal credential and,
-    with Redis, the workers' public keys."""
+    `with_keyring`, its keyring (the workers' public keys, the gateways' secret)."""
     from prefixgate.security.auth import AuthConfig
     from prefixgate.wire.rpc import TLSConfig
 
@@ -432,7 +437,7 @@ def _secured(config, creds, with_redis: bool):
         worker_tls=TLSConfig(str(creds.client_cert), str(creds.client_key), str(creds.ca)),
         auth=AuthConfig(tokens_file=str(creds.tokens),
                         internal_token_file=str(creds.internal_token),
-                        worker_keyring_file=str(creds.gateway_keyring) if with_redis else ""))
+                        worker_keyring_file=str(creds.gateway_keyring) if with_keyring else ""))
 
 
 def _client(address: str, creds=None):

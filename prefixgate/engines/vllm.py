@@ -81,7 +81,9 @@ Contract
   `kv_bytes_per_token` (the model's layers, KV heads and head dim at `kv_dtype`) and the
   transfer rate: declared (`transfer_bytes_per_s`) until pulls measure it (the set-up and
   rate the connector fitted to its own loads, read from its export's GetStatus after a
-  pulled turn). ExportBlocks
+  pulled turn). An export served over mutual TLS (`grpcs://`, as `up --secure` starts
+  them) is called with `VLLMConfig.export_client_tls`, its certificate checked against
+  this worker's id. ExportBlocks
   relays the connector's stream (a prefixgate worker may pull from vLLM through this
   adapter's gRPC server, the sidecar form).
 - Drain hand-off (workerapi/handoff.py; the sidecar form, which drains on SIGTERM): as a
@@ -140,6 +142,7 @@ from prefixgate.telemetry.tracing import trace_context
 from prefixgate.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from prefixgate.vllm_connector.params import PullParams, ShiftParams, TransferParams
 from prefixgate.wire.protocol import InvalidRequest, clip
+from prefixgate.wire.rpc import TLSConfig, channel_credentials
 from prefixgate.wire.token_ids import repeated_token_ids
 from prefixgate.workerapi.api import FinalEvent, FinishReason
 from prefixgate.workerapi.calls import CallScope, Refused
@@ -182,6 +185,11 @@ class VLLMConfig:
     stall_s: float = 5.0  # no event this long after a turn that cached blocks: stale
     max_mapped_blocks: int = 1 << 20  # vLLM blocks remembered (until its count is known)
     export: str = ""  # host:port of its prefixgate KV connector's ExportBlocks ("": none)
+    # The export is served over mutual TLS (the form's `grpcs://`): called with
+    # `export_client_tls` (the gateway's --worker-tls-* files: its CA, its client
+    # certificate), the server's certificate checked against its worker id.
+    export_tls: bool = False
+    export_client_tls: TLSConfig = TLSConfig()
     kv_dtype: str = "float32"  # its KV cache's element type (its --dtype)
     transfer_bytes_per_s: float = 1e9  # the link rate declared until pulls measure it
     # The key of the namespaces' cache salts (`cache_salt`), the same at every gateway
@@ -193,8 +201,8 @@ class VLLMConfig:
     @classmethod
     def parse(cls, text: str, **kw) -> VLLMConfig:
         """`URL,EVENTS[,REPLAY][,grpc://HOST:PORT][,key-file:PATH]` (the --vllm-worker
-        form: its prefixgate KV connector's ExportBlocks; a file holding its --api-key,
-        read now); ValueError saying what is wrong."""
+        form: its prefixgate KV connector's ExportBlocks, `grpcs://` when served over TLS;
+        a file holding its --api-key, read now); ValueError saying what is wrong."""
         parts = [p.strip() for p in text.split(",")]
         if len(parts) > 2 and parts[-1].startswith("key-file:"):
             path = parts.pop().removeprefix("key-file:")
@@ -204,15 +212,17 @@ class VLLMConfig:
                 raise ValueError(f"{text!r}: cannot read the API key file {path}: "
                                  f"{exc.strerror}") from None
         export = ""
-        if len(parts) > 2 and parts[-1].startswith("grpc://"):
-            export = parts.pop().removeprefix("grpc://")
+        if len(parts) > 2 and parts[-1].startswith(("grpc://", "grpcs://")):
+            kw["export_tls"] = parts[-1].startswith("grpcs://")
+            export = parts.pop().split("://", 1)[1]
         if not 2 <= len(parts) <= 3 or not parts[0].startswith(("http://", "https://")) \
                 or not all(p.startswith(("tcp://", "ipc://")) for p in parts[1:]) \
                 or (export and ":" not in export):
             raise ValueError(f"{text!r}: give a vLLM server as URL,EVENTS[,REPLAY][,EXPORT], "
                              "e.g. http://127.0.0.1:8000,tcp://127.0.0.1:5557 (its HTTP API and "
                              "its --kv-events-config endpoint, replay_endpoint if set, and "
-                             "grpc://HOST:PORT of its prefixgate KV connector if it runs one)")
+                             "grpc://HOST:PORT of its prefixgate KV connector if it runs one, "
+                             "grpcs:// if over TLS)")
         return cls(parts[0], parts[1], parts[2] if len(parts) == 3 else "", export=export, **kw)
 
     @property
@@ -492,10 +502,21 @@ class VLLMWorker(WorkerServiceBase):
             raise Refused(exc.code(), f"{self.config.worker_id}: {exc.details()}") from None
 
     def _export(self) -> grpc.aio.Channel:
-        """The channel to this server's connector export (opened on first use)."""
+        """The channel to this server's connector export (opened on first use): over TLS
+        when it is served so, its certificate checked against this worker's id (the name
+        the connector's certificate carries: security/local.py `tls_name`)."""
         if self._export_channel is None:
-            self._export_channel = grpc.aio.insecure_channel(self.vllm.export, options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+            options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+            if self.vllm.export_tls:
+                from prefixgate.security.local import tls_name
+
+                self._export_channel = grpc.aio.secure_channel(
+                    self.vllm.export, channel_credentials(self.vllm.export_client_tls),
+                    options=[*options, ("grpc.ssl_target_name_override",
+                                        tls_name(self.config.worker_id))])
+            else:
+                self._export_channel = grpc.aio.insecure_channel(self.vllm.export,
+                                                                 options=options)
         return self._export_channel
 
     # ------------------------------------------------------------------ drain hand-off

@@ -318,6 +318,9 @@ class WorkerPool:
     # Workers served inside this process (workerapi/client.py InProcessWorkerClient: e.g.
     # a vLLM server behind its adapter), by registry address.
     local: dict[str, WorkerClient] = field(default_factory=dict)
+    # Signs the pull tickets of the workers in `local` (None: unsigned): the keyring above
+    # is for workers registered in Redis only.
+    local_tickets: identity.TicketSigner | None = None
     _closing: set[asyncio.Task] = field(default_factory=set, repr=False)
 
     def healthy(self) -> list[WorkerHandle]:
@@ -356,7 +359,8 @@ class WorkerPool:
             task.add_done_callback(self._closing.discard)
         for wid, record in records.items():
             if wid not in self.workers and record.address in self.local:
-                self.workers[wid] = WorkerHandle(record, self.local[record.address])
+                self.workers[wid] = WorkerHandle(record, self.local[record.address],
+                                                 tickets=self.local_tickets)
             elif wid not in self.workers:
                 channel = rpc.channel(record.address, self.tls,
                                       self.credential.metadata if self.credential else (),

@@ -62,7 +62,8 @@ async def serve(spec: ModelSpec, registry: Registry, config: GatewayConfig, stop
                 if config.auth.internal_token_file else None)
     keyring = _worker_keyring(registry, config.auth)
     pool = WorkerPool(registry, spec.fingerprint, block_size=config.block_size,
-                      tls=config.worker_tls, credential=internal, keyring=keyring, local=local)
+                      tls=config.worker_tls, credential=internal, keyring=keyring, local=local,
+                      local_tickets=_local_ticket_signer(config) if local else None)
     index = index if index is not None else new_index(config)
     feed = make_feed(registry, index)
     core = TurnCore(spec, tokenizer, pool, config, index=index, feed=feed,
@@ -155,11 +156,20 @@ async def _start_vllm_workers(spec: ModelSpec, tokenizer: ChatTokenizer, registr
     salt_key = cache_salt_key(keyring.gateway_key) if keyring and keyring.gateway_key else b""
     workers = await start_local_workers(
         spec, tokenizer, [VLLMConfig.parse(text, metrics_interval_s=config.status_interval_ms / 1e3,
-                                           salt_key=salt_key)
+                                           salt_key=salt_key,
+                                           export_client_tls=config.worker_tls)
                           for text in config.vllm_workers], config.block_size)
     for address in workers:
         await registry.register(WorkerRecord(address, address), lease_ms=2**62)
     return {address: InProcessWorkerClient(w) for address, w in workers.items()}
+
+
+def _local_ticket_signer(config: GatewayConfig) -> identity.TicketSigner | None:
+    """The pull-ticket signer for the vLLM servers this process follows: from the
+    `@gateways` line of --worker-keyring (their connectors check tickets with its public
+    half, the `@tickets` line); None without one."""
+    path = config.auth.worker_keyring_file
+    return identity.Keyring.from_file(path).for_gateway(path).ticket_signer() if path else None
 
 
 def _drop_predictions_of_lost_workers(index: PrefixIndex, healthy: list) -> None:

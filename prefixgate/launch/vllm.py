@@ -27,8 +27,16 @@ Why each setting:
     `worker_id_of(url)`): the holder a gateway's pull ticket names. `keyring`: a keyring
     file whose `@tickets` line (the gateways' public ticket key) the connector checks pull
     tickets with, named by path, never a key on the command line; "": tickets are not
-    checked (loopback only; `up --secure` gives none yet: its gateway signs no tickets for
-    the servers it follows in its own process). `connector=False`: none;
+    checked (loopback only). `credentials` (`up --secure`'s, security/local.py): each
+    server gets files of its own in that private directory once its port, hence its
+    worker id, is chosen (`issue_worker`: a keyring with its own key and the gateways'
+    ticket key, 0600), so its export serves only pulls the gateway signed a ticket for
+    (the gateway, holding the `@gateways` secret of the same directory, signs them for
+    the servers it follows), and a certificate from that directory's CA naming its worker
+    id: its export is served over mutual TLS (`grpcs://` in the gateway's --vllm-worker
+    form: the gateway calls it with its client certificate), its pulls present that
+    certificate, so a ticket is honoured only from the receiver it names, and they check
+    the holder's certificate against the holder's worker id. `connector=False`: none;
   - `api_key`: vLLM's --api-key (from a variable, never on the command line), for
     `up --secure`; the gateway's adapter sends it;
   - the group scrubs PREFIXGATE_* variables: they are prefixgate's flags, not vLLM's;
@@ -49,6 +57,7 @@ Why each setting:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -56,9 +65,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prefixgate.launch.processes import ProcessExited, ProcessGroup
 from prefixgate.vllm_connector.params import DEFAULT_STORE_MIB, connector_config
+
+if TYPE_CHECKING:
+    from prefixgate.security.local import LocalCredentials, WorkerFiles
 
 __all__ = ["VLLMFleet", "VLLMLaunch", "VLLMServer", "connector_path", "cpu_binding",
            "start_fleet", "vllm_argv", "vllm_env"]
@@ -87,6 +100,8 @@ class VLLMLaunch:
     connector_store_mib: int = DEFAULT_STORE_MIB  # its host store of computed blocks
     api_key: str = ""  # vLLM's --api-key ("": none)
     keyring: str = ""  # a keyring file with the '@tickets' line: exports need a ticket
+    # `up --secure`'s credentials: each server's own keyring (and certificate) issued there
+    credentials: LocalCredentials | None = None
 
     def check(self) -> None:
         """ValueError saying what to give when the vLLM environment is missing."""
@@ -115,6 +130,8 @@ class VLLMServer:
     # Without an ipc_dir, publish the events on TCP on every interface: only when asked,
     # since they carry every prompt's token ids (a host other machines must reach).
     events_on_all_interfaces: bool = False
+    # Its own keyring and certificate (`VLLMLaunch.credentials`; None: the launch's keyring).
+    files: WorkerFiles | None = None
 
     @property
     def url(self) -> str:
@@ -151,8 +168,11 @@ class VLLMServer:
 
     @property
     def export(self) -> str:
-        """The connector's ExportBlocks as `grpc://HOST:PORT` ("": none)."""
-        return f"grpc://{self.host}:{self.export_port}" if self.export_port else ""
+        """The connector's ExportBlocks as `grpc://HOST:PORT`, `grpcs://HOST:PORT` when it
+        is served over TLS (its own certificate: `files`) ("": none)."""
+        if not self.export_port:
+            return ""
+        return f"{'grpcs' if self.files is not None else 'grpc'}://{self.host}:{self.export_port}"
 
     @property
     def worker_spec(self) -> str:
@@ -179,9 +199,11 @@ def vllm_argv(launch: VLLMLaunch, server: VLLMServer) -> list[str]:
     if launch.enforce_eager:
         argv.append("--enforce-eager")
     if launch.connector and server.export_port:
+        files = server.files
+        tls = (str(files.cert), str(files.key), str(files.ca)) if files else ("", "", "")
         argv += ["--kv-transfer-config", connector_config(
             server.export_port, server.host, launch.connector_store_mib, server.worker_id,
-            launch.keyring)]
+            str(files.keyring) if files is not None else launch.keyring, *tls)]
     return argv + list(launch.extra_args)
 
 
@@ -247,6 +269,11 @@ class VLLMFleet:
             server = VLLMServer(f"{name_prefix}{i}", self.launch.host, free_port(),
                                 0, 0, free_port() if self.launch.connector else 0, ipc_dir,
                                 key_file)
+            if self.launch.credentials is not None and server.export_port:
+                from prefixgate.security.local import issue_worker
+
+                server = dataclasses.replace(server, files=issue_worker(
+                    self.launch.credentials, server.worker_id))
             self.group.start(server.name, vllm_argv(self.launch, server),
                              env={"VLLM_CPU_OMP_THREADS_BIND": cpu_binding(i, n),
                                   **vllm_env(self.launch, path_dir)})

@@ -20,6 +20,19 @@ mode 0700, every file 0600; what was there before is replaced), fresh:
 
 and returns their paths (`LocalCredentials`). Nothing here is for a network: the
 certificates name loopback only, and the CA key stays in the directory.
+
+`issue_worker(creds, worker_id)` adds, for a worker whose id is known only once it is
+started (a vLLM server's `vllm-HOST:PORT`), the same directory's files of its own:
+
+  worker-<id>.keyring     its own private key and the gateways' pull-ticket key (as above;
+                          its public line is added to gateway.keyring)
+  worker-<id>.crt/.key    a certificate from the CA for both ends of mutual TLS (server and
+                          client), naming loopback, the worker id (what a holder matches a
+                          pull ticket's receiver against) and `tls_name(worker_id)` (the
+                          name a caller checks the worker's certificate against: a DNS
+                          name, which a worker id with a ':' is not to gRPC's check)
+
+and returns their paths (`WorkerFiles`).
 """
 
 from __future__ import annotations
@@ -27,6 +40,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +51,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from prefixgate.security.auth import hash_token, new_token
-from prefixgate.security.identity import new_gateway_key, new_worker_key
+from prefixgate.security.identity import GATEWAYS, new_gateway_key, new_worker_key
 from prefixgate.security.tickets import ticket_public_line
 
 NAMESPACE = "default"  # the namespace the generated client token is bound to
@@ -58,6 +72,23 @@ class LocalCredentials:
 
     def worker_keyring(self, worker_id: str) -> Path:
         return self.directory / f"worker-{worker_id}.keyring"
+
+
+@dataclass(frozen=True)
+class WorkerFiles:
+    """One worker's own files (`issue_worker`): its keyring and its TLS certificate."""
+
+    keyring: Path
+    cert: Path
+    key: Path
+    ca: Path
+
+
+def tls_name(worker_id: str) -> str:
+    """The DNS name a worker's certificate carries for `worker_id`, which callers check it
+    against: lower case, each character outside [a-z0-9.-] a '-' (`vllm-127.0.0.1:8001`
+    -> `vllm-127.0.0.1-8001`: gRPC's host name check refuses a name with a ':')."""
+    return re.sub(r"[^a-z0-9.-]", "-", worker_id.lower())
 
 
 def _write(path: Path, data: bytes) -> Path:
@@ -123,3 +154,28 @@ def make_local_credentials(directory: str | Path,
         public.append(line)
     _write(creds.gateway_keyring, ("\n".join(public) + "\n").encode())
     return creds
+
+
+def issue_worker(creds: LocalCredentials, worker_id: str) -> WorkerFiles:
+    """Write worker `worker_id`'s own keyring and certificate (module docstring)."""
+    d = creds.directory
+    secret = next((line.split()[1].split(":", 1)[1] for line in
+                   creds.gateway_keyring.read_text().splitlines()
+                   if line.startswith(GATEWAYS + " ")), None)
+    if secret is None:
+        raise ValueError(f"{creds.gateway_keyring} has no '{GATEWAYS}' line")
+    private, public = new_worker_key(worker_id)
+    keyring = _write(creds.worker_keyring(worker_id),
+                     f"{private}\n{ticket_public_line(bytes.fromhex(secret))}\n".encode())
+    with open(creds.gateway_keyring, "a") as f:  # gateways verify what it signs
+        f.write(public + "\n")
+    pem = serialization.Encoding.PEM
+    ca = x509.load_pem_x509_certificate(creds.ca.read_bytes())
+    ca_key = serialization.load_pem_private_key((d / "ca.key").read_bytes(), None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = _certificate(f"prefixgate worker {worker_id}", key, ca, ca_key,
+                        [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
+                        [worker_id, tls_name(worker_id)])
+    base = f"worker-{tls_name(worker_id)}"
+    return WorkerFiles(keyring, _write(d / f"{base}.crt", cert.public_bytes(pem)),
+                       _write(d / f"{base}.key", _pem_key(key)), creds.ca)

@@ -16,9 +16,11 @@ Scheduler side
   last prompt token, past what vLLM's own cache holds), loaded the same way. The store
   lives in vLLM's worker process, so the scheduler asks this server's own ExportBlocks
   how much of each layout it holds (its header's block count; export.py `held_blocks`),
-  never claiming more than is there: vLLM counts what is claimed as cached. When that
-  cannot be asked (no export port, or an export that wants pull tickets) nothing is
-  claimed and vLLM computes the kept prompt.
+  never claiming more than is there: vLLM counts what is claimed as cached. When its
+  export checks pull tickets, each ask carries a ticket this server signs for itself with
+  its own key (its keyring's private line: export.py `StoreProbe`), over its TLS when it
+  has one. When that cannot be asked (no export port, or a keyring without this
+  server's own key) nothing is claimed and vLLM computes the kept prompt.
 - `update_state_after_alloc` / `build_connector_meta`: the load (holder, chain, token range,
   vLLM block ids) goes to the worker side once, in the next step's metadata; every step also
   names, for each request carrying prefixgate block hashes, the prompt blocks that step
@@ -31,12 +33,16 @@ Worker side
   `worker_id` (the id the gateway knows this server by: export.py says which), checking
   pull tickets when `keyring` names a keyring file with the gateways' `@tickets` line
   (a path in `kv_connector_extra_config`, never the key itself; a keyring that cannot be
-  read, or has no `@tickets` line, stops the server at start: never an unchecked export).
+  read, or has no `@tickets` line, stops the server at start: never an unchecked export),
+  over mutual TLS when `tls_cert`, `tls_key` and `tls_ca` name PEM files (export.py
+  `ExportTLS`; one missing or unreadable stops the server at start, as a keyring does).
 - `start_load_kv`: each new load runs on a thread of its own: it pulls the chain from the
   holder (with the gateway's ticket: the whole ticketed chain and `max_blocks`, as
-  prefixgate's workers ask) and writes each chunk's tokens into the request's blocks as
-  it arrives (those blocks belong to the request alone until vLLM hears the load is done,
-  so no step reads them meanwhile). `get_finished` reports the loads done;
+  prefixgate's workers ask; with TLS, presenting this server's certificate and checking
+  the holder's against the holder's worker id, never in plain text) and writes each
+  chunk's tokens into the request's blocks as it arrives (those blocks belong to the
+  request alone until vLLM hears the load is done, so no step reads them meanwhile).
+  `get_finished` reports the loads done;
   `get_block_ids_with_load_errors` the blocks a load could not fill (holder gone, blocks
   evicted there, format mismatch, a refused chunk or ticket): vLLM recomputes from the
   first of them (kv_load_failure_policy "recompute", which params.connector_config sets:
@@ -75,7 +81,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from prefixgate.vllm_connector.export import (
     ExportServer,
-    held_blocks,
+    ExportTLS,
+    StoreProbe,
     pull_chain,
     ticket_keys_of,
 )
@@ -108,6 +115,7 @@ class LoadSpec:
 
     req_id: str
     peer: str
+    peer_worker_id: str  # the holder's worker id (its TLS certificate names it)
     chain: list[int]  # prefixgate block hashes from the prompt's first block
     ticket: bytes
     ticket_blocks: int  # the ticket covers chain[:ticket_blocks] (the pull's num_blocks)
@@ -163,7 +171,6 @@ class PrefixgateConnector(KVConnectorBase_V1):
         # Requests whose load was handed to the worker side: never planned again (a failed
         # load sends the request back to vLLM's queue, which asks again).
         self._attempted: set[str] = set()
-        self._probe: grpc.Channel | None = None  # this server's export, asked by the scheduler
         # Worker side.
         self._store = HostStore(int(cfg.get_from_extra_config("store_mib", DEFAULT_STORE_MIB))
                                 << 20)
@@ -172,6 +179,16 @@ class PrefixgateConnector(KVConnectorBase_V1):
         self._worker_id = str(cfg.get_from_extra_config("worker_id", "") or
                               f"vllm-{self._export_host}:{self._export_port}")
         self._keyring = str(cfg.get_from_extra_config("keyring", "") or "")
+        # Raises (stopping vLLM at start) when a TLS file is missing or unreadable.
+        self._tls = ExportTLS.of(*(str(cfg.get_from_extra_config(name, "") or "")
+                                   for name in ("tls_cert", "tls_key", "tls_ca")))
+        # This server's export, asked by the scheduler (its channel opened on first use).
+        self._probe = StoreProbe(f"{self._export_host}:{self._export_port}", self._worker_id,
+                                 self._tls, self._keyring) if self._export_port else None
+        if self._probe is not None and not self._probe.usable:
+            log.warning("prefixgate connector: its keyring %s holds no key of %s's own to "
+                        "sign for asking its export: overflowing conversations are computed",
+                        self._keyring, self._worker_id)
         self._layers: list[tuple[str, torch.Tensor]] = []
         self._layout: PagedLayout | None = None
         self._server: ExportServer | None = None
@@ -218,15 +235,12 @@ class PrefixgateConnector(KVConnectorBase_V1):
         if request.request_id in self._planned:  # asked again (not scheduled yet)
             _, start, extra = self._planned[request.request_id]
             return (extra, True) if start == num_computed_tokens else (0, False)
-        if not self._export_port or self._keyring:
-            return 0, False
-        if self._probe is None:
-            self._probe = grpc.insecure_channel(f"{self._export_host}:{self._export_port}")
         probe = self._probe
+        if probe is None or not probe.usable:
+            return 0, False
 
         def held(chain) -> range:
-            n = held_blocks(probe, chain, SHIFT_PROBE_TIMEOUT_S)
-            return range(n or 0)
+            return range(probe.held(chain, SHIFT_PROBE_TIMEOUT_S) or 0)
 
         best = choose_layout(held, params.shift, params.block_size, limit)
         end = best[0] // vbs * vbs if best is not None else 0
@@ -245,13 +259,14 @@ class PrefixgateConnector(KVConnectorBase_V1):
         self._attempted.add(request.request_id)
         if params.shift is not None:
             self._loads.append(LoadSpec(
-                request.request_id, "", [], b"", 0, params.block_size, params.fingerprint,
+                request.request_id, "", "", [], b"", 0, params.block_size, params.fingerprint,
                 start, start + num_external_tokens, list(blocks.get_block_ids()[0]),
                 shift=params.shift))
             return
         assert params.pull is not None
         self._loads.append(LoadSpec(
-            request.request_id, params.pull.peer, list(params.block_hashes),
+            request.request_id, params.pull.peer, params.pull.peer_worker_id,
+            list(params.block_hashes),
             params.pull.ticket, params.pull.num_blocks, params.block_size, params.fingerprint,
             start, start + num_external_tokens, list(blocks.get_block_ids()[0])))
 
@@ -303,7 +318,7 @@ class PrefixgateConnector(KVConnectorBase_V1):
             keys = ticket_keys_of(self._keyring, self._worker_id) if self._keyring else ()
             self._server = ExportServer(self._store, self._worker_id, self._export_host,
                                         self._export_port, self._dims(), ticket_keys=keys,
-                                        link=self._link)
+                                        link=self._link, tls=self._tls)
             self._server.start()
 
     def _isa(self, layer_name: str, cache: torch.Tensor) -> str:
@@ -394,10 +409,11 @@ class PrefixgateConnector(KVConnectorBase_V1):
 
             if spec.ticket:  # the holder checks the whole ticketed chain; max_blocks limits it
                 pull_chain(spec.peer, spec.chain[:spec.ticket_blocks], first_block, spec.ticket,
-                           fmt, on_chunk, PULL_TIMEOUT_S, max_blocks=last_block)
+                           fmt, on_chunk, PULL_TIMEOUT_S, max_blocks=last_block, tls=self._tls,
+                           peer_worker_id=spec.peer_worker_id)
             else:
                 pull_chain(spec.peer, spec.chain[:last_block], first_block, b"", fmt, on_chunk,
-                           PULL_TIMEOUT_S)
+                           PULL_TIMEOUT_S, tls=self._tls, peer_worker_id=spec.peer_worker_id)
         except TransferError as exc:
             error = str(exc)
         except Exception as exc:  # never let a load take vLLM's step loop down

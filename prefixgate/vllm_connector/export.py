@@ -4,7 +4,7 @@ connector, or a prefixgate worker).
 
 Contract
 --------
-`ExportServer(store, worker_id, host, port, dims, ticket_keys, link).start()` serves
+`ExportServer(store, worker_id, host, port, dims, ticket_keys, link, tls).start()` serves
 WorkerService.ExportBlocks and GetStatus (the rest of the Worker API is UNIMPLEMENTED there)
 on its own gRPC threads. GetStatus carries only the link this server's own loads measured
 (`link`, a workerapi/rates.TransferRate the connector feeds with each load's bytes and
@@ -26,23 +26,48 @@ this server by, i.e. its adapter's (engines/vllm.py: `worker_id_of(url)`, `vllm-
 of its HTTP API, when the gateway follows the server itself; the sidecar's --worker-id in
 the `prefixgate worker --engine vllm` form); launch/vllm.py passes that id. The export is
 plain gRPC (no TLS), so the caller's certificate is not known and the ticket's receiver is
-not checked: a ticket copied off a request admits its chain, from this holder, until it
-expires. Without keys nothing is checked (bind the server to loopback, as `up` does, or
-to a network only workers reach).
+checked only under TLS (below). Without keys nothing is checked (bind the server to
+loopback, as `up` does, or to a network only workers reach).
 
-`held_blocks(channel, chain, timeout_s)` -> how many leading blocks of a chain an export
-holds (its header's count, nothing read past it; None when it cannot say).
+TLS (`tls`, an `ExportTLS` of PEM files: this server's certificate and key, and the CA
+its callers' certificates must chain to): the export is served over mutual TLS, so only
+callers with a certificate from that CA connect, and a pull ticket's receiver must be
+among the names of the caller's certificate (`check_ticket`'s caller_names: its common
+name and subject alternative names), so a ticket copied off a request is of no use to
+another caller. `up --secure` gives each server a certificate of its own from its local
+CA (security/local.py `issue_worker`), naming its worker id. Without `tls` the export
+is plain gRPC: a ticket's receiver is not checked (a ticket copied off a request admits
+its chain, from this holder, until it expires).
+
+`held_blocks(channel, chain, timeout_s, ticket)` -> how many leading blocks of a chain an
+export holds (its header's count, nothing read past it; None when it cannot say, e.g.
+refused without a valid ticket).
+
+`export_channel(peer, tls, peer_worker_id)` -> a channel to the export at `peer`: with
+`tls`, over TLS presenting this server's certificate, the holder's certificate checked
+against `peer_worker_id` (`security/local.py` `tls_name` of it: the CA issues every
+worker's, so the address alone would accept any of them); TransferError UNAUTHENTICATED
+without a worker id to check. Plain text without `tls`.
 
 `ticket_keys_of(keyring_path, worker_id)` -> the keys above, read from a keyring file
 (security/identity.py; ValueError when it has no `@tickets` line).
 
-`pull_chain(peer, chain, from_block, ticket, format, on_chunk, timeout_s, max_blocks)`
-asks `peer` for `chain[from_block:max_blocks or None]` (with a ticket, `chain` is the
-whole ticketed chain: the holder checks its digest), checks its header against `format`
-(any difference: TransferError
-FAILED_PRECONDITION), passes each chunk through `accept_chunk` (the one place a received
-chunk is accepted) and hands its pages to `on_chunk(first_block, num_blocks, k, v)` (raw
-bytes in the wire layout) in chain order; returns the blocks handed over. A broken stream
+`StoreProbe(address, worker_id, tls, keyring_path)`: how vLLM's scheduler asks this
+server's own export what its host store holds (the store lives in vLLM's worker process;
+context overflow's shifted loads, connector.py): `held(chain, timeout_s)` is
+`held_blocks` over `export_channel` with this server's TLS, each ask carrying a ticket
+this server signs for itself (receiver and holder `worker_id`) with its own key, the
+keyring's private line, which its export accepts (`ticket_keys_of`). `usable` is False
+when the export checks tickets (a keyring) and the keyring holds no key of its own: then
+nothing can be asked, and nothing is claimed.
+
+`pull_chain(peer, chain, from_block, ticket, format, on_chunk, timeout_s, max_blocks,
+tls, peer_worker_id)` asks `peer` (over `export_channel`) for
+`chain[from_block:max_blocks or None]` (with a ticket, `chain` is the whole ticketed
+chain: the holder checks its digest), checks its header against `format` (any
+difference: TransferError FAILED_PRECONDITION), passes each chunk through `accept_chunk`
+(the one place a received chunk is accepted) and hands its pages to
+`on_chunk(first_block, num_blocks, k, v)` (raw bytes in the wire layout) in chain order; returns the blocks handed over. A broken stream
 raises TransferError after the chunks that arrived whole.
 """
 
@@ -51,6 +76,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -97,16 +124,118 @@ def ticket_keys_of(keyring_path: str, worker_id: str) -> tuple:
     return (ring.ticket_key,) + ((own.public_key(),) if own is not None else ())
 
 
+@dataclass(frozen=True)
+class ExportTLS:
+    """PEM files for mutual TLS on the transfer path: this server's certificate and key
+    (presented to callers and, when it pulls, to holders) and the CA both ends' must
+    chain to. (Not wire/rpc.py's TLSConfig: that module's health and reflection services
+    are not in vLLM's environment.)"""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+
+    @classmethod
+    def of(cls, cert_file: str, key_file: str, ca_file: str) -> ExportTLS | None:
+        """The files checked readable now (ValueError saying which is missing or not
+        readable); None when none is named."""
+        named = {"tls_cert": cert_file, "tls_key": key_file, "tls_ca": ca_file}
+        if not any(named.values()):
+            return None
+        for what, path in named.items():
+            if not path:
+                raise ValueError(f"the connector's TLS needs tls_cert, tls_key and tls_ca; "
+                                 f"{what} is not given")
+            try:
+                Path(path).read_bytes()
+            except OSError as exc:
+                raise ValueError(f"the connector's {what} {path}: {exc.strerror}") from None
+        return cls(cert_file, key_file, ca_file)
+
+    def _read(self) -> tuple[bytes, bytes, bytes]:
+        return (Path(self.cert_file).read_bytes(), Path(self.key_file).read_bytes(),
+                Path(self.ca_file).read_bytes())
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        cert, key, ca = self._read()
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                           require_client_auth=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        cert, key, ca = self._read()
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                            certificate_chain=cert)
+
+
+def export_channel(peer: str, tls: ExportTLS | None, peer_worker_id: str) -> grpc.Channel:
+    if tls is None:
+        return grpc.insecure_channel(peer, options=_OPTIONS)
+    if not peer_worker_id:
+        raise TransferError(grpc.StatusCode.UNAUTHENTICATED,
+                            f"no worker id for the holder at {peer}: its TLS certificate "
+                            "cannot be checked, so it is not called")
+    from prefixgate.security.local import tls_name
+
+    return grpc.secure_channel(peer, tls.channel_credentials(), options=[
+        *_OPTIONS, ("grpc.ssl_target_name_override", tls_name(peer_worker_id))])
+
+
+def _caller_names(context: grpc.ServicerContext) -> set[str]:
+    """The names (common name, subject alternative names) of the caller's TLS certificate
+    (empty without TLS)."""
+    ctx = context.auth_context() or {}
+    return {v.decode(errors="replace") for key in ("x509_common_name",
+                                                  "x509_subject_alternative_name")
+            for v in ctx.get(key, ())}
+
+
+class StoreProbe:
+    """This server's own export, asked what its store holds (module docstring)."""
+
+    def __init__(self, address: str, worker_id: str, tls: ExportTLS | None,
+                 keyring_path: str = "") -> None:
+        from prefixgate.security.tickets import TicketSigner
+
+        self.address, self.worker_id, self.tls = address, worker_id, tls
+        self._signer: TicketSigner | None = None
+        self.usable = True
+        if keyring_path:
+            from prefixgate.security.identity import Keyring
+
+            own = Keyring.from_file(keyring_path).private_key(worker_id)
+            self._signer = TicketSigner(own) if own is not None else None
+            self.usable = own is not None
+        self._channel: grpc.Channel | None = None
+
+    def held(self, chain: Sequence[int], timeout_s: float) -> int | None:
+        """Leading blocks of `chain` the store holds (None: it cannot say)."""
+        if not self.usable:
+            return None
+        if self._channel is None:
+            self._channel = export_channel(self.address, self.tls, self.worker_id)
+        ticket = (self._signer.sign(self.worker_id, self.worker_id, "", list(chain))
+                  if self._signer is not None else b"")
+        return held_blocks(self._channel, chain, timeout_s, ticket)
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+
 class ExportServer:
     """`dims`: (num_layers, num_kv_heads, head_dim, dtype name) of this server's pages;
-    `ticket_keys`: the keys pull tickets must verify with (empty: tickets not checked)."""
+    `ticket_keys`: the keys pull tickets must verify with (empty: tickets not checked);
+    `tls`: served over mutual TLS with these files (None: plain gRPC)."""
 
     def __init__(self, store: HostStore, worker_id: str, host: str, port: int,
                  dims: tuple[int, int, int, str], chunk_bytes: int = CHUNK_BYTES,
-                 ticket_keys: tuple = (), link: TransferRate | None = None) -> None:
+                 ticket_keys: tuple = (), link: TransferRate | None = None,
+                 tls: ExportTLS | None = None) -> None:
         self.store, self.worker_id, self.dims = store, worker_id, dims
         self.link = link if link is not None else TransferRate()
         self.ticket_keys = tuple(ticket_keys)
+        self.tls = tls
         self.address = f"{host}:{port}"
         self.chunk_bytes = chunk_bytes
         self._server: grpc.Server | None = None
@@ -122,11 +251,14 @@ class ExportServer:
             response_serializer=worker_pb2.WorkerStatus.SerializeToString)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
             _SERVICE, {"ExportBlocks": handler, "GetStatus": status}),))
-        if not server.add_insecure_port(self.address):
+        bound = (server.add_secure_port(self.address, self.tls.server_credentials())
+                 if self.tls is not None else server.add_insecure_port(self.address))
+        if not bound:
             raise OSError(f"cannot listen on {self.address}")
         server.start()
         self._server = server
-        log.info("prefixgate connector: ExportBlocks on %s", self.address)
+        log.info("prefixgate connector: ExportBlocks on %s%s", self.address,
+                 " (mutual TLS)" if self.tls is not None else "")
 
     def stop(self) -> None:
         if self._server is not None:
@@ -149,7 +281,7 @@ class ExportServer:
         if self.ticket_keys:  # before any page is touched
             try:
                 check_ticket(request.ticket, self.ticket_keys, self.worker_id,
-                             request.block_hashes)
+                             request.block_hashes, _caller_names(context))
             except PermissionDenied as exc:
                 log.warning("prefixgate connector %s: export refused: %s", self.worker_id, exc)
                 context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
@@ -197,14 +329,15 @@ def accept_chunk(header: worker_pb2.KVBlocksHeader, chunk: worker_pb2.KVBlocksCh
                             f"blocks {chunk.first_block}+{chunk.num_blocks}: {why}")
 
 
-def held_blocks(channel: grpc.Channel, chain: Sequence[int], timeout_s: float) -> int | None:
+def held_blocks(channel: grpc.Channel, chain: Sequence[int], timeout_s: float,
+                ticket: bytes = b"") -> int | None:
     """How many blocks of `chain`, from its first, the ExportBlocks at `channel` holds
     (its header's count; the stream is cancelled before its pages are read): 0 when
     none, None when it cannot say (unreachable, refused without a ticket)."""
     if not chain:
         return 0
     call = worker_pb2_grpc.WorkerServiceStub(channel).ExportBlocks(
-        worker_pb2.ExportBlocksRequest(block_hashes=list(chain), from_block=0),
+        worker_pb2.ExportBlocksRequest(block_hashes=list(chain), from_block=0, ticket=ticket),
         timeout=timeout_s)
     try:
         first = next(iter(call), None)
@@ -219,9 +352,10 @@ def held_blocks(channel: grpc.Channel, chain: Sequence[int], timeout_s: float) -
 
 def pull_chain(peer: str, chain: Sequence[int], from_block: int, ticket: bytes,
                format: KVFormat, on_chunk: Callable[[int, int, bytes, bytes], None],
-               timeout_s: float, max_blocks: int = 0) -> int:
+               timeout_s: float, max_blocks: int = 0, tls: ExportTLS | None = None,
+               peer_worker_id: str = "") -> int:
     end = min(max_blocks, len(chain)) if max_blocks else len(chain)
-    with grpc.insecure_channel(peer, options=_OPTIONS) as channel:
+    with export_channel(peer, tls, peer_worker_id) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
         call = stub.ExportBlocks(worker_pb2.ExportBlocksRequest(
             block_hashes=list(chain), from_block=from_block, ticket=ticket,

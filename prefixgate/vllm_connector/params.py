@@ -119,18 +119,24 @@ class TransferParams:
 
 def connector_config(export_port: int, export_host: str = "127.0.0.1",
                      store_mib: int = DEFAULT_STORE_MIB, worker_id: str = "",
-                     keyring: str = "") -> str:
+                     keyring: str = "", tls_cert: str = "", tls_key: str = "",
+                     tls_ca: str = "") -> str:
     """vLLM's `--kv-transfer-config` JSON loading the connector: its ExportBlocks on
     `export_host:export_port` (loopback unless asked), a host store of `store_mib` MiB, as
     worker `worker_id` (the id the gateway knows the server by: the holder its pull
     tickets name; "": `vllm-HOST:PORT` of the export), checking pull tickets with the
-    `@tickets` line of the keyring file `keyring` ("": not checked). A path, never a key."""
+    `@tickets` line of the keyring file `keyring` ("": not checked), and, with `tls_cert`,
+    `tls_key` and `tls_ca` (PEM files), its export served and its pulls made over mutual
+    TLS (vllm_connector/export.py `ExportTLS`). Paths, never a key."""
     extra: dict = {"export_host": export_host, "export_port": export_port,
                    "store_mib": store_mib}
     if worker_id:
         extra["worker_id"] = worker_id
     if keyring:
         extra["keyring"] = keyring
+    for name, path in (("tls_cert", tls_cert), ("tls_key", tls_key), ("tls_ca", tls_ca)):
+        if path:
+            extra[name] = path
     return json.dumps({
         "kv_connector": CLASS, "kv_connector_module_path": MODULE, "kv_role": "kv_both",
         # A load that fails (holder gone, blocks evicted there) is computed instead; vLLM's
