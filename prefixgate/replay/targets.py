@@ -65,6 +65,10 @@ class TurnRecord:
     predicted_cached_tokens: int = -1
     best_predicted_cached_tokens: int = -1
     predicted_transferred_tokens: int = 0  # ... and predicted to arrive by a pull
+    # The gateway's own time to first token (its handler's start to the first token it
+    # relayed, seconds; -1: not reported): the client's TTFT less this is the client and
+    # the hops between them.
+    gateway_ttft_s: float = -1.0
 
     @property
     def computed_tokens(self) -> int:
@@ -141,6 +145,7 @@ class GatewayTarget(Target):
         rec.best_predicted_cached_tokens = r.best_predicted_cached_tokens
         rec.transferred_tokens = r.transferred_tokens
         rec.predicted_transferred_tokens = r.predicted_transferred_tokens
+        rec.gateway_ttft_s = r.ttft_ms / 1e3
         return rec
 
     async def close(self) -> None:
