@@ -141,17 +141,19 @@ def decision_summary(records: list[TurnRecord]) -> dict | None:
 
 
 def worker_times(records: list[TurnRecord], served: list[dict], started_unix_s: float,
-                 scale: float) -> dict[tuple[str, int], tuple[float, float, float]]:
-    """(conversation, turn) -> (arrival, end, TTFT) of that turn at its worker, emulated
-    seconds, arrival and end from the run's start (the client records' clock), TTFT the
-    worker's own (queue + prefill): client records (emulated, from the run's start) are
+                 scale: float) -> dict[tuple[str, int], tuple[float, float, float, float]]:
+    """(conversation, turn) -> (arrival, end, TTFT, late) of that turn at its worker,
+    emulated seconds, arrival and end from the run's start (the client records' clock),
+    TTFT the worker's own (queue + prefill), late how much after its computed time the
+    worker's timer sent the first token (the host's delay of the worker): client records (emulated, from the run's start) are
     joined to the workers' (`served`) by worker, prompt tokens and the nearest arrival to
     the client's send."""
-    pool: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
+    pool: dict[tuple[str, int], list[tuple[float, float, float, float]]] = {}
     for s in served:
         arrival = (s["arrival_unix_s"] - started_unix_s) * scale
         pool.setdefault((s["worker"], s["prompt_tokens"]), []).append(
-            (arrival, arrival + s["total_s"], s.get("ttft_s", 0.0)))
+            (arrival, arrival + s["total_s"], s.get("ttft_s", 0.0),
+             s.get("first_token_late_s", 0.0)))
     out = {}
     for r in sorted((r for r in records if r.ok), key=lambda r: r.start_s):
         cands = pool.get((r.worker, r.prompt_tokens))
@@ -163,7 +165,7 @@ def worker_times(records: list[TurnRecord], served: list[dict], started_unix_s: 
 
 
 def turnaround_summary(records: list[TurnRecord],
-                       at_worker: dict[tuple[str, int], tuple[float, float, float]]
+                       at_worker: dict[tuple[str, int], tuple[float, float, float, float]]
                        ) -> dict | None:
     """The turnaround of follow-ups, emulated seconds: from the end of a turn at its worker
     (its reply's last token, when a worker publishing at finish stores its blocks) to the
@@ -173,7 +175,7 @@ def turnaround_summary(records: list[TurnRecord],
     reply's end to its next send). None without follow-ups."""
     by_turn = {(r.conversation_id, r.turn_index): r for r in records if r.ok}
     send, worker, client = [], [], []
-    for (conv, i), (_, end, _) in at_worker.items():
+    for (conv, i), (_, end, *_) in at_worker.items():
         nxt, after = by_turn.get((conv, i + 1)), at_worker.get((conv, i + 1))
         if nxt is not None and after is not None:
             r = by_turn[(conv, i)]
@@ -187,17 +189,19 @@ def turnaround_summary(records: list[TurnRecord],
 
 
 def ttft_breakdown(records: list[TurnRecord],
-                   at_worker: dict[tuple[str, int], tuple[float, float, float]]) -> dict | None:
+                   at_worker: dict[tuple[str, int], tuple[float, float, float, float]]
+                   ) -> dict | None:
     """Where each turn's client TTFT went, emulated seconds, as distributions over the
     turns joined to their worker's record: `to_worker_s` (the client's send to the turn's
     arrival at its worker: the client, the front, its routing and both hops), `worker_s`
     (the worker's own queue + prefill), `from_worker_s` (the rest: the first token's way
     back through the front to the client, and any lateness of the worker's send on a busy
-    host); and, where the front reports its own TTFT (prefixgate's ChatFinal), `front_s`
+    host), `worker_late_s` (that lateness alone: the emulated worker's timer firing after
+    its computed time); and, where the front reports its own TTFT (prefixgate's ChatFinal), `front_s`
     (the gateway's handler start to the first token it relayed) and `client_side_s`
     (client TTFT less that: the client and the hops to and from the front). None when no
     turn joined."""
-    to_worker, worker, back, front, client = [], [], [], [], []
+    to_worker, worker, back, late, front, client = [], [], [], [], [], []
     for r in records:
         w = at_worker.get((r.conversation_id, r.turn_index))
         if w is None or not r.ok or not r.completion_tokens:
@@ -205,13 +209,14 @@ def ttft_breakdown(records: list[TurnRecord],
         to_worker.append(w[0] - r.start_s)
         worker.append(w[2])
         back.append(r.ttft_s - (w[0] - r.start_s) - w[2])
+        late.append(w[3])
         if r.gateway_ttft_s >= 0:
             front.append(r.gateway_ttft_s)
             client.append(r.ttft_s - r.gateway_ttft_s)
     if not to_worker:
         return None
     out = {"to_worker_s": distribution(to_worker), "worker_s": distribution(worker),
-           "from_worker_s": distribution(back)}
+           "from_worker_s": distribution(back), "worker_late_s": distribution(late)}
     if front:
         out.update(front_s=distribution(front), client_side_s=distribution(client))
     return out
@@ -277,7 +282,8 @@ async def fleet_run(trace: Trace, fleet_config, arrival: ArrivalConfig, limits: 
                        "best_predicted_cached_tokens": r.best_predicted_cached_tokens,
                        "worker_arrival_s": round(w[0], 4) if w else None,
                        "worker_end_s": round(w[1], 4) if w else None,
-                       "worker_ttft_s": round(w[2], 4) if w else None}
+                       "worker_ttft_s": round(w[2], 4) if w else None,
+                       "worker_late_s": round(w[3], 4) if w else None}
                       for r in sorted(records, key=lambda r: r.start_s)
                       for w in (at_worker.get((r.conversation_id, r.turn_index)),)]}
 

@@ -87,6 +87,9 @@ def test_emulated_final_reports_worker_side_timings(loop_thread, tiny_spec) -> N
         assert again.usage.cached_tokens == 304  # 19 full blocks; the last token is computed
         assert again.timings.ttft_ms == pytest.approx(16 / 2000 * 1e3, abs=0.01)
         assert [r.cached_tokens for r in engine.records] == [0, 304]
+        # The host's delay of each first token is recorded beside the computed timings
+        # (emulated seconds; never negative).
+        assert all(r.first_token_late_s >= 0 for r in engine.records)
     finally:
         loop_thread.loop.call_soon_threadsafe(stop.set)
 

@@ -708,14 +708,14 @@ def test_fleet_turnaround_joins_client_and_worker_records() -> None:
             TurnRecord("b", 0, start_s=0.1, e2e_s=0.5, prompt_tokens=100, worker="worker-0")]
     # Worker arrivals in wall unix time; b's turn shares a's prompt length and worker.
     served = [{"worker": "worker-0", "prompt_tokens": 100, "arrival_unix_s": t0 + 0.05 / scale,
-               "total_s": 0.9, "ttft_s": 0.3},
+               "total_s": 0.9, "ttft_s": 0.3, "first_token_late_s": 0.01},
               {"worker": "worker-0", "prompt_tokens": 100, "arrival_unix_s": t0 + 0.12 / scale,
                "total_s": 0.4, "ttft_s": 0.1},
               {"worker": "worker-1", "prompt_tokens": 200, "arrival_unix_s": t0 + 1.4 / scale,
                "total_s": 0.8, "ttft_s": 0.2}]
     at = worker_times(recs, served, t0, scale)
-    assert at[("a", 0)] == pytest.approx((0.05, 0.95, 0.3)) and at[("b", 0)] == pytest.approx(
-        (0.12, 0.52, 0.1))
+    assert at[("a", 0)] == pytest.approx((0.05, 0.95, 0.3, 0.01)) and at[("b", 0)] == pytest.approx(
+        (0.12, 0.52, 0.1, 0.0))
     s = turnaround_summary(recs, at)
     assert s["to_send_s"]["count"] == 1
     assert s["to_send_s"]["p50"] == pytest.approx(1.2 - 0.95)
@@ -761,12 +761,13 @@ def test_fleet_ttft_breakdown_splits_client_ttft_at_the_worker() -> None:
                        prompt_tokens=100, worker="worker-0", gateway_ttft_s=0.6),
             TurnRecord("b", 0, start_s=2.0, ttft_s=0.5, e2e_s=1.0, completion_tokens=5,
                        prompt_tokens=100, worker="worker-0")]  # a front without its own TTFT
-    at = {("a", 0): (1.2, 3.0, 0.3), ("b", 0): (2.1, 3.0, 0.2)}
+    at = {("a", 0): (1.2, 3.0, 0.3, 0.05), ("b", 0): (2.1, 3.0, 0.2, 0.0)}
     s = ttft_breakdown(recs, at)
     assert s["to_worker_s"]["count"] == 2 and s["to_worker_s"]["max"] == pytest.approx(0.2)
     assert s["worker_s"]["max"] == pytest.approx(0.3)
     assert s["from_worker_s"]["max"] == pytest.approx(0.4)  # 0.9 - 0.2 - 0.3
     assert s["from_worker_s"]["mean"] == pytest.approx(0.3)  # and 0.5 - 0.1 - 0.2
+    assert s["worker_late_s"]["max"] == pytest.approx(0.05)
     assert s["front_s"]["count"] == 1 and s["front_s"]["p50"] == pytest.approx(0.6)
     assert s["client_side_s"]["p50"] == pytest.approx(0.3)
     assert ttft_breakdown(recs, {}) is None
