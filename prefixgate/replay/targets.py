@@ -204,9 +204,9 @@ class OpenAITarget(Target):
                       "temperature": self.temperature, "stream": True,
                       "stream_options": {"include_usage": True}}
         if request.prompt_token_ids is not None:
-            path, body["prompt"] = "/v1/completions", list(request.prompt_token_ids)
-            if self.text_token_ids:
-                body["prompt"] = " ".join(map(str, request.prompt_token_ids))
+            path = "/v1/completions"
+            body["prompt"] = (" ".join(map(str, request.prompt_token_ids))
+                              if self.text_token_ids else list(request.prompt_token_ids))
         else:
             path = "/v1/chat/completions"
             body["messages"] = [{"role": r, "content": c} for r, c in request.messages or ()]

@@ -234,3 +234,14 @@ def test_emulated_worker_refuses_logprobs_it_cannot_compute(loop_thread, tiny_sp
         assert "no log probabilities" in err.value.details()
     finally:
         loop_thread.loop.call_soon_threadsafe(stop.set)
+
+
+def test_http_face_reads_text_prompts_as_token_ids() -> None:
+    """A text prompt is token ids separated by any whitespace, read whole or refused."""
+    from prefixgate.emulate.http import BadRequest, _prompt_ids
+
+    assert _prompt_ids(" 7  8\n9\t10 ") == (7, 8, 9, 10)
+    assert _prompt_ids([7, 8]) == (7, 8)
+    for bad in ("1 x 3", "1.5 2", "1,2", "", "-1 2", "4294967296 1", "99999999999999999999"):
+        with pytest.raises(BadRequest):
+            _prompt_ids(bad)
