@@ -180,8 +180,8 @@ def _freeze_long_lived(num_blocks: int, frozen_blocks: int) -> int:
 
     Only the young generations are collected first, never a full collection: that walks
     every object not yet frozen with the event loop stopped, each turn in flight waiting
-    (in a fleet replay at 80 turns/s, 6 % of the gateway's profile samples: 0.1-0.3 s
-    pauses on a busy host, seconds of emulated TTFT at time scale 20). The price: cyclic
+    (in a fleet replay at 80 turns/s, 6 % of the gateway's profile samples: 270 ms in 25 s
+    on a busy host, seconds of emulated TTFT at time scale 20). The price: cyclic
     garbage already in the oldest generation at that moment is frozen with the rest and
     never freed, once per doubling of the index. Returns the index size at the last
     freeze."""
