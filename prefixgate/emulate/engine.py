@@ -133,6 +133,9 @@ class ServedRecord:
     ttft_s: float
     total_s: float
     finish_reason: str
+    # How much later than its computed time the first token left (emulated seconds): the
+    # host's delay of this worker's timer, which the timings above leave out.
+    first_token_late_s: float = 0.0
 
 
 def reply_token_ids(prompt_hashes: list[int], root_hash: int, num_tokens: int,
@@ -158,6 +161,7 @@ class _Req:
     cached: int = 0
     started: float = 0.0
     first_token: float = 0.0
+    first_token_late: float = 0.0  # loop seconds the first token left after first_token
     done_at: float = 0.0
     handle: Node[int] | None = None
     timer: asyncio.TimerHandle | None = None
@@ -305,6 +309,7 @@ class EmulatedEngine(Engine):
         req.reply = reply_token_ids(req.hashes, req.hasher.root_hash, max_tokens,
                                     self.config.vocab_size)
         req.emit(TokenEvent((req.reply[0],), "x"))
+        req.first_token_late = max(0.0, self._loop.time() - req.first_token)
         req.done_at = req.first_token + self._wall(
             self.config.service.decode_s(max_tokens - 1))
         if max_tokens > 1:
@@ -380,7 +385,7 @@ class EmulatedEngine(Engine):
             self.records.append(ServedRecord(
                 rid, time.time() - (now - req.arrival), final.prompt_tokens, req.cached,
                 completion, final.queue_ms / 1e3, final.ttft_ms / 1e3, final.total_ms / 1e3,
-                reason.value))
+                reason.value, req.first_token_late * scale))
         req.emit(final)
 
     def _snapshot(self) -> EngineStatus:

@@ -25,8 +25,10 @@ import contextlib
 import json
 import logging
 import uuid
+import warnings
 
 import h11
+import numpy as np
 
 from prefixgate.wire.protocol import SamplingConfig
 from prefixgate.workerapi.api import Engine, FinalEvent, Request, TokenEvent
@@ -42,11 +44,19 @@ class BadRequest(ValueError):
 
 def _prompt_ids(prompt: object) -> tuple[int, ...]:
     if isinstance(prompt, str):
-        try:
-            ids = tuple(int(t) for t in prompt.split())
-        except ValueError:
-            raise BadRequest("prompt: a string prompt must be token ids separated by spaces") \
-                from None
+        # numpy's parser: a 15k-token prompt in ~0.8 ms, where int() per token took ~5 ms
+        # of the worker's event loop (the HTTP routers' turns queued behind it, the
+        # gateway's packed ids did not: an unequal harness).
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # text it cannot read to its end
+            try:
+                parsed = np.fromstring(prompt, dtype=np.int64, sep=" ")
+            except (ValueError, DeprecationWarning):
+                raise BadRequest("prompt: a string prompt must be token ids separated by "
+                                 "spaces") from None
+        if parsed.size and int(parsed.max()) >= 2**32:
+            raise BadRequest("prompt: token ids must be below 2**32")
+        ids = tuple(parsed.tolist())
     elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         ids = tuple(prompt)
     else:

@@ -46,7 +46,7 @@ from prefixgate.replay.targets import (
     TurnRecord,
     TurnRequest,
 )
-from prefixgate.replay.traces import Trace
+from prefixgate.replay.traces import Trace, warm_block_runs
 
 
 class RoundRobin(Target):
@@ -141,16 +141,19 @@ def decision_summary(records: list[TurnRecord]) -> dict | None:
 
 
 def worker_times(records: list[TurnRecord], served: list[dict], started_unix_s: float,
-                 scale: float) -> dict[tuple[str, int], tuple[float, float]]:
-    """(conversation, turn) -> (arrival, end) of that turn at its worker, emulated seconds
-    from the run's start (the client records' clock): client records (emulated, from the
-    run's start) are joined to the workers' (`served`) by worker, prompt tokens and the
-    nearest arrival to the client's send."""
-    pool: dict[tuple[str, int], list[tuple[float, float]]] = {}
+                 scale: float) -> dict[tuple[str, int], tuple[float, float, float, float]]:
+    """(conversation, turn) -> (arrival, end, TTFT, late) of that turn at its worker,
+    emulated seconds, arrival and end from the run's start (the client records' clock),
+    TTFT the worker's own (queue + prefill), late how much after its computed time the
+    worker's timer sent the first token (the host's delay of the worker): client records (emulated, from the run's start) are
+    joined to the workers' (`served`) by worker, prompt tokens and the nearest arrival to
+    the client's send."""
+    pool: dict[tuple[str, int], list[tuple[float, float, float, float]]] = {}
     for s in served:
         arrival = (s["arrival_unix_s"] - started_unix_s) * scale
         pool.setdefault((s["worker"], s["prompt_tokens"]), []).append(
-            (arrival, arrival + s["total_s"]))
+            (arrival, arrival + s["total_s"], s.get("ttft_s", 0.0),
+             s.get("first_token_late_s", 0.0)))
     out = {}
     for r in sorted((r for r in records if r.ok), key=lambda r: r.start_s):
         cands = pool.get((r.worker, r.prompt_tokens))
@@ -162,7 +165,8 @@ def worker_times(records: list[TurnRecord], served: list[dict], started_unix_s: 
 
 
 def turnaround_summary(records: list[TurnRecord],
-                       at_worker: dict[tuple[str, int], tuple[float, float]]) -> dict | None:
+                       at_worker: dict[tuple[str, int], tuple[float, float, float, float]]
+                       ) -> dict | None:
     """The turnaround of follow-ups, emulated seconds: from the end of a turn at its worker
     (its reply's last token, when a worker publishing at finish stores its blocks) to the
     next turn of the conversation being sent by the client (`to_send_s`) and arriving at
@@ -171,7 +175,7 @@ def turnaround_summary(records: list[TurnRecord],
     reply's end to its next send). None without follow-ups."""
     by_turn = {(r.conversation_id, r.turn_index): r for r in records if r.ok}
     send, worker, client = [], [], []
-    for (conv, i), (_, end) in at_worker.items():
+    for (conv, i), (_, end, *_) in at_worker.items():
         nxt, after = by_turn.get((conv, i + 1)), at_worker.get((conv, i + 1))
         if nxt is not None and after is not None:
             r = by_turn[(conv, i)]
@@ -184,9 +188,45 @@ def turnaround_summary(records: list[TurnRecord],
             "client_s": distribution(client)}
 
 
+def ttft_breakdown(records: list[TurnRecord],
+                   at_worker: dict[tuple[str, int], tuple[float, float, float, float]]
+                   ) -> dict | None:
+    """Where each turn's client TTFT went, emulated seconds, as distributions over the
+    turns joined to their worker's record: `to_worker_s` (the client's send to the turn's
+    arrival at its worker: the client, the front, its routing and both hops), `worker_s`
+    (the worker's own queue + prefill), `from_worker_s` (the rest: the first token's way
+    back through the front to the client, and any lateness of the worker's send on a busy
+    host), `worker_late_s` (that lateness alone: the emulated worker's timer firing after
+    its computed time); and, where the front reports its own TTFT (prefixgate's ChatFinal), `front_s`
+    (the gateway's handler start to the first token it relayed) and `client_side_s`
+    (client TTFT less that: the client and the hops to and from the front). None when no
+    turn joined."""
+    to_worker, worker, back, late, front, client = [], [], [], [], [], []
+    for r in records:
+        w = at_worker.get((r.conversation_id, r.turn_index))
+        if w is None or not r.ok or not r.completion_tokens:
+            continue
+        to_worker.append(w[0] - r.start_s)
+        worker.append(w[2])
+        back.append(r.ttft_s - (w[0] - r.start_s) - w[2])
+        late.append(w[3])
+        if r.gateway_ttft_s >= 0:
+            front.append(r.gateway_ttft_s)
+            client.append(r.ttft_s - r.gateway_ttft_s)
+    if not to_worker:
+        return None
+    out = {"to_worker_s": distribution(to_worker), "worker_s": distribution(worker),
+           "from_worker_s": distribution(back), "worker_late_s": distribution(late)}
+    if front:
+        out.update(front_s=distribution(front), client_side_s=distribution(client))
+    return out
+
+
 def _scaled(rec: TurnRecord, scale: float) -> TurnRecord:
     return dataclasses.replace(rec, start_s=rec.start_s * scale, ttft_s=rec.ttft_s * scale,
-                               e2e_s=rec.e2e_s * scale, itl_s=[g * scale for g in rec.itl_s])
+                               e2e_s=rec.e2e_s * scale, itl_s=[g * scale for g in rec.itl_s],
+                               gateway_ttft_s=(rec.gateway_ttft_s * scale
+                                               if rec.gateway_ttft_s >= 0 else -1.0))
 
 
 async def fleet_run(trace: Trace, fleet_config, arrival: ArrivalConfig, limits: Limits, *,
@@ -214,6 +254,7 @@ async def fleet_run(trace: Trace, fleet_config, arrival: ArrivalConfig, limits: 
     summary["decisions"] = decision_summary(records)
     at_worker = worker_times(records, served, result.started_unix_s, scale)
     summary["turnaround"] = turnaround_summary(records, at_worker)
+    summary["ttft_breakdown"] = ttft_breakdown(records, at_worker)
     failed = {}
     for r in records:
         if not r.ok:
@@ -232,13 +273,17 @@ async def fleet_run(trace: Trace, fleet_config, arrival: ArrivalConfig, limits: 
             "worker_ttft_samples_s": sorted(r["ttft_s"] for r in served),
             "turns": [{"conversation_id": r.conversation_id, "turn": r.turn_index,
                        "start_s": round(r.start_s, 4), "status": r.status,
-                       "ttft_s": round(r.ttft_s, 4), "e2e_s": round(r.e2e_s, 4), "prompt_tokens": r.prompt_tokens,
+                       "ttft_s": round(r.ttft_s, 4), "e2e_s": round(r.e2e_s, 4),
+                       "gateway_ttft_s": round(r.gateway_ttft_s, 4),
+                       "prompt_tokens": r.prompt_tokens,
                        "cached_tokens": r.cached_tokens,
                        "transferred_tokens": r.transferred_tokens, "worker": r.worker,
                        "predicted_cached_tokens": r.predicted_cached_tokens,
                        "best_predicted_cached_tokens": r.best_predicted_cached_tokens,
                        "worker_arrival_s": round(w[0], 4) if w else None,
-                       "worker_end_s": round(w[1], 4) if w else None}
+                       "worker_end_s": round(w[1], 4) if w else None,
+                       "worker_ttft_s": round(w[2], 4) if w else None,
+                       "worker_late_s": round(w[3], 4) if w else None}
                       for r in sorted(records, key=lambda r: r.start_s)
                       for w in (at_worker.get((r.conversation_id, r.turn_index)),)]}
 
@@ -250,6 +295,10 @@ def run_fleet(trace: Trace, plan: FleetPlan, arrival: ArrivalConfig,
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     spec, block_size = fleet_model(trace, plan, limits.max_tokens)
+    # Every run's client sends the same prompts: derive them before any run's clock starts
+    # (the first run's client would otherwise derive them while timing its front, and the
+    # later runs of this process would find them done).
+    warm_block_runs(trace, limits.vocab_size)
     context = spec.max_context_tokens
     # "none": no prefixgate runs (only the --peer-router's).
     policies = [p for p in (plan.policies or ("prefix",)) if p != "none"]

@@ -65,6 +65,10 @@ class TurnRecord:
     predicted_cached_tokens: int = -1
     best_predicted_cached_tokens: int = -1
     predicted_transferred_tokens: int = 0  # ... and predicted to arrive by a pull
+    # The gateway's own time to first token (its handler's start to the first token it
+    # relayed, seconds; -1: not reported): the client's TTFT less this is the client and
+    # the hops between them.
+    gateway_ttft_s: float = -1.0
 
     @property
     def computed_tokens(self) -> int:
@@ -141,6 +145,7 @@ class GatewayTarget(Target):
         rec.best_predicted_cached_tokens = r.best_predicted_cached_tokens
         rec.transferred_tokens = r.transferred_tokens
         rec.predicted_transferred_tokens = r.predicted_transferred_tokens
+        rec.gateway_ttft_s = r.ttft_ms / 1e3
         return rec
 
     async def close(self) -> None:
@@ -199,9 +204,9 @@ class OpenAITarget(Target):
                       "temperature": self.temperature, "stream": True,
                       "stream_options": {"include_usage": True}}
         if request.prompt_token_ids is not None:
-            path, body["prompt"] = "/v1/completions", list(request.prompt_token_ids)
-            if self.text_token_ids:
-                body["prompt"] = " ".join(map(str, request.prompt_token_ids))
+            path = "/v1/completions"
+            body["prompt"] = (" ".join(map(str, request.prompt_token_ids))
+                              if self.text_token_ids else list(request.prompt_token_ids))
         else:
             path = "/v1/chat/completions"
             body["messages"] = [{"role": r, "content": c} for r, c in request.messages or ()]

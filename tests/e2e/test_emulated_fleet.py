@@ -87,6 +87,9 @@ def test_emulated_final_reports_worker_side_timings(loop_thread, tiny_spec) -> N
         assert again.usage.cached_tokens == 304  # 19 full blocks; the last token is computed
         assert again.timings.ttft_ms == pytest.approx(16 / 2000 * 1e3, abs=0.01)
         assert [r.cached_tokens for r in engine.records] == [0, 304]
+        # The host's delay of each first token is recorded beside the computed timings
+        # (emulated seconds; never negative).
+        assert all(r.first_token_late_s >= 0 for r in engine.records)
     finally:
         loop_thread.loop.call_soon_threadsafe(stop.set)
 
@@ -231,3 +234,14 @@ def test_emulated_worker_refuses_logprobs_it_cannot_compute(loop_thread, tiny_sp
         assert "no log probabilities" in err.value.details()
     finally:
         loop_thread.loop.call_soon_threadsafe(stop.set)
+
+
+def test_http_face_reads_text_prompts_as_token_ids() -> None:
+    """A text prompt is token ids separated by any whitespace, read whole or refused."""
+    from prefixgate.emulate.http import BadRequest, _prompt_ids
+
+    assert _prompt_ids(" 7  8\n9\t10 ") == (7, 8, 9, 10)
+    assert _prompt_ids([7, 8]) == (7, 8)
+    for bad in ("1 x 3", "1.5 2", "1,2", "", "-1 2", "4294967296 1", "99999999999999999999"):
+        with pytest.raises(BadRequest):
+            _prompt_ids(bad)

@@ -94,6 +94,42 @@ def test_malformed_lines_fail_naming_the_line_or_are_skipped(tmp_path) -> None:
         read_trace(tmp_path / "missing.jsonl")
 
 
+@settings(max_examples=50, deadline=None)
+@given(st.integers(min_value=-2**70, max_value=2**70), st.integers(min_value=1, max_value=700),
+       st.sampled_from([32000, 320, 100, 49152]))
+def test_synthesised_tokens_are_the_documented_xxh64(hash_id, num_tokens, vocab_size) -> None:
+    """The vectorised synthesis gives exactly `first + XXH64(u32_le(i), seed) mod span`,
+    computed here one token at a time with xxhash itself."""
+    import xxhash
+
+    first = 256 if vocab_size > 512 else 0
+    want = [first + xxhash.xxh64_intdigest(i.to_bytes(4, "little"), hash_id % 2**64)
+            % (vocab_size - first) for i in range(num_tokens)]
+    assert synth_block_tokens(hash_id, num_tokens, vocab_size) == want
+
+
+def test_warming_a_trace_derives_each_block_once_and_changes_no_prompt(tmp_path) -> None:
+    """warm_block_runs derives every distinct block of a token trace before a replay; the
+    prompts built afterwards are the ones built without it."""
+    from prefixgate.replay import traces
+
+    path = _write_lines(tmp_path / "m.jsonl", [
+        json.dumps({"timestamp": 0, "input_length": 1100, "output_length": 5,
+                    "hash_ids": [90001, 90002, 90003]}),
+        json.dumps({"timestamp": 1, "input_length": 600, "output_length": 2,
+                    "hash_ids": [90001, 90004]})])
+    trace = read_trace(path)
+    cold = [synth_prompt(c.turns[0], 512, 1000) for c in trace.conversations]
+    traces._BLOCK_RUNS.clear()
+    assert traces.warm_block_runs(trace, 1000, batch_blocks=3) == 4
+    assert traces.warm_block_runs(trace, 1000) == 0  # all remembered
+    assert [synth_prompt(c.turns[0], 512, 1000) for c in trace.conversations] == cold
+    sharegpt = read_trace(_write_lines(tmp_path / "s.jsonl", [json.dumps(
+        {"id": "x", "conversations": [{"from": "human", "value": "hi"},
+                                      {"from": "gpt", "value": "hello"}]})]))
+    assert traces.warm_block_runs(sharegpt, 1000) == 0
+
+
 def test_mooncake_reader_and_deterministic_token_synthesis(tmp_path) -> None:
     path = _write_lines(tmp_path / "m.jsonl", [
         json.dumps({"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids": [7, 8]}),
@@ -672,14 +708,14 @@ def test_fleet_turnaround_joins_client_and_worker_records() -> None:
             TurnRecord("b", 0, start_s=0.1, e2e_s=0.5, prompt_tokens=100, worker="worker-0")]
     # Worker arrivals in wall unix time; b's turn shares a's prompt length and worker.
     served = [{"worker": "worker-0", "prompt_tokens": 100, "arrival_unix_s": t0 + 0.05 / scale,
-               "total_s": 0.9},
+               "total_s": 0.9, "ttft_s": 0.3, "first_token_late_s": 0.01},
               {"worker": "worker-0", "prompt_tokens": 100, "arrival_unix_s": t0 + 0.12 / scale,
-               "total_s": 0.4},
+               "total_s": 0.4, "ttft_s": 0.1},
               {"worker": "worker-1", "prompt_tokens": 200, "arrival_unix_s": t0 + 1.4 / scale,
-               "total_s": 0.8}]
+               "total_s": 0.8, "ttft_s": 0.2}]
     at = worker_times(recs, served, t0, scale)
-    assert at[("a", 0)] == pytest.approx((0.05, 0.95)) and at[("b", 0)] == pytest.approx(
-        (0.12, 0.52))
+    assert at[("a", 0)] == pytest.approx((0.05, 0.95, 0.3, 0.01)) and at[("b", 0)] == pytest.approx(
+        (0.12, 0.52, 0.1, 0.0))
     s = turnaround_summary(recs, at)
     assert s["to_send_s"]["count"] == 1
     assert s["to_send_s"]["p50"] == pytest.approx(1.2 - 0.95)
@@ -714,3 +750,24 @@ def test_simulated_transfer_moves_kv_instead_of_work() -> None:
     # Without a link (0 bytes/s) nothing is pulled.
     none = simulate(convs, SimConfig(**{**base, "transfer_bytes_per_s": 0.0}))
     assert not any(r.transferred_tokens for r in none.records)
+
+
+def test_fleet_ttft_breakdown_splits_client_ttft_at_the_worker() -> None:
+    """summary.ttft_breakdown: each turn's client TTFT split into the way to its worker,
+    the worker's own TTFT and the way back; the front's own TTFT where it reports one."""
+    from prefixgate.replay.fleet import ttft_breakdown
+
+    recs = [TurnRecord("a", 0, start_s=1.0, ttft_s=0.9, e2e_s=2.0, completion_tokens=5,
+                       prompt_tokens=100, worker="worker-0", gateway_ttft_s=0.6),
+            TurnRecord("b", 0, start_s=2.0, ttft_s=0.5, e2e_s=1.0, completion_tokens=5,
+                       prompt_tokens=100, worker="worker-0")]  # a front without its own TTFT
+    at = {("a", 0): (1.2, 3.0, 0.3, 0.05), ("b", 0): (2.1, 3.0, 0.2, 0.0)}
+    s = ttft_breakdown(recs, at)
+    assert s["to_worker_s"]["count"] == 2 and s["to_worker_s"]["max"] == pytest.approx(0.2)
+    assert s["worker_s"]["max"] == pytest.approx(0.3)
+    assert s["from_worker_s"]["max"] == pytest.approx(0.4)  # 0.9 - 0.2 - 0.3
+    assert s["from_worker_s"]["mean"] == pytest.approx(0.3)  # and 0.5 - 0.1 - 0.2
+    assert s["worker_late_s"]["max"] == pytest.approx(0.05)
+    assert s["front_s"]["count"] == 1 and s["front_s"]["p50"] == pytest.approx(0.6)
+    assert s["client_side_s"]["p50"] == pytest.approx(0.3)
+    assert ttft_breakdown(recs, {}) is None
