@@ -38,7 +38,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 class _SharedUp:
-    """The running fleet, started on first use (again if `up` itself has exited)."""
+    """The running fleet, started on first use. A test that finds `up` gone (exited after
+    a test before it) fails: a fleet started again would hide that exit."""
 
     def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
         self.tmp_path_factory = tmp_path_factory
@@ -47,7 +48,8 @@ class _SharedUp:
 
     def get(self):
         if self.running is not None and self.running[0].poll() is not None:
-            self.close()
+            pytest.fail(f"the shared `prefixgate up --engine vllm` exited (code "
+                        f"{self.running[0].returncode}) after an earlier test", pytrace=False)
         if self.running is None:
             from tests.e2e.test_up_vllm import running_up
 
