@@ -162,6 +162,28 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def run_side_by_side(argvs: list[list[str]], timeout_s: float = 120,
+                     **popen: Any) -> list[subprocess.CompletedProcess]:
+    """Run the commands at once and wait for all of them (for commands that mostly wait,
+    e.g. a client's wait for a gateway that never answers, so that the waits overlap):
+    each one's result (stdout and stderr as text), in order. Any still running after
+    `timeout_s` is killed, the test failing with subprocess.TimeoutExpired."""
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              **popen) for argv in argvs]
+    try:
+        deadline = time.monotonic() + timeout_s
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
 def start_up(args: list[str], env: dict[str, str], timeout_s: float = 120) -> subprocess.Popen:
     """Start `prefixgate up ARGS` and return once it printed that it is up (its stdout
     and stderr are merged into the returned process's stdout)."""

@@ -14,7 +14,7 @@ import pytest
 from prefixgate.launch.processes import ProcessGroup
 from prefixgate.wire.rpc import free_port
 from tests.e2e.test_security import make_pki
-from tests.helpers import REPO, cli_env, wait_for
+from tests.helpers import REPO, cli_env, run_side_by_side, wait_for
 
 PG = [sys.executable, "-m", "prefixgate", "chat"]
 
@@ -43,18 +43,20 @@ def tls_gateway(tmp_path_factory: pytest.TempPathFactory):
         procs.stop(timeout_s=20)
 
 
-def _chat(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*PG, *args, "--message", "hi", "--max-tokens", "2",
-                           "--timeout", "30"], capture_output=True, text=True, timeout=120,
-                          env=cli_env(), cwd=REPO)
+def _chats(*arg_lists: list[str]) -> list[subprocess.CompletedProcess]:
+    """`prefixgate chat ARGS --message hi` for each ARGS, side by side (a client that gets
+    no answer waits its 10 s for the gateway before it says why: the waits overlap)."""
+    return run_side_by_side([[*PG, *args, "--message", "hi", "--max-tokens", "2",
+                              "--timeout", "30"] for args in arg_lists],
+                            env=cli_env(), cwd=REPO)
 
 
 def test_a_tls_gateway_without_its_ca_is_named_as_tls(tls_gateway) -> None:
     port, http_port, _ = tls_gateway
-    for args, says in [(["--address", f"127.0.0.1:{port}"], "pass the gateway's CA"),
-                       (["--http", f"https://127.0.0.1:{http_port}/v1"], "pass the gateway's CA"),
-                       (["--http", f"http://127.0.0.1:{http_port}/v1"], "use an https:// URL")]:
-        r = _chat(*args)
+    cases = [(["--address", f"127.0.0.1:{port}"], "pass the gateway's CA"),
+             (["--http", f"https://127.0.0.1:{http_port}/v1"], "pass the gateway's CA"),
+             (["--http", f"http://127.0.0.1:{http_port}/v1"], "use an https:// URL")]
+    for r, (_, says) in zip(_chats(*(args for args, _ in cases)), cases, strict=True):
         assert r.returncode != 0 and "speaks TLS" in r.stderr and "--tls-ca" in r.stderr \
             and says in r.stderr, r.stderr
         assert "no gateway answers" not in r.stderr
@@ -62,9 +64,8 @@ def test_a_tls_gateway_without_its_ca_is_named_as_tls(tls_gateway) -> None:
 
 def test_a_failed_turn_exits_non_zero_and_no_http_log_lands_in_the_reply(tls_gateway) -> None:
     port, http_port, ca = tls_gateway
-    for args in (["--address", f"127.0.0.1:{port}"],
-                 ["--http", f"https://127.0.0.1:{http_port}/v1"]):
-        r = _chat(*args, "--tls-ca", ca)
+    for r in _chats(["--address", f"127.0.0.1:{port}", "--tls-ca", ca],
+                    ["--http", f"https://127.0.0.1:{http_port}/v1", "--tls-ca", ca]):
         assert r.returncode == 1 and "error:" in r.stdout, r.stdout + r.stderr
         assert "HTTP Request" not in r.stdout + r.stderr, r.stdout + r.stderr
 

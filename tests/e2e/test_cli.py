@@ -12,7 +12,7 @@ import time
 import pytest
 
 from prefixgate.wire.rpc import free_port
-from tests.helpers import cli_env, process_alive, start_up
+from tests.helpers import cli_env, process_alive, run_side_by_side, start_up
 
 PG = [sys.executable, "-m", "prefixgate"]
 
@@ -244,13 +244,13 @@ def test_up_chat_and_ctrl_c(tmp_path) -> None:
 
 
 def test_chat_against_nothing_says_so() -> None:
-    r = subprocess.run([*PG, "chat", "--address", f"127.0.0.1:{free_port()}", "--message", "hi"],
-                       capture_output=True, text=True, timeout=60, env=cli_env())
-    assert r.returncode != 0 and "no gateway answers" in r.stderr
+    # Side by side: each waits its 10 s for a gateway that may be starting, then says why.
     url = f"http://127.0.0.1:{free_port()}/v1"
-    r = subprocess.run([*PG, "chat", "--http", url, "--message", "hi"],
-                       capture_output=True, text=True, timeout=60, env=cli_env())
-    assert r.returncode != 0 and f"no gateway answers at {url}" in r.stderr
+    on_grpc, on_http = run_side_by_side(
+        [[*PG, "chat", "--address", f"127.0.0.1:{free_port()}", "--message", "hi"],
+         [*PG, "chat", "--http", url, "--message", "hi"]], timeout_s=60, env=cli_env())
+    assert on_grpc.returncode != 0 and "no gateway answers" in on_grpc.stderr
+    assert on_http.returncode != 0 and f"no gateway answers at {url}" in on_http.stderr
 
 
 @pytest.mark.slow

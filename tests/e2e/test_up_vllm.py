@@ -2,11 +2,13 @@
 named by $PREFIXGATE_VLLM_PYTHON or the CI's cached one; failing, saying so, without one,
 unless PREFIXGATE_ALLOW_NO_VLLM=1).
 
-One `up --engine vllm --workers 2` serves the module's tests, in order: vLLM's greedy
+One `up --engine vllm --workers 2`, shared with the other modules that need the same fleet
+(tests/e2e/conftest.vllm_up), serves the module's tests, in order: vLLM's greedy
 tokens and logprobs on the materialised SmolLM2 equal transformers' on the same folder; a
 two-turn chat through the OpenAI front reuses turn 1's cache on turn 1's server; vLLM's
 environment holds no PREFIXGATE_* variable; a server killed is dropped and its blocks
-leave the index, the conversation going on elsewhere; Ctrl-C stops every process."""
+leave the index, the conversation going on elsewhere; Ctrl-C stops every process (these
+two end the fleet: they run after every other test of it)."""
 
 from __future__ import annotations
 
@@ -105,13 +107,8 @@ def running_up(tmp_path_factory, kv_cache_mib: int):
                 os.killpg(sid, signal.SIGKILL)
 
 
-@pytest.fixture(scope="module")
-def up(smollm2_spec, tmp_path_factory):
-    with running_up(tmp_path_factory, 512) as running:
-        yield running
 
-
-def test_vllm_replies_equal_transformers(up, smollm2_spec) -> None:
+def test_vllm_replies_equal_transformers(vllm_up, smollm2_spec) -> None:
     """Greedy tokens equal and logprobs within 1e-3 of transformers (float32) on the same
     folder: the checkpoint prefixgate materialises is the model vLLM serves."""
     import torch
@@ -119,7 +116,7 @@ def test_vllm_replies_equal_transformers(up, smollm2_spec) -> None:
 
     from prefixgate.model.tokenizer import ChatTokenizer
 
-    _, _, servers = up
+    _, _, servers = vllm_up
     ids = ChatTokenizer(smollm2_spec).encode_messages([("user", QUESTION[0]["content"])])
     port = next(iter(servers))
     got, _ = _post(f"http://127.0.0.1:{port}/v1/completions", {
@@ -140,9 +137,9 @@ def test_vllm_replies_equal_transformers(up, smollm2_spec) -> None:
     assert "Paris" in choice["text"]
 
 
-def test_two_turn_chat_reuses_turn_one_on_its_server(up) -> None:
+def test_two_turn_chat_reuses_turn_one_on_its_server(vllm_up) -> None:
     """The issue's "done when": turn 2 reports cached tokens and runs where turn 1 ran."""
-    _, base, _ = up
+    _, base, _ = vllm_up
     body = {"model": MODEL, "max_tokens": 32, "temperature": 0, "prompt_cache_key": "c-1"}
     first, h1 = _post(base + "/v1/chat/completions", {**body, "messages": QUESTION})
     answer = first["choices"][0]["message"]["content"]
@@ -154,8 +151,8 @@ def test_two_turn_chat_reuses_turn_one_on_its_server(up) -> None:
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
-def test_vllm_gets_no_prefixgate_variables(up) -> None:
-    _, _, servers = up
+def test_vllm_gets_no_prefixgate_variables(vllm_up) -> None:
+    _, _, servers = vllm_up
     assert len(servers) == 2
     for pid in servers.values():
         names = [kv.split(b"=", 1)[0] for kv in open(f"/proc/{pid}/environ", "rb").read()
@@ -163,8 +160,9 @@ def test_vllm_gets_no_prefixgate_variables(up) -> None:
         assert names and not [n for n in names if n.startswith(b"PREFIXGATE_")]
 
 
-def test_killed_server_is_dropped_and_its_blocks_leave_the_index(up) -> None:
-    proc, base, servers = up
+@pytest.mark.ends_vllm_up
+def test_killed_server_is_dropped_and_its_blocks_leave_the_index(vllm_up) -> None:
+    proc, base, servers = vllm_up
     body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "prompt_cache_key": "c-2",
             "messages": [{"role": "user", "content": "Name three colours of the rainbow, "
                                                      "and say why the sky is blue."}]}
@@ -194,8 +192,9 @@ def test_killed_server_is_dropped_and_its_blocks_leave_the_index(up) -> None:
     assert proc.poll() is None, "the gateway must outlive a worker"
 
 
-def test_ctrl_c_stops_every_process(up) -> None:
-    proc, _, servers = up
+@pytest.mark.ends_vllm_up
+def test_ctrl_c_stops_every_process(vllm_up) -> None:
+    proc, _, servers = vllm_up
     proc.send_signal(signal.SIGINT)
     assert proc.wait(90) in (0, 130)
     deadline = time.monotonic() + 30

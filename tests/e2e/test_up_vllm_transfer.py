@@ -7,7 +7,8 @@ holder busy prefilling; the conversation's next turn goes to the other server, w
 the history from the holder's connector (ExportBlocks) into its paged cache instead of
 computing it: at least 90 % of the history transferred (the gateway's count, and vLLM's own
 count of externally loaded tokens), and the greedy reply equal to an uninterrupted run's
-(the same messages through vLLM's own chat API on the holder, where the history is cached)."""
+(the same messages through vLLM's own chat API on the holder, where the history is cached).
+The fleet is the one shared by the end-to-end vLLM modules (tests/e2e/conftest.vllm_up)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,8 @@ import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
-
 from prefixgate.wire.rpc import free_port
-from tests.e2e.test_up_vllm import _metric, _post, running_up
+from tests.e2e.test_up_vllm import _metric, _post
 
 MODEL = "smollm2-135m"
 _WORDS = ("river mountain library engine garden signal harbor lantern copper meadow "
@@ -44,14 +43,8 @@ def _total(base: str, name: str) -> float:
         return total
 
 
-@pytest.fixture(scope="module")
-def up(smollm2_spec, tmp_path_factory):
-    with running_up(tmp_path_factory, 1024) as running:
-        yield running
-
-
-def test_next_turn_on_the_idle_server_pulls_the_history(up) -> None:
-    _, base, servers = up
+def test_next_turn_on_the_idle_server_pulls_the_history(vllm_up) -> None:
+    _, base, servers = vllm_up
     body = {"model": MODEL, "temperature": 0, "prompt_cache_key": "long-chat"}
     history = [{"role": "system", "content": "You are a concise assistant."},
                {"role": "user", "content": "Summarise these notes: " + _text(1, 3300)}]
@@ -97,12 +90,12 @@ def test_next_turn_on_the_idle_server_pulls_the_history(up) -> None:
     assert json.dumps(reply)  # a whole reply, not an error document
 
 
-def test_a_pull_from_a_holder_that_is_gone_is_computed(up) -> None:
+def test_a_pull_from_a_holder_that_is_gone_is_computed(vllm_up) -> None:
     """A load that fails (nothing listens at the holder's address) costs the computing
     only: the request is answered, greedy-identical to a server that never tried."""
     from prefixgate.vllm_connector.params import PullParams, TransferParams
 
-    _, _, servers = up
+    _, _, servers = vllm_up
     first, second = sorted(servers)
     prompt = "Write a short note about rivers. " + _text(3, 150)
     params = TransferParams(16, "fp", tuple(range(1, 11)),
