@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import time
 import urllib.request
 
@@ -76,6 +77,20 @@ def _session_alive(sid: int) -> bool:
     return False
 
 
+def stop_up(proc, servers: dict[int, int]) -> None:
+    """End a `prefixgate up` the way Ctrl-C does and then any of its vLLM servers'
+    sessions (`_servers`) still alive: a test that failed half-way leaves no engine."""
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    for sid in servers.values():
+        if _session_alive(sid):
+            os.killpg(sid, signal.SIGKILL)
+
+
 @contextlib.contextmanager
 def running_up(tmp_path_factory, kv_cache_mib: int):
     """`prefixgate up --engine vllm --workers 2` with its HTTP front: (process, base URL,
@@ -96,15 +111,7 @@ def running_up(tmp_path_factory, kv_cache_mib: int):
     try:
         yield proc, f"http://127.0.0.1:{http_port}", servers
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(90)
-            except Exception:
-                proc.kill()
-        for sid in servers.values():
-            if _session_alive(sid):
-                os.killpg(sid, signal.SIGKILL)
+        stop_up(proc, servers)
 
 
 

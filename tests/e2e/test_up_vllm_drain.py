@@ -39,6 +39,7 @@ from tests.e2e.test_up_vllm import (
     _post,
     _servers,
     _session_alive,
+    stop_up,
 )
 from tests.e2e.test_up_vllm_transfer import _text, _total
 from tests.engines.vllm_server import vllm_python
@@ -77,15 +78,7 @@ def up(smollm2_spec, tmp_path_factory):
         servers = _servers(proc.pid)
         yield proc, f"http://127.0.0.1:{http_port}", servers, log, redis.url
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for sid in servers.values():
-            if _session_alive(sid):
-                os.killpg(sid, signal.SIGKILL)
+        stop_up(proc, servers)
         redis.stop()
 
 

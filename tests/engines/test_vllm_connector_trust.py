@@ -420,7 +420,6 @@ def test_up_secure_engine_vllm_moves_kv_only_with_the_gateways_ticket_over_tls(
     import random
     import re
     import shutil
-    import signal
     import threading
     import time
     import urllib.request
@@ -428,7 +427,7 @@ def test_up_secure_engine_vllm_moves_kv_only_with_the_gateways_ticket_over_tls(
     from prefixgate.security.identity import Keyring
     from prefixgate.vllm_connector.export import export_channel, held_blocks
     from prefixgate.vllm_connector.params import PullParams, ShiftParams, TransferParams
-    from tests.e2e.test_up_vllm import _servers, _session_alive
+    from tests.e2e.test_up_vllm import _servers, stop_up
     from tests.engines.vllm_server import vllm_python
     from tests.helpers import cli_env, start_up
 
@@ -547,12 +546,4 @@ def test_up_secure_engine_vllm_moves_kv_only_with_the_gateways_ticket_over_tls(
         assert "moved 256 of 256 tokens" in moved and moved.rstrip().endswith("s)"), moved
         assert shifted["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(90)
-            except Exception:
-                proc.kill()
-        for sid in servers.values():
-            if _session_alive(sid):
-                os.killpg(sid, signal.SIGKILL)
+        stop_up(proc, servers)
