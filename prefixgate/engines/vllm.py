@@ -117,7 +117,7 @@ import hmac
 import logging
 import secrets
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,7 +153,7 @@ from prefixgate.workerapi.transfer import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
-__all__ = ["VLLMConfig", "VLLMWorker"]
+__all__ = ["PrefillQueue", "VLLMConfig", "VLLMWorker"]
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 PROBE_TOKENS = (32, 544)  # the prefill probe's two prompt lengths (tokens)
@@ -231,6 +231,65 @@ class VLLMConfig:
         return f"vllm+{self.url}"
 
 
+class _Sent:
+    """One turn in a `PrefillQueue`: its tokens still to prefill and its block hashes."""
+
+    __slots__ = ("pending_tokens", "block_hashes")
+
+    def __init__(self, pending_tokens: int, block_hashes: Sequence[int]) -> None:
+        self.pending_tokens = pending_tokens
+        self.block_hashes = block_hashes
+
+
+class PrefillQueue:
+    """The prefill one vLLM server has been sent and not yet done, in prompt tokens, as its
+    adapter reports it (`WorkerStatus.num_queued_prefill_tokens`) and measures its rate by.
+
+    `admit(num_prompt_tokens, held_tokens, block_hashes)` counts a turn sent: its prompt
+    less what it will not prefill, the larger of `held_tokens` (vLLM's events say the
+    server holds them) and the prefix it shares with a prompt sent here earlier and not
+    ended (its `block_hashes`, chained, in `block_size`-token blocks), at most all but its
+    last token. `first_token` takes a turn's pending tokens off (its prefill is done),
+    `end` takes off what is left and forgets its blocks; each is safe to call twice.
+
+    Why the in-flight prefix counts: vLLM reuses the blocks an earlier prompt computes
+    before a later one sharing them is scheduled (waiting prefill goes in arrival order),
+    so the later one prefills only the rest. Counting its whole prompt made a server
+    still prefilling a shared document read as twice the queue it had, and a second
+    question about the document went to compute it again on another server."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.num_queued_tokens = 0
+        self._blocks: Counter[int] = Counter()  # hash -> turns in flight whose prompt has it
+
+    def admit(self, num_prompt_tokens: int, held_tokens: int,
+              block_hashes: Sequence[int] = ()) -> _Sent:
+        shared = 0
+        for h in block_hashes:
+            if h not in self._blocks:
+                break
+            shared += 1
+        reused = max(held_tokens, min(num_prompt_tokens - 1, shared * self.block_size))
+        sent = _Sent(max(0, num_prompt_tokens - reused), block_hashes)
+        self.num_queued_tokens += sent.pending_tokens
+        self._blocks.update(block_hashes)
+        return sent
+
+    def first_token(self, sent: _Sent) -> None:
+        self.num_queued_tokens -= sent.pending_tokens
+        sent.pending_tokens = 0
+
+    def end(self, sent: _Sent) -> None:
+        self.first_token(sent)
+        blocks = self._blocks
+        for h in sent.block_hashes:
+            blocks[h] -= 1
+            if blocks[h] <= 0:
+                del blocks[h]
+        sent.block_hashes = ()
+
+
 class VLLMWorker(WorkerServiceBase):
     def __init__(self, spec: ModelSpec, tokenizer: ChatTokenizer, config: WorkerConfig,
                  vllm: VLLMConfig) -> None:
@@ -259,7 +318,7 @@ class VLLMWorker(WorkerServiceBase):
         self.turn_prefix = user_turn_prefix(tokenizer)  # opens a user turn (overflow)
         self._memo = HashMemo(8 << 20)
         self._in_flight = 0
-        self._queued_prefill_tokens = 0  # of turns sent here not yet at their first token
+        self._queue = PrefillQueue(self.config.block_size)  # turns sent here, their prefill
         self._tasks: list[asyncio.Task] = []
         # Registry address (or worker id) of each vLLM peer -> its connector's ExportBlocks.
         self.peers: dict[str, str] = {}
@@ -464,7 +523,7 @@ class VLLMWorker(WorkerServiceBase):
         return worker_pb2.WorkerStatus(
             num_running_requests=max(m.num_running_requests, self._in_flight),
             num_waiting_requests=m.num_waiting_requests,
-            num_queued_prefill_tokens=max(0, self._queued_prefill_tokens),
+            num_queued_prefill_tokens=self._queue.num_queued_tokens,
             kv_used_tokens=int(m.kv_usage * m.kv_capacity_tokens),
             kv_capacity_tokens=m.kv_capacity_tokens,
             prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
@@ -754,6 +813,7 @@ class VLLMWorker(WorkerServiceBase):
         namespace = request.namespace
         self._remember_namespace(prompt, namespace)
         salt = ""  # "": the namespace's
+        hashes: Sequence[int] = ()  # the gateway's blocks of it (an overflow's: not tracked)
         if plan is not None:
             if len(plan.kept) >= self.max_context_tokens:  # not even the last turn fits
                 log.warning("request %s: the system prompt and the last turn alone (%d "
@@ -775,17 +835,16 @@ class VLLMWorker(WorkerServiceBase):
             held_tokens = self.mapper.held_prefix_blocks(hashes) * self.config.block_size
             self._remember_served(hashes, packed, namespace)
             params = self._pull_params(request, hashes)
-        pending = len(prompt) - held_tokens
         # Prefill sent here earlier and not yet at its first token: this turn's first token
         # waits for it (vLLM schedules waiting prefill in arrival order), so its time to
         # first token measures the prefill of ahead + its own uncached tokens.
-        ahead = max(0, self._queued_prefill_tokens)
+        ahead = self._queue.num_queued_tokens
         started = time.monotonic()
         ttft_ms = 0.0
         finish: dict[int, str] = {}
         usage: dict = {}
         self._in_flight += 1
-        self._queued_prefill_tokens += pending
+        sent = self._queue.admit(len(prompt), held_tokens, hashes)
         try:
             # aclosing: a client that went away closes the HTTP stream at once (vLLM aborts).
             async with contextlib.aclosing(self.client.completions(
@@ -797,8 +856,7 @@ class VLLMWorker(WorkerServiceBase):
                         text = choice.get("text") or ""
                         if ids and not ttft_ms:
                             ttft_ms = (time.monotonic() - started) * 1e3
-                            self._queued_prefill_tokens -= pending
-                            pending = 0
+                            self._queue.first_token(sent)
                         if ids or text:
                             yield worker_pb2.GenerateEvent(chunk=worker_pb2.GenerateChunk(
                                 token_ids=ids, text=text, index=choice.get("index", 0),
@@ -813,7 +871,7 @@ class VLLMWorker(WorkerServiceBase):
                           request_scoped=exc.code == grpc.StatusCode.INVALID_ARGUMENT) from None
         finally:
             self._in_flight -= 1
-            self._queued_prefill_tokens -= pending
+            self._queue.end(sent)
         if not usage:
             raise Refused(grpc.StatusCode.UNAVAILABLE,
                           f"vLLM at {self.vllm.url} ended request {clip(request.request_id)} "

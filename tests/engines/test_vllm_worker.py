@@ -268,3 +268,39 @@ def test_a_resumed_seeded_reply_does_not_replay_the_spent_draws_on_vllm() -> Non
     assert 1234 not in seeds and len(seeds) == 49
     assert continuation_seed(1234, 7) == continuation_seed(1234, 7)
     assert all(0 <= s < 1 << 63 for s in seeds)
+
+
+def test_the_prefill_queue_counts_a_prefix_still_in_flight_once() -> None:
+    """The vLLM adapter's queued prefill: a turn sharing a prefix with a prompt sent to the
+    same server and not ended counts only the rest (vLLM reuses the blocks the earlier one
+    computes), a turn the events say is held counts the rest of that, and the shared
+    blocks are forgotten once every turn holding them ends."""
+    from prefixgate.engines.vllm import PrefillQueue
+
+    q = PrefillQueue(block_size=16)
+    doc = list(range(100, 100 + 125))  # a 2,000-token document's chained block hashes
+    first = q.admit(2005, 0, doc)  # the document and a 5-token question
+    assert q.num_queued_tokens == 2005
+    second = q.admit(2046, 0, doc + [2, 3])  # another question, same server, in flight
+    assert q.num_queued_tokens == 2005 + 46
+    other = q.admit(500, 0, [7, 8])  # nothing shared
+    assert q.num_queued_tokens == 2005 + 46 + 500
+    q.first_token(first)
+    q.end(first)
+    q.end(first)  # twice: no change
+    assert q.num_queued_tokens == 46 + 500
+    third = q.admit(2010, 0, doc)  # `second` still holds the document's blocks
+    assert q.num_queued_tokens == 46 + 500 + 10
+    for t in (second, third, other):
+        q.end(t)
+    assert q.num_queued_tokens == 0
+    alone = q.admit(2010, 0, doc)  # nothing in flight: the whole prompt
+    assert q.num_queued_tokens == 2010
+    q.end(alone)
+    held = q.admit(64, 48, [1, 2, 3, 4])  # the events say 48 are held
+    assert q.num_queued_tokens == 16
+    whole = q.admit(32, 0, [1, 2])  # all shared: the last token is still computed
+    assert q.num_queued_tokens == 16 + 1
+    q.end(held)
+    q.end(whole)
+    assert q.num_queued_tokens == 0
