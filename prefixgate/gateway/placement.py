@@ -26,6 +26,7 @@ No I/O, no transport: a Placement holds counters the router reads, nothing more.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
     from prefixgate.gateway.feeds import EventFeed
 
 __all__ = ["Placement", "Placer"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -97,6 +100,15 @@ class Placer:
             healthy = [w for w in healthy if w is not exclude]
         decision = self.router.decide(healthy, turn)
         metrics.DECISION_SECONDS.observe(time.perf_counter() - t0)
+        if log.isEnabledFor(logging.DEBUG):  # why a turn went where it went
+            log.debug("route %s (%d tokens; %.2f turns/s, predictions %.2f confirmed): %s",
+                      conversation_id or "-", len(prompt), self.router.arrival_rate_per_s(),
+                      self.index.prediction_confidence, " ".join(
+                f"{w.worker_id}[queued={w.num_queued_prefill_tokens} "
+                f"rate={w.prefill_tokens_per_s:.0f} cached={decision.cached_tokens.get(w.worker_id, 0)} "
+                f"cost={decision.cost_s.get(w.worker_id, float('nan')):.2f}s"
+                f"{' pull' if w.worker_id in decision.pulls else ''}]"
+                for w in decision.ranked))
         return turn, decision
 
     def place(self, turn: Turn, decision: Decision, worker: WorkerHandle,
