@@ -112,7 +112,10 @@ class Reply:
         extra = {"metadata": self.metadata} if self.metadata else {}
         call = worker.client.Generate(gen, timeout=self.remaining_s(), **extra)
         try:
-            async for ev in call:
+            # read(), not `async for`: grpc.aio's iterator is one more async generator a
+            # call, left suspended after the final event (closed later by the loop's
+            # finalizer, a task a turn).
+            while (ev := await call.read()) is not grpc.aio.EOF:
                 yield ev
                 if ev.HasField("final"):
                     return

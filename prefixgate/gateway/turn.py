@@ -47,6 +47,7 @@ here, and only here, into `Failure` kinds.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import time
@@ -327,29 +328,33 @@ class TurnCore:
                     ttft_ms = 0.0
                     reply = resume.Reply(self.resumer, worker, gen, caller.time_remaining,
                                          no_resume, metadata=tracing.headers(call))
-                    async for ev in reply:
-                        if ev.HasField("chunk"):
-                            chunk = ev.chunk
-                            token_ids = chunk.token_ids
-                            if token_ids and not ttft_ms:
-                                ttft_ms = (time.monotonic() - arrival) * 1e3
-                                placed.first_token(len(token_ids))
-                            sent_tokens += len(token_ids)
-                            yield chat_pb2.ChatEvent(delta=chat_pb2.ChatDelta(
-                                text=chunk.text, token_ids=token_ids, index=chunk.index,
-                                logprobs=chunk.logprobs))
-                            continue
-                        if reply.worker is worker:  # not resumed elsewhere: its own pace
-                            placed.lease.decoded(sent_tokens)
-                            usage = ev.final.usage
-                            placed.lease.transferred(
-                                usage.transferred_tokens * worker.kv_bytes_per_token,
-                                placed.holder, usage.prompt_tokens - usage.cached_tokens
-                                - usage.transferred_tokens)
-                        yield self.account(turn, decision, reply.worker, ev.final, arrival,
-                                           ttft_ms, attempt, placed.expected_pulled_tokens,
-                                           reply.num_resumes)
-                        return
+                    # Closed here, as soon as the final event is relayed: the worker call
+                    # ends then (a no-op cancel after its last message), not whenever the
+                    # loop's async-generator finalizer gets to it (a task a turn).
+                    async with contextlib.aclosing(aiter(reply)) as events:
+                        async for ev in events:
+                            if ev.HasField("chunk"):
+                                chunk = ev.chunk
+                                token_ids = chunk.token_ids
+                                if token_ids and not ttft_ms:
+                                    ttft_ms = (time.monotonic() - arrival) * 1e3
+                                    placed.first_token(len(token_ids))
+                                sent_tokens += len(token_ids)
+                                yield chat_pb2.ChatEvent(delta=chat_pb2.ChatDelta(
+                                    text=chunk.text, token_ids=token_ids, index=chunk.index,
+                                    logprobs=chunk.logprobs))
+                                continue
+                            if reply.worker is worker:  # not resumed elsewhere: its own pace
+                                placed.lease.decoded(sent_tokens)
+                                usage = ev.final.usage
+                                placed.lease.transferred(
+                                    usage.transferred_tokens * worker.kv_bytes_per_token,
+                                    placed.holder, usage.prompt_tokens - usage.cached_tokens
+                                    - usage.transferred_tokens)
+                            yield self.account(turn, decision, reply.worker, ev.final, arrival,
+                                               ttft_ms, attempt, placed.expected_pulled_tokens,
+                                               reply.num_resumes)
+                            return
                     # A stream that ends without its final event is a lost worker.
                     raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE,
                                                grpc.aio.Metadata(), grpc.aio.Metadata(),

@@ -6,7 +6,8 @@ Contract
 on a worker (gateway/pool.py `WorkerHandle.client`): the RPCs of
 `prefixgate.v1.WorkerService` under their proto names, each taking the request and the
 keyword arguments `timeout` (seconds, None: none) and `metadata` ((key, value) pairs);
-unary ones are awaited, server-streaming ones iterated (and may be `cancel()`led). A
+unary ones are awaited, server-streaming ones iterated or `read()` message by
+message (`grpc.aio.EOF` after the last), and may be `cancel()`led. A
 call that fails raises `grpc.aio.AioRpcError`: its code, details and trailing metadata
 (`prefixgate-error-scope: request` on a request-scoped failure, wire/protocol.py) are
 what the gateway classifies, whichever client made the call. Plus `serving(timeout)`,
@@ -47,9 +48,12 @@ Metadata = Sequence[tuple[str, str]]
 
 
 class StreamCall(Protocol):
-    """A server-streaming call: iterate it; `cancel()` ends it early."""
+    """A server-streaming call: iterate it, or `read()` its next message (`grpc.aio.EOF`
+    after the last; not both on one call); `cancel()` ends it early."""
 
     def __aiter__(self) -> AsyncIterator: ...
+
+    async def read(self) -> Any: ...
 
     def cancel(self) -> bool: ...
 
@@ -139,7 +143,7 @@ _DEADLINE = "Deadline Exceeded"  # gRPC's own details for it
 
 
 class InProcessCall:
-    """A server-streaming call made in process: iterate it; `cancel()` ends it early (the
+    """A server-streaming call made in process: iterate it or `read()` it; `cancel()` ends it early (the
     service's generator is closed: its clean-up runs)."""
 
     _closing: set[asyncio.Task] = set()  # closings in progress (kept referenced)
@@ -149,6 +153,10 @@ class InProcessCall:
 
     def __aiter__(self) -> AsyncIterator:
         return self._stream
+
+    async def read(self) -> Any:
+        """The next message, or `grpc.aio.EOF` after the last (as a gRPC call's read())."""
+        return await anext(self._stream, grpc.aio.EOF)
 
     def cancel(self) -> bool:
         task = asyncio.ensure_future(self._stream.aclose())  # type: ignore[attr-defined]
