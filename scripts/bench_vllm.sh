@@ -170,6 +170,14 @@ arm() {  # name round
 }
 if [[ -n ${ARMS:-} ]]; then
   read -r -a ARMS <<< "$ARMS"
+  for a in "${ARMS[@]}"; do  # a router named but missing fails now, not after the others ran
+    case $a in
+      vllm-router) [[ -x $VLLM_ROUTER ]] || { echo "no $VLLM_ROUTER (VLLM_ROUTER)" >&2; exit 2; } ;;
+      smg) [[ -x $SMG ]] || { echo "no $SMG (SMG)" >&2; exit 2; } ;;
+      prefixgate|prefixgate-no-transfer|prefixgate-no-work-cost|round-robin) ;;
+      *) echo "unknown arm $a" >&2; exit 2 ;;
+    esac
+  done
 else
   ARMS=(prefixgate)
   [[ $WORKLOAD == mixed ]] && ARMS+=(prefixgate-no-transfer)
