@@ -32,8 +32,8 @@
 # $ROUTER_VENV/bin/...; runs skipped without), TRACES (default ../shared/traces), OUT
 # (default bench-out/vllm-$WORKLOAD), SERVERS (2), CONVS (16), CONC (4), RATE (0.4),
 # THINK (3), ROUNDS (1), ARMS (the runs, space-separated, of: prefixgate
-# prefixgate-no-transfer prefixgate-no-work-cost round-robin vllm-router smg; default all
-# but prefixgate-no-work-cost, no-transfer on mixed only).
+# prefixgate-no-transfer prefixgate-work-cost round-robin vllm-router smg; default all
+# but prefixgate-work-cost, no-transfer on mixed only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TRACES=${TRACES:-../shared/traces}
@@ -159,7 +159,7 @@ arm() {  # name round
   case $1 in
     prefixgate) gateway_run "$label" prefix ;;
     prefixgate-no-transfer) gateway_run "$label" prefix --no-transfer ;;
-    prefixgate-no-work-cost) gateway_run "$label" prefix --work-weight 0 ;;
+    prefixgate-work-cost) gateway_run "$label" prefix --work-weight 1 ;;
     round-robin) gateway_run "$label" round-robin ;;
     vllm-router) router_run "$label" "$VLLM_ROUTER" --host 127.0.0.1 --policy cache_aware \
                    --worker-urls "${URLS[@]}" ;;
@@ -174,7 +174,7 @@ if [[ -n ${ARMS:-} ]]; then
     case $a in
       vllm-router) [[ -x $VLLM_ROUTER ]] || { echo "no $VLLM_ROUTER (VLLM_ROUTER)" >&2; exit 2; } ;;
       smg) [[ -x $SMG ]] || { echo "no $SMG (SMG)" >&2; exit 2; } ;;
-      prefixgate|prefixgate-no-transfer|prefixgate-no-work-cost|round-robin) ;;
+      prefixgate|prefixgate-no-transfer|prefixgate-work-cost|round-robin) ;;
       *) echo "unknown arm $a" >&2; exit 2 ;;
     esac
   done

@@ -103,7 +103,7 @@ def test_a_loaded_fleet_waits_for_the_holder_instead_of_prefilling_the_document_
     assert d.ranked[0].worker_id == "w1"
     assert d.cost_s["w0"] == pytest.approx(d.cost_s["w1"], abs=0.01)
 
-    router, loads = in_flight_document(0.5)
+    router, loads = in_flight_document(0.5, work_weight=1.0)
     lam = router.arrival_rate_per_s()
     d = router.decide(loads, question)
     assert d.ranked[0].worker_id == "w0"
@@ -120,7 +120,7 @@ def test_an_idle_fleet_keeps_the_old_choice() -> None:
     """One turn a minute: the work cost is a few milliseconds and the choice without it
     stands (the tie goes to the idle w1)."""
     question = make_turn(QUESTION, HASHER, "q")
-    router, loads = in_flight_document(60.0)
+    router, loads = in_flight_document(60.0, work_weight=1.0)
     d = router.decide(loads, question)
     assert d.ranked[0].worker_id == "w1"
     assert d.cost_s["w1"] - len(QUESTION) / RATE < 0.05
@@ -131,7 +131,7 @@ def test_a_pull_is_charged_for_the_rest_it_computes() -> None:
     compute 64 tokens. The pull's cost carries the work cost of those 64 tokens only."""
     clock = Clock()
     index = PrefixIndex(clock=clock)
-    router = Router(RoutingConfig(), index)
+    router = Router(RoutingConfig(work_weight=1.0), index)
     index.stored("w0", 1, None, HASHER.hash_blocks(DOC))
     arrivals(router, clock, 12, 0.5)
     clock.now += 0.5

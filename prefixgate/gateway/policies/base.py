@@ -219,8 +219,10 @@ class RoutingConfig:
     prefix_weight: float = 1.0  # x (prefill_s + miss_s): this turn's and later prefill
     load_weight: float = 1.0  # x (queue_s + decode_s): the work ahead of it on the worker
     # x work_s: the delay the prefill a choice adds imposes on the turns arriving behind it
-    # (prefix policy; 0: a choice is priced by this turn's seconds alone).
-    work_weight: float = 1.0
+    # (prefix policy; 0, the default: a choice is priced by this turn's seconds alone).
+    # Off by default: measured, it did not pay its way (docs/routing.md, "What the choice
+    # costs the turns behind it").
+    work_weight: float = 0.0
     # Turns over which the router measures the arrival rate (Router.arrival_rate_per_s).
     arrival_window_turns: int = 64
     # Prompt tokens of prefill one running sequence stands for, where a worker reports no

@@ -4,7 +4,7 @@ The rule (docs/routing.md, "The scoring rule"), per worker, at its measured rate
 
     cost = load_weight   * (queue_s + decode_s)
          + prefix_weight * (prefill_s + miss_s)
-         + work_weight   * work_s
+         + work_weight   * work_s          (work_weight 0 by default: off)
 
   queue_s    prefill queued ahead: queued prefill tokens / the worker's rate
   prefill_s  this turn's uncached prompt tokens / the worker's rate
