@@ -52,6 +52,23 @@ SMG=${SMG:-$ROUTER_VENV/bin/smg}
 PY=${PY:-.venv/bin/python}
 MODEL=smollm2-135m
 VLLM_BLOCK=32
+if [[ -n ${ARMS:-} ]]; then
+  read -r -a ARMS <<< "$ARMS"
+  for a in "${ARMS[@]}"; do  # a router named but missing fails now, not after the others ran
+    case $a in
+      vllm-router) [[ -x $VLLM_ROUTER ]] || { echo "no $VLLM_ROUTER (VLLM_ROUTER)" >&2; exit 2; } ;;
+      smg) [[ -x $SMG ]] || { echo "no $SMG (SMG)" >&2; exit 2; } ;;
+      prefixgate|prefixgate-no-transfer|prefixgate-work-cost|round-robin) ;;
+      *) echo "unknown arm $a" >&2; exit 2 ;;
+    esac
+  done
+else
+  ARMS=(prefixgate)
+  [[ $WORKLOAD == mixed ]] && ARMS+=(prefixgate-no-transfer)
+  ARMS+=(round-robin)
+  if [[ -x $VLLM_ROUTER ]]; then ARMS+=(vllm-router); else echo "no $VLLM_ROUTER: vllm-router skipped" >&2; fi
+  if [[ -x $SMG ]]; then ARMS+=(smg); else echo "no $SMG: smg skipped" >&2; fi
+fi
 mkdir -p "$OUT"
 case $WORKLOAD in
   sharegpt)
@@ -168,23 +185,6 @@ arm() {  # name round
   esac
   RUNS+=("$label")
 }
-if [[ -n ${ARMS:-} ]]; then
-  read -r -a ARMS <<< "$ARMS"
-  for a in "${ARMS[@]}"; do  # a router named but missing fails now, not after the others ran
-    case $a in
-      vllm-router) [[ -x $VLLM_ROUTER ]] || { echo "no $VLLM_ROUTER (VLLM_ROUTER)" >&2; exit 2; } ;;
-      smg) [[ -x $SMG ]] || { echo "no $SMG (SMG)" >&2; exit 2; } ;;
-      prefixgate|prefixgate-no-transfer|prefixgate-work-cost|round-robin) ;;
-      *) echo "unknown arm $a" >&2; exit 2 ;;
-    esac
-  done
-else
-  ARMS=(prefixgate)
-  [[ $WORKLOAD == mixed ]] && ARMS+=(prefixgate-no-transfer)
-  ARMS+=(round-robin)
-  if [[ -x $VLLM_ROUTER ]]; then ARMS+=(vllm-router); else echo "no $VLLM_ROUTER: vllm-router skipped" >&2; fi
-  if [[ -x $SMG ]]; then ARMS+=(smg); else echo "no $SMG: smg skipped" >&2; fi
-fi
 RUNS=()
 for r in $(seq 1 "$ROUNDS"); do
   n=${#ARMS[@]}
