@@ -294,12 +294,15 @@ def test_a_worker_reporting_a_huge_prefill_rate_draws_no_extra_turns(
 
 def test_a_token_holders_streams_past_the_workers_waiting_bound_are_refused(
         loop_thread, tiny_spec, tiny_model) -> None:
-    """At most 2 requests waiting for their first token: of 8 long token-id prompts sent
-    at once (repeated and packed forms alike: no form skips the bound), 2 are admitted
-    before any has its first token and 6 are refused with RESOURCE_EXHAUSTED naming the
-    limit and its flag; the admitted ones finish, and the worker serves again after.
-    (Unbounded, all 8 were queued: one token holder could queue streams of 128k-token
-    prompts without end.)"""
+    """At most 2 requests waiting for their first token: with the worker's one sequence
+    slot held by a long reply, of 8 long token-id prompts sent at once (repeated and
+    packed forms alike: no form skips the bound) 2 are admitted and 6 are refused with
+    RESOURCE_EXHAUSTED naming the limit and its flag; the admitted ones finish, and the
+    worker serves again after. (Unbounded, all 8 were queued: one token holder could
+    queue streams of 128k-token prompts without end.) The held slot keeps every burst
+    request waiting however slowly a busy host delivers them: without it, one that
+    started decoding before the last arrived was no longer waiting and a third was
+    rightly admitted."""
     from prefixgate.wire.token_ids import pack
 
     address, stop = start_worker(loop_thread, tiny_spec, tiny_model, "bounded", max_num_seqs=1,
@@ -321,7 +324,20 @@ def test_a_token_holders_streams_past_the_workers_waiting_bound_are_refused(
                     return [ev async for ev in stub.Generate(req, timeout=120)][-1].final
                 except grpc.aio.AioRpcError as exc:
                     return exc
-            return await asyncio.gather(*(one(i) for i in range(8)))
+            # The slot's holder: decoding (not waiting) before the burst is sent.
+            hold = stub.Generate(worker_pb2.GenerateRequest(
+                prompt_token_ids=[5] * 20,
+                sampling=common_pb2.SamplingParams(max_tokens=1500, temperature=0.0)),
+                timeout=300)
+            first = await hold.read()
+            assert first.HasField("chunk")
+            results = await asyncio.gather(*(one(i) for i in range(8)))
+            last = first
+            while (ev := await hold.read()) is not grpc.aio.EOF:
+                last = ev
+            held = last.final
+            assert held.usage.completion_tokens == 1500  # it held the slot all along
+            return results
     try:
         results = loop_thread.run(burst())
         refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
