@@ -105,7 +105,8 @@ class Placer:
                       conversation_id or "-", len(prompt), self.router.arrival_rate_per_s(),
                       self.index.prediction_confidence, " ".join(
                 f"{w.worker_id}[queued={w.num_queued_prefill_tokens} "
-                f"rate={w.prefill_tokens_per_s:.0f} cached={decision.cached_tokens.get(w.worker_id, 0)} "
+                f"rate={w.prefill_tokens_per_s:.0f} "
+                f"cached={decision.cached_tokens.get(w.worker_id, 0)} "
                 f"cost={decision.cost_s.get(w.worker_id, float('nan')):.2f}s"
                 f"{' pull' if w.worker_id in decision.pulls else ''}]"
                 for w in decision.ranked))

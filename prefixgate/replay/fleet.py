@@ -145,9 +145,9 @@ def worker_times(records: list[TurnRecord], served: list[dict], started_unix_s: 
     """(conversation, turn) -> (arrival, end, TTFT, late) of that turn at its worker,
     emulated seconds, arrival and end from the run's start (the client records' clock),
     TTFT the worker's own (queue + prefill), late how much after its computed time the
-    worker's timer sent the first token (the host's delay of the worker): client records (emulated, from the run's start) are
-    joined to the workers' (`served`) by worker, prompt tokens and the nearest arrival to
-    the client's send."""
+    worker's timer sent the first token (the host's delay of the worker): client records
+    (emulated, from the run's start) are joined to the workers' (`served`) by worker,
+    prompt tokens and the nearest arrival to the client's send."""
     pool: dict[tuple[str, int], list[tuple[float, float, float, float]]] = {}
     for s in served:
         arrival = (s["arrival_unix_s"] - started_unix_s) * scale
@@ -197,10 +197,10 @@ def ttft_breakdown(records: list[TurnRecord],
     (the worker's own queue + prefill), `from_worker_s` (the rest: the first token's way
     back through the front to the client, and any lateness of the worker's send on a busy
     host), `worker_late_s` (that lateness alone: the emulated worker's timer firing after
-    its computed time); and, where the front reports its own TTFT (prefixgate's ChatFinal), `front_s`
-    (the gateway's handler start to the first token it relayed) and `client_side_s`
-    (client TTFT less that: the client and the hops to and from the front). None when no
-    turn joined."""
+    its computed time); and, where the front reports its own TTFT (prefixgate's
+    ChatFinal), `front_s` (the gateway's handler start to the first token it relayed) and
+    `client_side_s` (client TTFT less that: the client and the hops to and from the
+    front). None when no turn joined."""
     to_worker, worker, back, late, front, client = [], [], [], [], [], []
     for r in records:
         w = at_worker.get((r.conversation_id, r.turn_index))

@@ -24,10 +24,10 @@ ExportBlocks makes), PERMISSION_DENIED saying which check failed otherwise, befo
 page is read. The ticket must name `worker_id` as its holder: the id the gateway knows
 this server by, i.e. its adapter's (engines/vllm.py: `worker_id_of(url)`, `vllm-HOST:PORT`
 of its HTTP API, when the gateway follows the server itself; the sidecar's --worker-id in
-the `prefixgate worker --engine vllm` form); launch/vllm.py passes that id. The export is
-plain gRPC (no TLS), so the caller's certificate is not known and the ticket's receiver is
-checked only under TLS (below). Without keys nothing is checked (bind the server to
-loopback, as `up` does, or to a network only workers reach).
+the `prefixgate worker --engine vllm` form); launch/vllm.py passes that id. The ticket's
+receiver is checked only under TLS (below), where the caller's certificate names it.
+Without keys nothing is checked (bind the server to loopback, as `up` does, or to a
+network only workers reach).
 
 TLS (`tls`, an `ExportTLS` of PEM files: this server's certificate and key, and the CA
 its callers' certificates must chain to): the export is served over mutual TLS, so only
@@ -67,8 +67,9 @@ tls, peer_worker_id)` asks `peer` (over `export_channel`) for
 chain: the holder checks its digest), checks its header against `format` (any
 difference: TransferError FAILED_PRECONDITION), passes each chunk through `accept_chunk`
 (the one place a received chunk is accepted) and hands its pages to
-`on_chunk(first_block, num_blocks, k, v)` (raw bytes in the wire layout) in chain order; returns the blocks handed over. A broken stream
-raises TransferError after the chunks that arrived whole.
+`on_chunk(first_block, num_blocks, k, v)` (raw bytes in the wire layout) in chain order;
+returns the blocks handed over. A broken stream raises TransferError after the chunks
+that arrived whole.
 """
 
 from __future__ import annotations

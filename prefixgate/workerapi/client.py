@@ -143,8 +143,8 @@ _DEADLINE = "Deadline Exceeded"  # gRPC's own details for it
 
 
 class InProcessCall:
-    """A server-streaming call made in process: iterate it or `read()` it; `cancel()` ends it early (the
-    service's generator is closed: its clean-up runs)."""
+    """A server-streaming call made in process: iterate it or `read()` it; `cancel()` ends
+    it early (the service's generator is closed: its clean-up runs)."""
 
     _closing: set[asyncio.Task] = set()  # closings in progress (kept referenced)
 
