@@ -439,7 +439,8 @@ class VLLMWorker(WorkerServiceBase):
         rather than pulled or waited for. The difference cancels what any request costs
         whatever its length (the HTTP round trip, scheduling, the first decode step). Each
         probe runs under a fresh cache salt: it never hits a cached prefix, and its blocks
-        are never mapped to a namespace. A finished turn's measurement replaces it."""
+        are never mapped to a namespace. Both are points of the rate's fit
+        (workerapi/rates.py), which the finished turns then extend."""
         short, long = PROBE_TOKENS
         words = self.tokenizer.encode_text(" ".join(f"probe {i} of the prefill rate."
                                                     for i in range(long)))
@@ -458,10 +459,10 @@ class VLLMWorker(WorkerServiceBase):
                      "until a turn measures it", self.config.worker_id,
                      getattr(exc, "message", None) or repr(exc))
             return
-        if seconds[1] > seconds[0] and not self.rates.prefill_tokens_per_s:
-            self.rates.prefill_tokens_per_s = (long - short) / (seconds[1] - seconds[0])
-            log.info("vLLM worker %s: prefill probed at %.0f tokens/s", self.config.worker_id,
-                     self.rates.prefill_tokens_per_s)
+        for n, s in zip((short, long), seconds, strict=True):  # two points of its fit
+            self.rates.observe_prefill(n, s)
+        log.info("vLLM worker %s: prefill probed at %.0f tokens/s", self.config.worker_id,
+                 self.rates.prefill_tokens_per_s)
 
     async def _model_difference(self, entry: dict) -> str:
         """Why the served model is not the gateway's ("" when every check passes)."""

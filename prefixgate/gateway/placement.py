@@ -125,7 +125,8 @@ class Placer:
         if self.feed is not None:
             self.feed.predicted(worker.record, turn.block_hashes)
         # The prefill this turn adds to the worker's queue, until its first token.
-        lease = worker.lease(max(0, turn.num_prompt_tokens - expected - charge.num_tokens))
+        lease = worker.lease(max(0, turn.num_prompt_tokens - expected - charge.num_tokens),
+                             pulled=charge.num_tokens > 0)
         return Placement(worker, expected, charge, charge.holder, lease)
 
     def mark_down(self, worker: WorkerHandle, why: str) -> None:

@@ -94,11 +94,16 @@ class WorkerHandle:
     # least this: one step makes one token per stream, so a stream's time per token is at
     # least the step the worker really runs.
     observed_decode_step_s: float = 0.0
+    # Its figures are measured in this process, not claimed by a worker: a vLLM server
+    # this gateway follows through its adapter (`WorkerPool.local`) reports what the
+    # adapter timed itself (its probe and its turns, fitted net of what every request
+    # pays: workerapi/rates.py). They count as reported, unclamped by the observed ones.
+    measured_here: bool = False
 
-    def lease(self, prompt_tokens: int) -> Lease:
+    def lease(self, prompt_tokens: int, pulled: bool = False) -> Lease:
         """Count one turn sent here, with `prompt_tokens` of prefill queued for it, in this
-        worker's load until the lease closes (`Lease`)."""
-        return Lease(self, prompt_tokens)
+        worker's load until the lease closes (`Lease`); `pulled`: it pulls blocks first."""
+        return Lease(self, prompt_tokens, pulled)
 
     @property
     def worker_id(self) -> str:
@@ -153,15 +158,24 @@ class WorkerHandle:
     # the gateway sees is below the true rate (the time to a first token also holds
     # transport and interleaved decode steps), but it is measured alike for every worker,
     # so an honest worker loses nothing against its peers and a lying one gains nothing;
-    # a lower report (a worker that slowed down) still counts as it is.
+    # a lower report (a worker that slowed down) still counts as it is. What the gateway
+    # sees is a lower bound, and a loose one for a short prompt (its first token is mostly
+    # what any request pays): where the figures are this process's own measurements
+    # (`measured_here`), there is no claim to bound and they count as they are. (A vLLM
+    # CPU server that drew a 14-token turn first, its first token 0.45 s later, read 31
+    # tokens/s against the 180 its adapter measured, and priced so it drew no longer turn.)
     @property
     def prefill_tokens_per_s(self) -> float:
         reported = self.status.prefill_tokens_per_s if self.status is not None else 0.0
+        if self.measured_here:
+            return reported
         return min(reported, self.observed_prefill_tokens_per_s)
 
     @property
     def decode_step_s(self) -> float:
         reported = self.status.decode_step_s if self.status is not None else 0.0
+        if self.measured_here:
+            return reported
         if reported <= 0 or self.observed_decode_step_s <= 0:
             return 0.0  # not measured (a claim alone is not a measure)
         return max(reported, self.observed_decode_step_s)
@@ -181,7 +195,7 @@ class WorkerHandle:
     def transfer_bytes_per_s(self) -> float:
         reported = self.status.transfer_bytes_per_s if self.status is not None else 0.0
         seen = self.observed_transfer_bytes_per_s
-        return min(reported, seen) if seen > 0 else reported
+        return min(reported, seen) if seen > 0 and not self.measured_here else reported
 
     @property
     def transfer_setup_s(self) -> float:
@@ -210,15 +224,17 @@ class Lease:
     in-flight counters), held from sending the turn until it ends there, whatever the
     outcome. `first_token()`: the turn's prefill is done (its prompt tokens leave the queue
     and count as prefill ended since the last status; the prefill this took, with the
-    queue it waited behind, is what the gateway saw the worker deliver); closing does that
-    too if it never came (a failed prefill is no longer queued either), and ends the turn.
+    queue it waited behind, is what the gateway saw the worker deliver, unless the turn
+    `pulled` blocks first: its wait holds the pull, which `transferred()` measures);
+    closing does that too if it never came (a failed prefill is no longer queued either),
+    and ends the turn.
     Use as a context manager, so that every path out of a turn gives the load back
     exactly once."""
 
-    __slots__ = ("worker", "pending", "ahead", "sent_at", "first_at", "first_tokens")
+    __slots__ = ("worker", "pending", "pulled", "ahead", "sent_at", "first_at", "first_tokens")
 
-    def __init__(self, worker: WorkerHandle, prompt_tokens: int) -> None:
-        self.worker, self.pending = worker, prompt_tokens
+    def __init__(self, worker: WorkerHandle, prompt_tokens: int, pulled: bool = False) -> None:
+        self.worker, self.pending, self.pulled = worker, prompt_tokens, pulled
         # This gateway's own prefill queued ahead of this turn (first come, first served:
         # done before its first token too). Not the worker's reported queue: a worker that
         # claimed a long queue would look as fast as it liked.
@@ -235,7 +251,7 @@ class Lease:
             self.first_at, self.first_tokens = time.monotonic(), num_tokens
         if pending:
             elapsed = self.first_at - self.sent_at
-            if elapsed > 0:
+            if elapsed > 0 and not self.pulled:
                 w.observed_prefill_tokens_per_s = max(w.observed_prefill_tokens_per_s,
                                                       (self.ahead + pending) / elapsed)
             w.in_flight_prompt_tokens -= pending
@@ -360,7 +376,7 @@ class WorkerPool:
         for wid, record in records.items():
             if wid not in self.workers and record.address in self.local:
                 self.workers[wid] = WorkerHandle(record, self.local[record.address],
-                                                 tickets=self.local_tickets)
+                                                 tickets=self.local_tickets, measured_here=True)
             elif wid not in self.workers:
                 channel = rpc.channel(record.address, self.tls,
                                       self.credential.metadata if self.credential else (),

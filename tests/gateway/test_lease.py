@@ -63,6 +63,40 @@ def test_a_reported_rate_counts_only_up_to_what_the_gateway_saw() -> None:
     assert h.prefill_tokens_per_s == seen / 2
 
 
+def test_a_pulled_turn_shows_the_link_not_the_prefill() -> None:
+    """A turn that pulled its prefix waited for the pull too: its few computed tokens over
+    that wait are no prefill rate, so it measures none (`transferred` measures the link)."""
+    h = _handle()
+    h.set_status(worker_pb2.WorkerStatus(prefill_tokens_per_s=180.0))
+    lease = h.lease(55, pulled=True)  # 1,920 tokens pulled, 55 computed, 2.5 s
+    lease.sent_at -= 2.5
+    lease.first_token()
+    lease.close()
+    assert h.observed_prefill_tokens_per_s == 0.0 and h.prefill_tokens_per_s == 0.0
+    assert h.in_flight_prompt_tokens == 0
+
+
+def test_figures_measured_in_this_process_count_as_they_are() -> None:
+    """A vLLM server the gateway follows through its adapter in this process reports what
+    the adapter timed: no claim to bound. A 14-token turn 0.45 s to its first token does
+    not hold it at 31 tokens/s."""
+    h = WorkerHandle(WorkerRecord("v", "127.0.0.1:1"), None, None,  # type: ignore[arg-type]
+                     measured_here=True)
+    h.set_status(worker_pb2.WorkerStatus(prefill_tokens_per_s=180.0, decode_step_s=0.05,
+                                         transfer_bytes_per_s=1.7e8))
+    assert (h.prefill_tokens_per_s, h.decode_step_s) == (180.0, 0.05)
+    lease = h.lease(14)
+    lease.sent_at -= 0.45
+    lease.first_token()
+    lease.close()
+    assert h.observed_prefill_tokens_per_s == pytest.approx(14 / 0.45, rel=0.05)
+    assert h.prefill_tokens_per_s == 180.0 and h.transfer_bytes_per_s == 1.7e8
+    remote = _handle()  # a worker's own report is still bounded by what was seen
+    remote.set_status(worker_pb2.WorkerStatus(prefill_tokens_per_s=180.0))
+    remote.observed_prefill_tokens_per_s = h.observed_prefill_tokens_per_s
+    assert remote.prefill_tokens_per_s < 35
+
+
 def test_a_reported_decode_step_counts_as_at_least_what_the_gateway_saw() -> None:
     """A decode step reported shorter than the time per token the gateway saw in a reply
     counts as what it saw; before any reply it counts as not measured (0)."""

@@ -14,15 +14,33 @@ def final(prompt: int, cached: int, completion: int, queue_ms: float, ttft_ms: f
                       total_ms)
 
 
-def test_rates_follow_the_timings_as_running_means() -> None:
+def test_rates_follow_the_timings() -> None:
+    """The decode step is a running mean; the prefill rate is the plain one while every
+    request had one size, then the fit's: the tokens a second beyond what any request
+    pays."""
     r = ServiceRates(window=3)  # alpha 0.5
     assert (r.prefill_tokens_per_s, r.decode_step_s) == (0.0, 0.0)
     r.observe(final(1000, 200, 11, queue_ms=50, ttft_ms=90, total_ms=390))
     assert r.prefill_tokens_per_s == pytest.approx(800 / 0.040)
     assert r.decode_step_s == pytest.approx(0.300 / 10)
-    r.observe(final(1000, 0, 11, queue_ms=0, ttft_ms=100, total_ms=600))
-    assert r.prefill_tokens_per_s == pytest.approx((20_000 + 10_000) / 2)
+    r.observe(final(1000, 200, 11, queue_ms=0, ttft_ms=80, total_ms=580))
+    assert r.prefill_tokens_per_s == pytest.approx(800 / 0.060)  # one size: mean over mean
     assert r.decode_step_s == pytest.approx((0.030 + 0.050) / 2)
+
+
+def test_the_prefill_rate_is_net_of_what_every_request_pays() -> None:
+    """A vLLM CPU server: 0.4 s whatever the prompt, then 180 tokens/s. A 14-token prompt
+    alone reads 31 tokens/s over its whole time; fitted with the start-up probe's two
+    points and longer prompts the rate is the server's."""
+    r = ServiceRates()
+    for tokens in (32, 544):  # the probe
+        r.observe_prefill(tokens, 0.4 + tokens / 180)
+    assert r.prefill_tokens_per_s == pytest.approx(180)
+    for tokens in (46, 300, 14, 1975, 120, 34):
+        r.observe(final(tokens, 0, 32, queue_ms=0, ttft_ms=(0.4 + tokens / 180) * 1e3,
+                        total_ms=10_000))
+    assert r.prefill_tokens_per_s == pytest.approx(180)
+    assert 46 / (0.4 + 46 / 180) < 75  # what one short prompt's whole time reads
 
 
 def test_requests_that_measure_nothing_change_nothing() -> None:
