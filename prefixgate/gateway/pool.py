@@ -97,7 +97,8 @@ class WorkerHandle:
     # Its figures are measured in this process, not claimed by a worker: a vLLM server
     # this gateway follows through its adapter (`WorkerPool.local`) reports what the
     # adapter timed itself (its probe and its turns, fitted net of what every request
-    # pays: workerapi/rates.py). They count as reported, unclamped by the observed ones.
+    # pays: workerapi/rates.py). Once the gateway has seen it deliver, as for any worker,
+    # they count as reported, unclamped by what it saw.
     measured_here: bool = False
 
     def lease(self, prompt_tokens: int, pulled: bool = False) -> Lease:
@@ -161,24 +162,26 @@ class WorkerHandle:
     # a lower report (a worker that slowed down) still counts as it is. What the gateway
     # sees is a lower bound, and a loose one for a short prompt (its first token is mostly
     # what any request pays): where the figures are this process's own measurements
-    # (`measured_here`), there is no claim to bound and they count as they are. (A vLLM
-    # CPU server that drew a 14-token turn first, its first token 0.45 s later, read 31
-    # tokens/s against the 180 its adapter measured, and priced so it drew no longer turn.)
+    # (`measured_here`), there is no claim to bound and they count as they are, from the
+    # first turn seen there (before, the adapter's figure is its start-up probe alone,
+    # one pair of timings, which on a loaded host read one server at twice its peer's
+    # rate; unmeasured, it is priced at its peers'). (A vLLM CPU server that drew a
+    # 14-token turn first, its first token 0.45 s later, read 31 tokens/s against the 180
+    # its adapter measured, and priced so it drew no longer turn.)
     @property
     def prefill_tokens_per_s(self) -> float:
         reported = self.status.prefill_tokens_per_s if self.status is not None else 0.0
-        if self.measured_here:
-            return reported
-        return min(reported, self.observed_prefill_tokens_per_s)
+        seen = self.observed_prefill_tokens_per_s
+        if self.measured_here:  # as reported, once seen (a probe alone is one noisy pair)
+            return reported if seen > 0 else 0.0
+        return min(reported, seen)
 
     @property
     def decode_step_s(self) -> float:
         reported = self.status.decode_step_s if self.status is not None else 0.0
-        if self.measured_here:
-            return reported
         if reported <= 0 or self.observed_decode_step_s <= 0:
             return 0.0  # not measured (a claim alone is not a measure)
-        return max(reported, self.observed_decode_step_s)
+        return reported if self.measured_here else max(reported, self.observed_decode_step_s)
 
     @property
     def prefill_chunk_tokens(self) -> int:

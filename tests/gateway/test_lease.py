@@ -78,17 +78,21 @@ def test_a_pulled_turn_shows_the_link_not_the_prefill() -> None:
 
 def test_figures_measured_in_this_process_count_as_they_are() -> None:
     """A vLLM server the gateway follows through its adapter in this process reports what
-    the adapter timed: no claim to bound. A 14-token turn 0.45 s to its first token does
-    not hold it at 31 tokens/s."""
+    the adapter timed: no claim to bound, once the gateway has seen a turn there (before,
+    it is unmeasured, as any worker). A 14-token turn 0.45 s to its first token does not
+    hold it at 31 tokens/s."""
     h = WorkerHandle(WorkerRecord("v", "127.0.0.1:1"), None, None,  # type: ignore[arg-type]
                      measured_here=True)
     h.set_status(worker_pb2.WorkerStatus(prefill_tokens_per_s=180.0, decode_step_s=0.05,
                                          transfer_bytes_per_s=1.7e8))
-    assert (h.prefill_tokens_per_s, h.decode_step_s) == (180.0, 0.05)
+    assert (h.prefill_tokens_per_s, h.decode_step_s) == (0.0, 0.0)  # a probe alone
     lease = h.lease(14)
     lease.sent_at -= 0.45
     lease.first_token()
+    lease.decoded(1)
     lease.close()
+    h.observed_decode_step_s = 0.01
+    assert h.decode_step_s == 0.05
     assert h.observed_prefill_tokens_per_s == pytest.approx(14 / 0.45, rel=0.05)
     assert h.prefill_tokens_per_s == 180.0 and h.transfer_bytes_per_s == 1.7e8
     remote = _handle()  # a worker's own report is still bounded by what was seen
