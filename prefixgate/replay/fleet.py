@@ -13,8 +13,9 @@ sglang-router) in place of the gateways; each on a fresh fleet (empty caches):
   * the trace replayed under `arrival` with turns spread round-robin over the gateways.
 
 Time: `plan.time_scale` S runs the whole fleet S times faster than the emulated clock:
-workers divide service times by S, arrivals (already divided by --speedup) and think
-times are divided by S, gateways push status every 50 ms / S (at least 10 ms:
+workers divide service times by S, arrivals (already divided by --speedup), think
+times and the gaps between Poisson conversation starts are divided by S
+(`wall_arrivals`), gateways push status every 50 ms / S (at least 10 ms:
 `status_interval_ms`), and every reported time is emulated (wall-clock figures x S). At
 S = 1 the fleet runs in real time; the trace's own clock is divided by --speedup in both.
 
@@ -229,6 +230,15 @@ def _scaled(rec: TurnRecord, scale: float) -> TurnRecord:
                                                if rec.gateway_ttft_s >= 0 else -1.0))
 
 
+def wall_arrivals(arrival: ArrivalConfig, scale: float) -> ArrivalConfig:
+    """`arrival` (emulated seconds, as the simulator plays it) on the wall clock of a
+    fleet running `scale` times faster: trace times, think times and the gaps between
+    Poisson conversation starts divided by `scale`."""
+    return dataclasses.replace(arrival, speedup=arrival.speedup * scale,
+                               think_time_s=arrival.think_time_s / scale,
+                               rate_per_s=arrival.rate_per_s * scale)
+
+
 async def fleet_run(trace: Trace, fleet_config, arrival: ArrivalConfig, limits: Limits, *,
                     timeout_s: float, workdir: Path, label: str, progress: bool,
                     conversation_ids: bool = True, policy: str = "") -> dict:
@@ -236,8 +246,7 @@ async def fleet_run(trace: Trace, fleet_config, arrival: ArrivalConfig, limits: 
     from prefixgate.emulate.fleet import Fleet
 
     scale = fleet_config.time_scale
-    wall_arrival = dataclasses.replace(arrival, speedup=arrival.speedup * scale,
-                                       think_time_s=arrival.think_time_s / scale)
+    wall_arrival = wall_arrivals(arrival, scale)
     fleet = Fleet(fleet_config, workdir)
     async with fleet:
         target = RoundRobin(fleet.gateways, timeout_s / scale, conversation_ids)
