@@ -10,7 +10,9 @@ sglang-router) in place of the gateways; each on a fresh fleet (empty caches):
   * `plan.num_workers` emulated workers (`capacity_tokens` / block size = cache
     capacity, `plan.service`: the simulator's FleetPlan, so `--simulate` and `--fleet`
     model the same workers, replay/plan.py), optionally behind Redis (`plan.redis`);
-  * the trace replayed under `arrival` with turns spread round-robin over the gateways.
+  * the trace replayed under `arrival` with turns spread round-robin over the gateways;
+    a chat turn asks for its recorded reply's length (`with_reply_lengths`, at most
+    --max-tokens), as the simulator decodes it.
 
 Time: `plan.time_scale` S runs the whole fleet S times faster than the emulated clock:
 workers divide service times by S, arrivals (already divided by --speedup), think
@@ -298,6 +300,24 @@ async def fleet_run(trace: Trace, fleet_config, arrival: ArrivalConfig, limits: 
                       for w in (at_worker.get((r.conversation_id, r.turn_index)),)]}
 
 
+def with_reply_lengths(trace: Trace, tokenizer) -> Trace:
+    """A chat trace whose turns carry their recorded reply's length in tokens (at least
+    1; `tokenizer`: a ChatTokenizer, the fleet's model's), so that each turn asks for that
+    many (at most --max-tokens) as the simulator decodes them (simulate.prepare_turns):
+    an emulated worker generates every token it is asked for, where a model would stop
+    at the recorded reply's length; without it every chat turn decoded --max-tokens.
+    Token traces, which record their output lengths, come back as they are."""
+    if not trace.is_chat:
+        return trace
+    replies = [t.reply for c in trace.conversations for t in c.turns]
+    lengths = iter([max(1, len(e.ids)) for e in tokenizer.tokenizer.encode_batch(
+        replies, add_special_tokens=False)])
+    convs = tuple(dataclasses.replace(c, turns=tuple(
+        dataclasses.replace(t, num_output_tokens=next(lengths)) for t in c.turns))
+        for c in trace.conversations)
+    return dataclasses.replace(trace, conversations=convs)
+
+
 def run_fleet(trace: Trace, plan: FleetPlan, arrival: ArrivalConfig,
               limits: Limits) -> list[dict]:
     """The --fleet runs of `prefixgate replay` (module docstring)."""
@@ -305,6 +325,10 @@ def run_fleet(trace: Trace, plan: FleetPlan, arrival: ArrivalConfig,
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     spec, block_size = fleet_model(trace, plan, limits.max_tokens)
+    if trace.is_chat:
+        from prefixgate.model.tokenizer import ChatTokenizer
+
+        trace = with_reply_lengths(trace, ChatTokenizer(spec))
     # Every run's client sends the same prompts: derive them before any run's clock starts
     # (the first run's client would otherwise derive them while timing its front, and the
     # later runs of this process would find them done).

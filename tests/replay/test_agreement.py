@@ -139,3 +139,32 @@ def test_fleet_plays_poisson_starts_on_its_clock() -> None:
     for _ in range(5):  # the load generator's draws, one per conversation start
         assert wall.expovariate(w.rate_per_s) * 20 == pytest.approx(
             emulated.expovariate(a.rate_per_s))
+
+
+def test_fleet_chat_turns_ask_for_their_recorded_reply_length(tiny_spec) -> None:
+    """A chat turn sent through the fleet asks for as many tokens as its recorded reply
+    has (capped at --max-tokens), the length the simulator decodes; token traces keep
+    their recorded lengths."""
+    from prefixgate.model.tokenizer import ChatTokenizer
+    from prefixgate.replay.fleet import with_reply_lengths
+    from prefixgate.replay.loadgen import Limits, build_request
+    from prefixgate.replay.simulate import prepare_turns
+    from prefixgate.replay.traces import Conversation, Trace, TraceTurn
+
+    conv = Conversation("c", (TraceTurn("hello there", "a reply of a few words"),
+                              TraceTurn("and?", "x " * 300), TraceTurn("last", "")))
+    trace = Trace("sharegpt", (conv,))
+    tok = ChatTokenizer(tiny_spec)
+    out = with_reply_lengths(trace, tok)
+    sim = prepare_turns(trace, 4, tok)[0]
+    lengths = [t.num_output_tokens for t in out.conversations[0].turns]
+    assert lengths == [t.num_output_tokens for t in sim]
+    assert lengths[0] > 1 and lengths[1] > 256 and lengths[2] == 1
+    limits = Limits(max_tokens=256)
+    assert [build_request(out, out.conversations[0], i, limits).max_tokens for i in range(3)] == [
+        lengths[0], 256, 1]
+    # Before: every chat turn asked for the cap.
+    assert build_request(trace, conv, 0, limits).max_tokens == 256
+    tokens = Trace("mooncake", (Conversation("m", (TraceTurn(num_prompt_tokens=10,
+                                                             num_output_tokens=7),)),), 512)
+    assert with_reply_lengths(tokens, tok) is tokens
