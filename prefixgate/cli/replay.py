@@ -8,6 +8,9 @@ variable, never a serving command's: cli/flags.py);
     OpenAI-compatible http(s):// base URL) under one arrival mode;
   * --simulate: the routing simulator over --trace for every --sim-policies policy and
     --sim-workers count;
+  * --fleet N: real gateways in front of N emulated workers (replay/fleet.py); with
+    --simulate too, the simulator on the same plan after it, each fleet run compared
+    with its simulated run turn by turn (replay/fleet.py agreement: a table more);
   * --combine: one report from earlier reports' JSON files;
   * --compare-policies: every routing policy simulated on each of the --trace files
     (comma-separated), one document (replay/compare.py): TTFT, goodput, hit and load;
@@ -87,7 +90,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # Routing simulator.
     flag(p, "--simulate", action="store_true",
          help="no model: simulate workers (LRU block caches, service-time model) and compare "
-              "routing policies on the trace")
+              "routing policies on the trace; with --fleet N: also simulate the fleet's "
+              "runs and compare each with its fleet run (hit, TTFT, turn by turn)")
     flag(p, "--compare-policies", action="store_true",
          help="simulate every routing policy (or the --sim-policies) on each --trace (several "
               "separated by commas) and report each rule's TTFT p50/p90/p99, goodput, tokens "
@@ -275,6 +279,40 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fleet_and_simulator(args: argparse.Namespace, trace) -> tuple[list[dict], list]:
+    """--fleet N --simulate: the fleet runs, then the simulator on the same plan (N
+    workers, the same gateway counts and policies, default prefix), each fleet run paired
+    with the simulated run of its policy and gateway count; each fleet run's summary gets
+    `simulated` (replay/fleet.py agreement). Returns the fleet runs, then the simulated
+    ones, and the (label, agreement) pairs."""
+    import dataclasses
+
+    from prefixgate.replay.fleet import agreement, run_fleet
+    from prefixgate.replay.simulate import run_simulations
+
+    plan = fleet_plan(args)
+    policies = tuple(p for p in (plan.policies or ("prefix",)) if p != "none")
+    arrival, turn_limits = arrival_config(args, trace), limits(args)
+    if turn_limits.max_turns or turn_limits.max_duration_s:
+        raise SystemExit("prefixgate replay: --fleet with --simulate replays whole "
+                         "conversations: bound the run with --max-conversations (the "
+                         "simulator sends every turn of them)")
+    fleet_runs = run_fleet(trace, plan, arrival, turn_limits)
+    sim_runs = run_simulations(trace, dataclasses.replace(
+        plan, policies=policies, worker_counts=(args.fleet,)), arrival, turn_limits) \
+        if policies else []
+    by_key = {(r["config"]["policy"], r["config"]["num_gateways"]): r for r in sim_runs}
+    pairs = []
+    for run in fleet_runs:
+        sim = by_key.get((run["config"].get("policy"), run["config"]["fleet"]["num_gateways"]))
+        if sim is not None and not run["config"]["fleet"]["peer_router"]:
+            run["summary"]["simulated"] = agreement(run, sim)
+            pairs.append((run["label"], run["summary"]["simulated"]))
+    for sim in sim_runs:
+        sim["label"] = f"--simulate {sim['label']}"
+    return fleet_runs + sim_runs, pairs
+
+
 def run(args: argparse.Namespace) -> int:
     from prefixgate.replay.report import load_runs, markdown, write_report
     from prefixgate.replay.traces import TraceError, read_trace
@@ -282,6 +320,7 @@ def run(args: argparse.Namespace) -> int:
     quiet_http_client_logs()  # not one line per turn against an HTTP target
     if args.compare_policies:
         return _compare(args)
+    agreement: list[tuple[str, dict]] = []
     if args.combine:
         runs = load_runs(args.combine)
     else:
@@ -296,7 +335,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"prefixgate replay: skipped {trace.num_skipped} malformed lines of "
                   f"{args.trace}", file=sys.stderr)
         trace = trace.head(args.max_conversations)
-        if args.fleet:
+        if args.fleet and args.simulate:
+            runs, agreement = _fleet_and_simulator(args, trace)
+        elif args.fleet:
             from prefixgate.replay.fleet import run_fleet
 
             runs = run_fleet(trace, fleet_plan(args), arrival_config(args, trace),
@@ -312,7 +353,13 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 raise SystemExit(f"prefixgate replay: {exc}") from None
     paths = write_report(runs, args.out, args.name, plots=not args.no_plots)
+    text = markdown(runs, args.name)
+    if agreement:  # the fleet against the simulator: a table more in the Markdown
+        from prefixgate.replay.fleet import agreement_markdown
+
+        text += agreement_markdown([(label, doc) for label, doc in agreement])
+        Path(args.out, f"{args.name}.md").write_text(text)
     print("prefixgate replay: wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
-    print(json.dumps({"runs": runs}) if args.json else markdown(runs, args.name))
+    print(json.dumps({"runs": runs}) if args.json else text)
     return 1 if runs and all(r["summary"]["turns"] and not r["summary"]["turns_ok"]
                              for r in runs) else 0

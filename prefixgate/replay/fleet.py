@@ -10,11 +10,14 @@ sglang-router) in place of the gateways; each on a fresh fleet (empty caches):
   * `plan.num_workers` emulated workers (`capacity_tokens` / block size = cache
     capacity, `plan.service`: the simulator's FleetPlan, so `--simulate` and `--fleet`
     model the same workers, replay/plan.py), optionally behind Redis (`plan.redis`);
-  * the trace replayed under `arrival` with turns spread round-robin over the gateways.
+  * the trace replayed under `arrival` with turns spread round-robin over the gateways;
+    a chat turn asks for its recorded reply's length (`with_reply_lengths`, at most
+    --max-tokens), as the simulator decodes it.
 
 Time: `plan.time_scale` S runs the whole fleet S times faster than the emulated clock:
-workers divide service times by S, arrivals (already divided by --speedup) and think
-times are divided by S, gateways push status every 50 ms / S (at least 10 ms:
+workers divide service times by S, arrivals (already divided by --speedup), think
+times and the gaps between Poisson conversation starts are divided by S
+(`wall_arrivals`), gateways push status every 50 ms / S (at least 10 ms:
 `status_interval_ms`), and every reported time is emulated (wall-clock figures x S). At
 S = 1 the fleet runs in real time; the trace's own clock is divided by --speedup in both.
 
@@ -229,15 +232,23 @@ def _scaled(rec: TurnRecord, scale: float) -> TurnRecord:
                                                if rec.gateway_ttft_s >= 0 else -1.0))
 
 
+def wall_arrivals(arrival: ArrivalConfig, scale: float) -> ArrivalConfig:
+    """`arrival` (emulated seconds, as the simulator plays it) on the wall clock of a
+    fleet running `scale` times faster: trace times, think times and the gaps between
+    Poisson conversation starts divided by `scale`."""
+    return dataclasses.replace(arrival, speedup=arrival.speedup * scale,
+                               think_time_s=arrival.think_time_s / scale,
+                               rate_per_s=arrival.rate_per_s * scale)
+
+
 async def fleet_run(trace: Trace, fleet_config, arrival: ArrivalConfig, limits: Limits, *,
                     timeout_s: float, workdir: Path, label: str, progress: bool,
-                    conversation_ids: bool = True) -> dict:
+                    conversation_ids: bool = True, policy: str = "") -> dict:
     """One replay of `trace` through a fresh fleet (emulate.fleet.FleetConfig)."""
     from prefixgate.emulate.fleet import Fleet
 
     scale = fleet_config.time_scale
-    wall_arrival = dataclasses.replace(arrival, speedup=arrival.speedup * scale,
-                                       think_time_s=arrival.think_time_s / scale)
+    wall_arrival = wall_arrivals(arrival, scale)
     fleet = Fleet(fleet_config, workdir)
     async with fleet:
         target = RoundRobin(fleet.gateways, timeout_s / scale, conversation_ids)
@@ -265,7 +276,8 @@ async def fleet_run(trace: Trace, fleet_config, arrival: ArrivalConfig, limits: 
     # is not joinable per turn, so compare the distributions' medians and tails.
     cfg = dataclasses.asdict(fleet_config)
     return {"label": label,
-            "config": {"trace": trace.source, "fleet": cfg, "arrival": vars(arrival),
+            "config": {"trace": trace.source, "fleet": cfg, "policy": policy,
+                       "arrival": vars(arrival),
                        "limits": vars(limits), "started_unix_s": result.started_unix_s,
                        "wall_s": result.duration_s},
             "summary": summary,
@@ -288,6 +300,24 @@ async def fleet_run(trace: Trace, fleet_config, arrival: ArrivalConfig, limits: 
                       for w in (at_worker.get((r.conversation_id, r.turn_index)),)]}
 
 
+def with_reply_lengths(trace: Trace, tokenizer) -> Trace:
+    """A chat trace whose turns carry their recorded reply's length in tokens (at least
+    1; `tokenizer`: a ChatTokenizer, the fleet's model's), so that each turn asks for that
+    many (at most --max-tokens) as the simulator decodes them (simulate.prepare_turns):
+    an emulated worker generates every token it is asked for, where a model would stop
+    at the recorded reply's length; without it every chat turn decoded --max-tokens.
+    Token traces, which record their output lengths, come back as they are."""
+    if not trace.is_chat:
+        return trace
+    replies = [t.reply for c in trace.conversations for t in c.turns]
+    lengths = iter([max(1, len(e.ids)) for e in tokenizer.tokenizer.encode_batch(
+        replies, add_special_tokens=False)])
+    convs = tuple(dataclasses.replace(c, turns=tuple(
+        dataclasses.replace(t, num_output_tokens=next(lengths)) for t in c.turns))
+        for c in trace.conversations)
+    return dataclasses.replace(trace, conversations=convs)
+
+
 def run_fleet(trace: Trace, plan: FleetPlan, arrival: ArrivalConfig,
               limits: Limits) -> list[dict]:
     """The --fleet runs of `prefixgate replay` (module docstring)."""
@@ -295,6 +325,10 @@ def run_fleet(trace: Trace, plan: FleetPlan, arrival: ArrivalConfig,
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     spec, block_size = fleet_model(trace, plan, limits.max_tokens)
+    if trace.is_chat:
+        from prefixgate.model.tokenizer import ChatTokenizer
+
+        trace = with_reply_lengths(trace, ChatTokenizer(spec))
     # Every run's client sends the same prompts: derive them before any run's clock starts
     # (the first run's client would otherwise derive them while timing its front, and the
     # later runs of this process would find them done).
@@ -335,9 +369,100 @@ def run_fleet(trace: Trace, plan: FleetPlan, arrival: ArrivalConfig,
                 runs.append(asyncio.run(fleet_run(
                     trace, config, arrival, limits, timeout_s=plan.timeout_s, workdir=workdir,
                     label=label, progress=plan.progress,
-                    conversation_ids=plan.conversation_ids)))
+                    conversation_ids=plan.conversation_ids, policy=policy)))
             except RuntimeError as exc:  # a fleet that did not come up: report, go on
                 print(f"prefixgate replay: {label}: {exc}", file=sys.stderr)
     if not runs:
         raise SystemExit("prefixgate replay: no fleet run completed (see above)")
     return runs
+
+
+# --- the fleet against the simulator ------------------------------------------------------
+
+def _figure(fleet: float | None, sim: float | None, relative: bool) -> dict | None:
+    if fleet is None or sim is None:
+        return None
+    diff = (sim - fleet) / fleet if relative and fleet else sim - fleet
+    return {"fleet": fleet, "sim": sim, ("diff_rel" if relative else "diff"): diff}
+
+
+def _p(dist: dict | None, key: str) -> float | None:
+    return dist[key] if dist else None
+
+
+def agreement(fleet: dict, sim: dict) -> dict:
+    """How a `--simulate` run of the same turns agrees with a fleet run (both report
+    dicts): hit (cached / prompt tokens, as the gateways reported them to the client; the
+    simulator's), not recomputed (cached + pulled), in points; TTFT p50 / p99 at the
+    workers (queue + prefill from the turn's arrival at its worker's engine, after any
+    pull; the simulator's the same) and at the client (the simulator has no host: its
+    TTFT from the gateway's arrival), as sim / fleet - 1; and the turns joined by
+    (conversation, turn): how many went to the same worker, how many found a different
+    number of tokens not recomputed (on the same worker, and on another), and the
+    per-turn difference of worker-side TTFT."""
+    fs, ss = fleet["summary"], sim["summary"]
+    fw = fs.get("workers") or {}
+    sim_turns = {(t["conversation_id"], t["turn"]): t for t in sim.get("turns", ())
+                 if t["status"] == "ok"}
+    sim_worker_ttft = distribution(t["worker_ttft_s"] for t in sim_turns.values())
+    joined = same_worker = differ_same = differ_other = 0
+    token_diff = 0
+    ttft_diff = []
+    for t in fleet.get("turns", ()):
+        s = sim_turns.get((t["conversation_id"], t["turn"]))
+        if s is None or t["status"] != "ok":
+            continue
+        joined += 1
+        fk = t["cached_tokens"] + t.get("transferred_tokens", 0)
+        sk = s["cached_tokens"] + s.get("transferred_tokens", 0)
+        same = t["worker"] == s["worker"]
+        same_worker += same
+        if fk != sk:
+            differ_same += same
+            differ_other += not same
+            token_diff += sk - fk
+        if t.get("worker_ttft_s") is not None:
+            ttft_diff.append(s["worker_ttft_s"] - t["worker_ttft_s"])
+    return {
+        "hit": _figure(fs["hit_rate"], ss["hit_rate"], False),
+        "not_recomputed": _figure(fs["not_recomputed_rate"], ss["not_recomputed_rate"], False),
+        "ttft_worker_p50": _figure(_p(fw.get("ttft_s"), "p50"), _p(sim_worker_ttft, "p50"), True),
+        "ttft_worker_p99": _figure(_p(fw.get("ttft_s"), "p99"), _p(sim_worker_ttft, "p99"), True),
+        "ttft_client_p50": _figure(_p(fs["ttft_s"], "p50"), _p(ss["ttft_s"], "p50"), True),
+        "ttft_client_p99": _figure(_p(fs["ttft_s"], "p99"), _p(ss["ttft_s"], "p99"), True),
+        "turns": {"fleet": fs["turns_ok"], "sim": ss["turns_ok"], "joined": joined,
+                  "same_worker": same_worker,
+                  "not_recomputed_differs_same_worker": differ_same,
+                  "not_recomputed_differs_other_worker": differ_other,
+                  "not_recomputed_tokens_sim_minus_fleet": token_diff,
+                  "worker_ttft_sim_minus_fleet_s": distribution(ttft_diff)},
+    }
+
+
+def agreement_markdown(rows: list[tuple[str, dict]]) -> str:
+    """A table of `agreement` documents, one row per (label, document)."""
+    def pts(f: dict | None) -> str:
+        return (f"{f['fleet']:.2%} / {f['sim']:.2%} ({f['diff'] * 100:+.2f})" if f else "-")
+
+    def rel(f: dict | None) -> str:
+        return (f"{f['fleet'] * 1e3:.0f} / {f['sim'] * 1e3:.0f} ({f['diff_rel']:+.1%})"
+                if f else "-")
+
+    lines = ["", "Fleet against `--simulate` on the same turns: fleet / simulator "
+                 "(simulator - fleet: points of hit, TTFT relative); TTFT in ms, worker: "
+                 "queue + prefill at the worker, client: the fleet's client (the simulator "
+                 "has no host)", "",
+             "| run | hit | not recomputed | TTFT p50 (worker) | TTFT p99 (worker) | "
+             "TTFT p50 (client) | TTFT p99 (client) | turns joined / same worker / "
+             "not recomputed differs (same worker, other) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for label, a in rows:
+        t = a["turns"]
+        lines.append(
+            f"| {label} | {pts(a['hit'])} | {pts(a['not_recomputed'])} | "
+            f"{rel(a['ttft_worker_p50'])} | {rel(a['ttft_worker_p99'])} | "
+            f"{rel(a['ttft_client_p50'])} | {rel(a['ttft_client_p99'])} | "
+            f"{t['joined']} / {t['same_worker']} / "
+            f"{t['not_recomputed_differs_same_worker']}, "
+            f"{t['not_recomputed_differs_other_worker']} |")
+    return "\n".join(lines) + "\n"

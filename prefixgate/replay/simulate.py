@@ -186,6 +186,10 @@ class SimResult:
     workers: list[str] = field(default_factory=list)
     overflow_blocks: int = 0  # blocks held beyond capacity because they were locked
     wall_s: float = 0.0
+    # (conversation, turn) -> (when it joined its worker's prefill queue, its TTFT from
+    # then): the turn as its worker sees it, as the emulated worker's records time it (a
+    # pull ends before the worker's engine gets the turn; emulate/engine.py).
+    at_worker: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
 
 
 # --- preparing turns ---------------------------------------------------------------------
@@ -348,6 +352,7 @@ class _Req:
     transferred: int = 0
     export_bytes: int = 0  # what the gateway counts on the holder's link for it
     holder: str = ""
+    queued_at: float = 0.0  # when it joined its worker's prefill queue (after any pull)
 
 
 def _reply_hashes(last: int, n: int) -> list[int]:
@@ -379,6 +384,7 @@ class _Sim:
         self.events: list = []
         self.seq = 0
         self.records: list[TurnRecord] = []
+        self.at_worker: dict[tuple[str, int], tuple[float, float]] = {}
         self.num_arrivals = 0
         # Request -> the conversation turn it releases when done (closed loop, Poisson).
         self._next_of: dict[int, tuple | None] = {}
@@ -482,6 +488,7 @@ class _Sim:
     def _enqueue(self, req: _Req) -> None:
         """The turn joins its worker's prefill queue (at arrival, or once its pull ended)."""
         w, t = req.worker, req.turn
+        req.queued_at = self.now
         req.expected_uncached = t.num_prompt_tokens - w.cache.expected(req.usable) * \
             self.cfg.block_size
         if self.cfg.publish_at == "prefill":  # stored before the turns queued behind it start
@@ -572,6 +579,8 @@ class _Sim:
         if req.num_output_tokens > 1 and cfg.service.decode_s_per_token:
             w.decode_step_s = cfg.service.decode_s_per_token
         g.router.record(req.routed, w.wid, req.cached)
+        self.at_worker[(t.conversation_id, t.turn_index)] = (
+            req.queued_at, req.prefill_end - req.queued_at)
         self.records.append(TurnRecord(
             t.conversation_id, t.turn_index, start_s=req.arrival, ttft_s=req.ttft,
             e2e_s=self.now - req.arrival, prompt_tokens=t.num_prompt_tokens,
@@ -627,7 +636,8 @@ class _Sim:
             self.now, _, fn, args = heapq.heappop(self.events)
             fn(*args)
         return SimResult(self.records, self.now, [w.wid for w in self.workers],
-                         max((w.cache.overflow_blocks for w in self.workers), default=0))
+                         max((w.cache.overflow_blocks for w in self.workers), default=0),
+                         at_worker=self.at_worker)
 
 
 def simulate(convs: list[list[SimTurn]], cfg: SimConfig) -> SimResult:
@@ -742,6 +752,28 @@ def run_simulations(trace: Trace, plan: FleetPlan, arrival: ArrivalConfig,
                 "summary": summary,
                 "bounds": bnd,
                 "ttft_samples_s": sorted(r.ttft_s for r in records),
+                "turns": turn_rows(records, res.at_worker),
             })
     bar.close()
     return runs
+
+
+def turn_rows(records: list[TurnRecord],
+              at_worker: dict[tuple[str, int], tuple[float, float]]) -> list[dict]:
+    """One row per simulated turn, in arrival order, with the keys of a fleet run's
+    `turns` (replay/fleet.py), so the two runs can be joined turn by turn; emulated
+    seconds (`worker_arrival_s`: when it joined its worker's queue, after any pull)."""
+    rows = []
+    for r in sorted(records, key=lambda r: r.start_s):
+        arrival, ttft = at_worker.get((r.conversation_id, r.turn_index), (r.start_s, r.ttft_s))
+        rows.append({"conversation_id": r.conversation_id, "turn": r.turn_index,
+                     "start_s": round(r.start_s, 4), "status": r.status,
+                     "ttft_s": round(r.ttft_s, 4), "e2e_s": round(r.e2e_s, 4),
+                     "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+                     "transferred_tokens": r.transferred_tokens, "worker": r.worker,
+                     "predicted_cached_tokens": r.predicted_cached_tokens,
+                     "best_predicted_cached_tokens": r.best_predicted_cached_tokens,
+                     "worker_arrival_s": round(arrival, 4),
+                     "worker_end_s": round(r.start_s + r.e2e_s, 4),
+                     "worker_ttft_s": round(ttft, 4)})
+    return rows
