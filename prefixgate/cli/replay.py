@@ -320,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
     quiet_http_client_logs()  # not one line per turn against an HTTP target
     if args.compare_policies:
         return _compare(args)
-    agreement: list[tuple[str, dict]] = []
+    agreements: list[tuple[str, dict]] = []
     if args.combine:
         runs = load_runs(args.combine)
     else:
@@ -336,7 +336,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{args.trace}", file=sys.stderr)
         trace = trace.head(args.max_conversations)
         if args.fleet and args.simulate:
-            runs, agreement = _fleet_and_simulator(args, trace)
+            runs, agreements = _fleet_and_simulator(args, trace)
         elif args.fleet:
             from prefixgate.replay.fleet import run_fleet
 
@@ -354,11 +354,13 @@ def run(args: argparse.Namespace) -> int:
                 raise SystemExit(f"prefixgate replay: {exc}") from None
     paths = write_report(runs, args.out, args.name, plots=not args.no_plots)
     text = markdown(runs, args.name)
-    if agreement:  # the fleet against the simulator: a table more in the Markdown
+    if agreements:  # the fleet against the simulator: a table more in the Markdown
         from prefixgate.replay.fleet import agreement_markdown
 
-        text += agreement_markdown([(label, doc) for label, doc in agreement])
-        Path(args.out, f"{args.name}.md").write_text(text)
+        extra = agreement_markdown(agreements)
+        text += extra
+        with Path(args.out, f"{args.name}.md").open("a") as f:
+            f.write(extra)
     print("prefixgate replay: wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     print(json.dumps({"runs": runs}) if args.json else text)
     return 1 if runs and all(r["summary"]["turns"] and not r["summary"]["turns_ok"]

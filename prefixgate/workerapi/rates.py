@@ -70,10 +70,8 @@ class LinearFit:
 
 class ServiceRates:
     def __init__(self, window: int = 20) -> None:
-        if window < 1:
-            raise ValueError("window must be >= 1")
+        self._prefill = LinearFit(window)  # checks the window
         self.alpha = 2.0 / (window + 1)
-        self._prefill = LinearFit(window)
         self.decode_step_s = 0.0
 
     @property

@@ -71,7 +71,7 @@ from prefixgate.workerapi.api import Engine, FinalEvent, FinishReason, Request, 
 from prefixgate.workerapi.calls import CallScope, Refused, grpc_servicer
 from prefixgate.workerapi.events import EventLog
 from prefixgate.workerapi.handoff import HandoffChain, hand_off
-from prefixgate.workerapi.rates import ServiceRates, TransferRate
+from prefixgate.workerapi.rates import LinearFit, ServiceRates, TransferRate
 from prefixgate.workerapi.transfer import (
     MAX_MESSAGE_BYTES,
     PullAuth,
@@ -663,7 +663,7 @@ class WorkerService(WorkerServiceBase):
         given back, not stored (so nothing is cached, evicted-for-good or published; the
         pins hold the chain's blocks for the milliseconds it takes). After one uncounted
         pull, PROBE_ROUNDS times one block and the whole chain; the line through the
-        fastest pull of each size separates set-up from rate (rates.py TransferRate; a
+        fastest pull of each size separates set-up from rate (rates.py LinearFit; a
         line that is no rate falls back to bytes over seconds). Nothing is reported when
         a pull has measured the rate meanwhile, or the probe fails (logged)."""
         transfer = self.engine.transfer
@@ -697,14 +697,14 @@ class WorkerService(WorkerServiceBase):
                 "later probe measures one", self.config.worker_id, exc)
             self._probing = None  # e.g. the chain was evicted meanwhile: a later request
             return
-        fit = TransferRate()  # two sizes: the line through both points
+        fit = LinearFit()  # two sizes: the line through both points
         for num_bytes, seconds in best.values():
             fit.observe(num_bytes, seconds)
-        self.transfer_rate.assume(fit.bytes_per_s, fit.setup_s, "probed")
+        self.transfer_rate.assume(fit.rate, fit.setup_s, "probed")
         # Debug, not info: the probe runs after a worker's first request, mid-conversation,
         # and its figure is in every status (transfer_rate_source "probed") anyway.
         log.debug("worker %s: transfer probe: %.0f MB/s after %.2f ms set-up",
-                 self.config.worker_id, fit.bytes_per_s / 1e6, fit.setup_s * 1e3)
+                 self.config.worker_id, fit.rate / 1e6, fit.setup_s * 1e3)
 
     def _transferred_tokens(self, pulled: PullResult | None, cached_tokens: int
                             ) -> tuple[int, float]:
